@@ -1,0 +1,249 @@
+"""Model and runtime configuration: frozen dataclasses loaded from TOML files.
+
+A model file under `configs/models/NAME.toml` describes shapes only (no weights). Every size the
+runtime uses comes from here, never from a literal. A file that is missing a field, has an unknown
+field, or a value of the wrong kind raises `ConfigError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+import types
+import typing
+from typing import Any
+
+from cp_runtime.dtypes import KV_CACHE_DTYPES
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "RuntimeConfig",
+    "CONFIG_DIR",
+    "load_model_config",
+    "load_runtime_config",
+    "model_names",
+]
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
+INDEXER_TYPES = ("full", "shared")
+BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+MERGE_VARIANTS = ("gather_psum", "all_to_all")
+
+
+class ConfigError(ValueError):
+    """A config file or value is invalid; the message names the file and the field."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a DSA-MLA decoder (DeepSeek-V3.2 family). Names follow the HF config."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_types: tuple[str, ...]
+    first_k_dense_replace: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    mla_rope_interleaved: bool = True
+    index_rope_first: bool = True
+    index_hadamard: bool = True
+    routed_scaling_factor: float = 1.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.indexer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"{self.name}: indexer_types has {len(self.indexer_types)} entries, "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = [t for t in self.indexer_types if t not in INDEXER_TYPES]
+        if bad:
+            raise ConfigError(f"{self.name}: indexer_types {bad[0]!r} not in {INDEXER_TYPES}")
+        if self.indexer_types[0] != "full":
+            raise ConfigError(f"{self.name}: indexer_types[0] must be 'full' (a shared layer "
+                              "reuses the selection of an earlier full layer)")
+        if self.index_hadamard and self.index_head_dim & (self.index_head_dim - 1):
+            raise ConfigError(f"{self.name}: index_head_dim={self.index_head_dim} must be a "
+                              "power of two for the Hadamard rotation")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ConfigError(f"{self.name}: qk_rope_head_dim={self.qk_rope_head_dim} must be "
+                              "even and at most index_head_dim")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"{self.name}: num_experts_per_tok > n_routed_experts")
+
+    # Derived sizes (one place each).
+    @property
+    def latent_nope_pad(self) -> int:
+        """Lanes of the cached latent `c`, padded to 128."""
+        return _round_up(self.kv_lora_rank, LANES)
+
+    @property
+    def latent_rope_pad(self) -> int:
+        """Lanes of the cached `k_pe`, padded to 128."""
+        return _round_up(self.qk_rope_head_dim, LANES)
+
+    @property
+    def latent_dim(self) -> int:
+        """D_lat_pad: width of one cached latent row `[c | k_pe]` (640 for GLM-5.2)."""
+        return self.latent_nope_pad + self.latent_rope_pad
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layer ids with an indexer (and an indexer cache)."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    @property
+    def num_full_layers(self) -> int:
+        return len(self.full_layers)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
+
+    def indexer_slot(self, layer: int) -> int:
+        """Index into the indexer cache of the `full` layer whose selection `layer` uses."""
+        last = max(i for i in self.full_layers if i <= layer)
+        return self.full_layers.index(last)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the runtime lays out the pool and runs steps."""
+
+    model: str = "tiny"
+    kv_cache_dtype: str = "fp8_e4m3"
+    page_size: int = 16
+    num_shards: int = 16
+    pages_per_shard: int = 64
+    chunk_size: int = 64
+    max_batch: int = 8
+    backend: str = "auto"
+    merge: str = "gather_psum"
+    key_block_pages: int = 64
+    query_block: int = 64
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size % 16:
+            raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
+        for field in ("num_shards", "pages_per_shard", "chunk_size", "max_batch",
+                      "key_block_pages", "query_block"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"{field}={getattr(self, field)} must be positive")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        if self.merge not in MERGE_VARIANTS:
+            raise ConfigError(f"merge={self.merge!r} is not one of {MERGE_VARIANTS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
+                              f"{tuple(KV_CACHE_DTYPES)}")
+
+    def replace(self, **changes: Any) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_type(path: pathlib.Path, name: str, value: Any, hint: Any) -> Any:
+    """Coerce/validate one TOML value against a dataclass field type."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: field {name!r} must be a list, got {value!r}")
+        return tuple(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = hint if isinstance(hint, type) else None
+    if expected is not None and (not isinstance(value, expected)
+                                 or (expected is int and isinstance(value, bool))):
+        raise ConfigError(f"{path}: field {name!r} must be {expected.__name__}, got {value!r}")
+    return value
+
+
+def _from_toml(cls: type, path: pathlib.Path, data: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown field {unknown[0]!r}")
+    missing = [n for n, f in fields.items() if n not in data
+               and f.default is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{path}: missing field {missing[0]!r}")
+    values = {n: _check_type(path, n, v, hints[n]) for n, v in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _read_toml(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def _expand_indexer_types(path: pathlib.Path, data: dict[str, Any]) -> dict[str, Any]:
+    """`indexer_types` may be given as a list or as `indexer_full_layers` (the full ids)."""
+    data = dict(data)
+    if "indexer_full_layers" in data:
+        if "indexer_types" in data:
+            raise ConfigError(f"{path}: give indexer_types or indexer_full_layers, not both")
+        full = set(data.pop("indexer_full_layers"))
+        n = data.get("num_hidden_layers", 0)
+        data["indexer_types"] = ["full" if i in full else "shared" for i in range(n)]
+    return data
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.toml"))
+
+
+def load_model_config(name_or_path: str | pathlib.Path) -> ModelConfig:
+    """Load `configs/models/<name>.toml`, or a TOML file given by path."""
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".toml":
+        path = CONFIG_DIR / "models" / f"{name_or_path}.toml"
+        if not path.exists():
+            raise ConfigError(f"unknown model {name_or_path!r}; choices: {model_names()}")
+    data = _expand_indexer_types(path, _read_toml(path))
+    data.setdefault("name", path.stem)
+    return _from_toml(ModelConfig, path, data)
+
+
+def load_runtime_config(path: str | pathlib.Path, **overrides: Any) -> RuntimeConfig:
+    """Load a runtime TOML file; keyword overrides win over the file."""
+    path = pathlib.Path(path)
+    data = {**_read_toml(path), **{k: v for k, v in overrides.items() if v is not None}}
+    return _from_toml(RuntimeConfig, path, data)

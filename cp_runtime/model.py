@@ -1,0 +1,216 @@
+"""The DSA-MLA decoder's math, independent of where attention reads its keys from.
+
+Per layer (shapes for T tokens, any leading dims `...`):
+  MLA    a = W_kva x;  c = RMSNorm(a[:kv_lora]);  k_pe = RoPE(a[kv_lora:])
+         q = W_qb RMSNorm(W_qa x) -> q_nope, q_pe = RoPE(.);  q_lat = q_nope . W_uk  (absorbed)
+         cached row  [c | k_pe]  and query  [q_lat | q_pe], each part zero-padded to 128 lanes,
+         so one dot gives q_lat.c + q_pe.k_pe.  o = W_o (W_uv o_lat).
+  DSA    q_i = Hadamard(RoPE(W_iq q_lora));  k_i = Hadamard(RoPE(LayerNorm(W_ik x)))
+         w = W_w x * Hi^-0.5 * Di^-0.5;  I(t, s) = sum_h w_h(t) ReLU(q_i,h(t) . k_i(s))
+
+`forward` runs the layer stack with an attention callback, so the dense oracle and the paged,
+context-parallel path share every line except attention itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cp_runtime.config import ModelConfig
+from cp_runtime.weights import Params, layer_params
+
+__all__ = [
+    "IndexerInputs",
+    "rms_norm",
+    "layer_norm",
+    "rope",
+    "hadamard",
+    "mla_inputs",
+    "indexer_inputs",
+    "mla_output",
+    "mlp",
+    "forward",
+    "logits",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerInputs:
+    """q f32[..., Hi, Di], w f32[..., Hi], k f32[..., Di] of one `full` layer."""
+
+    q: jax.Array
+    w: jax.Array
+    k: jax.Array
+
+
+jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k"], meta_fields=[])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps) * weight).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + eps) * weight + bias
+
+
+def rope(x: jax.Array, pos: jax.Array, theta: float, *, interleaved: bool) -> jax.Array:
+    """Rotary embedding of x[..., d] at integer positions pos[...] (x has extra head dims between).
+
+    interleaved: rotate pairs (x[2i], x[2i+1]) (MLA); otherwise the halves (x[i], x[i + d/2])
+    (neox style, the DSA indexer).
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-np.arange(0, d, 2, dtype=np.float32) / d)       # [d/2]
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq                  # [..., d/2]
+    ang = ang.reshape(ang.shape[:pos.ndim] + (1,) * (x.ndim - pos.ndim - 1) + ang.shape[-1:])
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return out.reshape(x.shape).astype(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _hadamard_matrix(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """Orthonormal Hadamard rotation of the last axis (a power of two)."""
+    return x @ jnp.asarray(_hadamard_matrix(x.shape[-1]), x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., in] @ W[out, in].T (HF layout)."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def _pad_last(x: jax.Array, width: int) -> jax.Array:
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h[..., hidden], pos i32[...] -> (q f[..., H, D_lat], kv_row f[..., D_lat], q_lora f[..., R])."""
+    q_lora = rms_norm(_linear(h, p["self_attn.q_a_proj.weight"]),
+                      p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = _linear(q_lora, p["self_attn.q_b_proj.weight"])
+    q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)  # [..., H, nope+rope]
+    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    q_pe = rope(q_pe, pos, cfg.rope_theta, interleaved=cfg.mla_rope_interleaved)
+    a = _linear(h, p["self_attn.kv_a_proj_with_mqa.weight"])               # [..., kv_lora+rope]
+    c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
+                 cfg.rms_norm_eps)
+    k_pe = rope(a[..., cfg.kv_lora_rank:], pos, cfg.rope_theta,
+                interleaved=cfg.mla_rope_interleaved)
+    w_uk = _kv_b(p, cfg)[:, : cfg.qk_nope_head_dim]                       # [H, nope, kv_lora]
+    q_lat = jnp.einsum("...hn,hnc->...hc", q_nope, w_uk)                  # [..., H, kv_lora]
+    q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
+                             _pad_last(q_pe, cfg.latent_rope_pad)], -1)
+    kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
+                              _pad_last(k_pe, cfg.latent_rope_pad)], -1)
+    return q_row, kv_row, q_lora
+
+
+def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
+    """W_kv_b as [H, nope + v, kv_lora]."""
+    return p["self_attn.kv_b_proj.weight"].reshape(
+        cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+
+
+def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    r = cfg.qk_rope_head_dim
+    if cfg.index_rope_first:
+        return jnp.concatenate([rope(x[..., :r], pos, cfg.rope_theta, interleaved=False),
+                                x[..., r:]], -1)
+    return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, cfg.rope_theta,
+                                              interleaved=False)], -1)
+
+
+def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
+                   pos: jax.Array) -> IndexerInputs:
+    """The DSA indexer's query heads, head weights and key for each token."""
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    q = _linear(q_lora, p["self_attn.indexer.wq_b.weight"]).reshape(*q_lora.shape[:-1], hi, di)
+    k = layer_norm(_linear(h, p["self_attn.indexer.wk.weight"]),
+                   p["self_attn.indexer.k_norm.weight"], p["self_attn.indexer.k_norm.bias"], 1e-6)
+    q, k = _indexer_rope(q, pos, cfg), _indexer_rope(k, pos, cfg)
+    if cfg.index_hadamard:
+        q, k = hadamard(q), hadamard(k)
+    w = _linear(h, p["self_attn.indexer.weights_proj.weight"]) * (hi ** -0.5 * di ** -0.5)
+    return IndexerInputs(q=q, w=w, k=k)
+
+
+def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
+    """o_lat f[..., H, kv_lora] -> f[..., hidden]."""
+    w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
+    o = jnp.einsum("...hc,hvc->...hv", o_lat.astype(w_uv.dtype), w_uv)
+    return _linear(o.reshape(*o.shape[:-2], -1), p["self_attn.o_proj.weight"])
+
+
+def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
+    g = _linear(x, p[f"{prefix}.gate_proj.weight"])
+    u = _linear(x, p[f"{prefix}.up_proj.weight"])
+    return _linear(jax.nn.silu(g) * u, p[f"{prefix}.down_proj.weight"])
+
+
+def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array) -> jax.Array:
+    """Dense SwiGLU, or MoE: sigmoid router with a correction bias for choice (noaux_tc, no
+    group limit), normalised top-k weights times routed_scaling_factor, plus shared experts.
+    Experts run densely and are masked by the routing weights: simple and exact, for the small
+    models this runs on the CPU (large models use expert parallelism, not this function)."""
+    if not cfg.is_moe_layer(layer):
+        return _swiglu(p, "mlp", x)
+    scores = jax.nn.sigmoid(_linear(x, p["mlp.gate.weight"]).astype(jnp.float32))   # [..., E]
+    _, chosen = jax.lax.top_k(scores + p["mlp.gate.e_score_correction_bias"],
+                              cfg.num_experts_per_tok)                             # [..., k]
+    mask = jax.nn.one_hot(chosen, cfg.n_routed_experts, dtype=scores.dtype).sum(-2)
+    gate = scores * mask
+    gate = gate / gate.sum(-1, keepdims=True) * cfg.routed_scaling_factor           # [..., E]
+    out = sum(gate[..., e, None].astype(x.dtype) * _swiglu(p, f"mlp.experts.{e}", x)
+              for e in range(cfg.n_routed_experts))
+    if cfg.n_shared_experts:
+        out = out + _swiglu(p, "mlp.shared_experts", x)
+    return out
+
+
+# attend(layer, state, q_row, kv_row, index_or_None) -> (o_lat f32[..., H, kv_lora], state)
+AttendFn = Callable[[int, Any, jax.Array, jax.Array, IndexerInputs | None], tuple[jax.Array, Any]]
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
+            attend: AttendFn, state: Any) -> tuple[jax.Array, Any]:
+    """Run the decoder over tokens i32[...] at positions i32[...]; returns (hidden, state).
+
+    `hidden` f[..., hidden] is after the final norm; `logits(params, hidden)` projects it.
+    """
+    x = params["model.embed_tokens.weight"][tokens]
+    for layer in range(cfg.num_hidden_layers):
+        p = layer_params(params, layer)
+        h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos)
+        index = (indexer_inputs(p, cfg, h, q_lora, pos)
+                 if cfg.indexer_types[layer] == "full" else None)
+        o_lat, state = attend(layer, state, q_row, kv_row, index)
+        x = x + mla_output(p, cfg, o_lat)
+        h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        x = x + mlp(p, cfg, layer, h)
+    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
+
+
+def logits(params: Params, hidden: jax.Array) -> jax.Array:
+    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
+    return _linear(hidden, head).astype(jnp.float32)

@@ -1,0 +1,96 @@
+"""The paged KV pool: per-layer latent buffers and per-`full`-layer indexer buffers, sharded by
+page owner over the `cp` mesh axis.
+
+    latent[l]:  T_lat[S, P + 1, ps, D_lat_pad]   (fp8/bf16/f32, `[c | k_pe]`, parts padded)
+    indexer[i]: T_idx[S, P + 1, ps, D_idx]       (bf16 unless the latent is wider)
+
+Page `P` of every shard is the sentinel that non-owners write to. Buffers are donated to the
+jitted steps, which update them in place; nothing here ever copies a whole buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from cp_runtime.capacity import bytes_per_token
+from cp_runtime.config import ModelConfig
+from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
+
+__all__ = ["KVPool", "PoolSpec", "CP_AXIS"]
+
+CP_AXIS = "cp"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """Static description of a pool: enough to allocate it and to account for its bytes."""
+
+    model: ModelConfig
+    kv_cache_dtype: str
+    num_shards: int
+    pages_per_shard: int
+    page_size: int
+
+    @property
+    def latent_dtype(self):
+        return latent_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def indexer_dtype(self):
+        return indexer_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_shards, self.pages_per_shard + 1, self.page_size, self.model.latent_dim)
+
+    @property
+    def indexer_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_shards, self.pages_per_shard + 1, self.page_size,
+                self.model.index_head_dim)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_shards * self.pages_per_shard * self.page_size
+
+    @property
+    def planned_bytes(self) -> int:
+        """Bytes of all buffers, sentinels included."""
+        per_token = bytes_per_token(self.model, self.kv_cache_dtype)
+        return per_token * self.num_shards * (self.pages_per_shard + 1) * self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """The pool's device buffers (a pytree)."""
+
+    latent: tuple[jax.Array, ...]
+    indexer: tuple[jax.Array, ...]
+
+    @staticmethod
+    def sharding(mesh: Mesh) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(CP_AXIS))
+
+    @classmethod
+    def allocate(cls, spec: PoolSpec, mesh: Mesh) -> "KVPool":
+        """Zero-filled buffers, created directly in their sharded layout."""
+        sharding = cls.sharding(mesh)
+
+        def zeros(shape, dtype):
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+        return cls(
+            latent=tuple(zeros(spec.latent_shape, spec.latent_dtype)
+                         for _ in range(spec.model.num_hidden_layers)),
+            indexer=tuple(zeros(spec.indexer_shape, spec.indexer_dtype)
+                          for _ in range(spec.model.num_full_layers)),
+        )
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.latent + self.indexer)
+
+
+jax.tree_util.register_dataclass(KVPool, data_fields=["latent", "indexer"], meta_fields=[])

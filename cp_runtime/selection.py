@@ -1,0 +1,79 @@
+"""DSA page selection: own page plus the top-K earlier pages, exact under context parallelism.
+
+Order: score descending, then page index ascending, a total order, so ties are deterministic and
+the order does not depend on how candidates are split across shards. Each shard ranks its own
+pages and keeps K candidates; after an all-gather of the S * K candidates every shard ranks them
+again and gets the same K pages a single device would (the global top-K is contained in the union
+of the local top-Ks, and ranking by a total order is associative).
+
+Unused entries carry page -1 and score -inf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["NO_PAGE", "rank_pages", "local_candidates", "global_top_pages", "attended_pages",
+           "earlier_pages_mask"]
+
+NO_PAGE = -1
+_LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
+
+
+def rank_pages(scores: jax.Array, pages: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The first k of (scores, pages) under (score desc, page asc).
+
+    scores: f32[..., C] (-inf = not a candidate);  pages: i32[..., C]
+    returns f32[..., k], i32[..., k] with NO_PAGE where fewer than k candidates exist.
+    """
+    c = scores.shape[-1]
+    if c < k:
+        pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - c)]
+        scores = jnp.pad(scores, pad, constant_values=-jnp.inf)
+        pages = jnp.pad(pages, pad, constant_values=NO_PAGE)
+    valid = scores > -jnp.inf
+    neg, page = lax.sort((jnp.where(valid, -scores, jnp.inf), jnp.where(valid, pages, _LAST)),
+                         dimension=scores.ndim - 1, num_keys=2)
+    top_scores, top_pages = -neg[..., :k], page[..., :k]
+    return top_scores, jnp.where(top_pages == _LAST, NO_PAGE, top_pages)
+
+
+def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
+    """Which pages[...] (broadcast against q_pos[..., None]) lie before the query's own page."""
+    own = jnp.where(q_pos >= 0, q_pos // page_size, -1)
+    return pages < own[..., None]
+
+
+def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array, *,
+                     num_shards: int, page_size: int, k: int) -> tuple[jax.Array, jax.Array]:
+    """This shard's best k earlier pages per query.
+
+    page_scores: f32[B, Q, M] scores of the shard's local pages (logical j * S + shard)
+    q_pos:       i32[B, Q]
+    returns      f32[B, Q, k], i32[B, Q, k] (logical page indices)
+    """
+    m = page_scores.shape[-1]
+    pages = jnp.arange(m, dtype=jnp.int32) * num_shards + shard                 # [M]
+    pages = jnp.broadcast_to(pages, page_scores.shape)
+    eligible = earlier_pages_mask(pages, q_pos, page_size)
+    return rank_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
+
+
+def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: str | None
+                     ) -> jax.Array:
+    """All-gather every shard's candidates f32/i32[B, Q, k] and rank them: i32[B, Q, k].
+
+    With axis_name None (S = 1) the candidates are already global.
+    """
+    if axis_name is not None:
+        scores = lax.all_gather(scores, axis_name, axis=scores.ndim - 1, tiled=True)  # [B,Q,S*k]
+        pages = lax.all_gather(pages, axis_name, axis=pages.ndim - 1, tiled=True)
+    return rank_pages(scores, pages, k)[1]
+
+
+def attended_pages(selected: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
+    """selected i32[B, Q, K] -> i32[B, Q, K + 1]: the query's own page first, then the top-K."""
+    own = jnp.where(q_pos >= 0, q_pos // page_size, NO_PAGE)
+    return jnp.concatenate([own[..., None], selected], axis=-1)

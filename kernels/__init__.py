@@ -1,0 +1,4 @@
+"""Per-shard hot paths: XLA references (the CPU path and the oracle) and Pallas TPU kernels.
+
+Kernels know nothing of sessions or shards beyond the page arrays they are handed.
+"""

@@ -1,0 +1,163 @@
+"""XLA references of the per-shard hot paths. Each Pallas kernel in this package has the same
+signature and is tested against the function here.
+
+Notation: `P` physical pages per shard plus one sentinel (so cache arrays have `P + 1` pages),
+`ps` page size, `D` cached row width, `B` sequences, `Q` queries per sequence, `N` pages attended
+per query, `M` local pages per sequence on this shard. A position of -1 marks a padding query.
+
+All four functions are pure: the cache write returns the updated cache (donated and updated in
+place by XLA under jit; the Pallas kernel aliases input and output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "NEG_INF",
+    "write_kv",
+    "indexer_page_scores",
+    "sparse_attention",
+    "check_attention_args",
+]
+
+NEG_INF = -jnp.inf
+
+
+def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Write rows into a paged cache. The single cast to the cache dtype happens here.
+
+    cache:   T[P + 1, ps, D]  one shard's cache of one layer
+    new:     f[N, D]          rows to write (any float dtype)
+    slots:   i32[N]           physical page of each row (the sentinel P for rows to discard)
+    offsets: i32[N]           offset of each row inside its page
+    returns: T[P + 1, ps, D]
+    """
+    if new.ndim != 2 or new.shape[-1] != cache.shape[-1]:
+        raise ValueError(f"new rows {new.shape} do not match cache rows {cache.shape}")
+    return cache.at[slots, offsets].set(new.astype(cache.dtype), mode="promise_in_bounds")
+
+
+@functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages"))
+def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
+                        q_pos: jax.Array, shard: jax.Array, *, num_shards: int,
+                        key_block_pages: int) -> jax.Array:
+    """DSA indexer page scores of one shard's pages, blocked over keys.
+
+        I(t, s)  = sum_h w_h(t) * ReLU(q_h(t) . k(s))
+        P(t, p)  = max_{s in page p, s <= t} I(t, s)        (-inf when no such s)
+
+    q:           f[B, Q, Hi, Di]   indexer queries (after RoPE and Hadamard)
+    w:           f[B, Q, Hi]       per-head weights (already scaled)
+    k_cache:     T[P + 1, ps, Di]  this shard's indexer key cache
+    local_pages: i32[B, M]         slot of the sequence's j-th page on this shard
+                                   (logical page j * num_shards + shard)
+    q_pos:       i32[B, Q]         query positions (-1 = padding)
+    shard:       i32[]             this shard's index on the cp axis
+    returns:     f32[B, Q, M]      page scores; memory is bounded by key_block_pages, never
+                                   [Q, Hi, all keys]
+    """
+    b, m = local_pages.shape
+    ps = k_cache.shape[1]
+    nb = min(key_block_pages, m)
+    num_blocks = -(-m // nb)
+    pad = num_blocks * nb - m
+    # Pad the page axis with the sentinel; padded pages sit past any query so they mask out.
+    pages = jnp.pad(local_pages, ((0, 0), (0, pad)), constant_values=k_cache.shape[0] - 1)
+    pages = pages.reshape(b, num_blocks, nb).transpose(1, 0, 2)  # [blocks, B, nb]
+    qf = q.astype(jnp.float32)
+    wf = w.astype(jnp.float32)
+    offsets = jnp.arange(ps, dtype=jnp.int32)
+
+    def block(carry, xs):
+        blk_pages, blk_index = xs                                     # [B, nb], []
+        keys = k_cache[blk_pages].astype(jnp.float32)                 # [B, nb, ps, Di]
+        logits = jnp.einsum("bqhd,bnsd->bqhns", qf, keys)             # [B, Q, Hi, nb, ps]
+        scores = jnp.einsum("bqhns,bqh->bqns", jax.nn.relu(logits), wf)  # [B, Q, nb, ps]
+        local = blk_index * nb + jnp.arange(nb, dtype=jnp.int32)      # [nb]
+        key_pos = (local[:, None] * num_shards + shard) * ps + offsets  # [nb, ps]
+        visible = key_pos[None, None] <= q_pos[:, :, None, None]      # [B, Q, nb, ps]
+        return carry, jnp.where(visible, scores, NEG_INF).max(axis=-1)  # [B, Q, nb]
+
+    _, out = lax.scan(block, None, (pages, jnp.arange(num_blocks, dtype=jnp.int32)))
+    # [blocks, B, Q, nb] -> [B, Q, blocks * nb] -> [B, Q, M]
+    out = out.transpose(1, 2, 0, 3).reshape(b, q.shape[1], num_blocks * nb)
+    return out[:, :, :m]
+
+
+def check_attention_args(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
+                         sel_pages: jax.Array, q_pos: jax.Array, value_dim: int) -> None:
+    """Trace-time shape checks shared by the reference and the kernels."""
+    b, nq, _, d = q.shape
+    if kv_cache.ndim != 3 or kv_cache.shape[-1] != d:
+        raise ValueError(f"kv cache {kv_cache.shape} must be [P + 1, ps, {d}]")
+    if sel_slots.shape != sel_pages.shape or sel_slots.shape[:2] != (b, nq):
+        raise ValueError(f"sel_slots {sel_slots.shape} / sel_pages {sel_pages.shape} must be "
+                         f"[{b}, {nq}, N]")
+    if q_pos.shape != (b, nq):
+        raise ValueError(f"q_pos {q_pos.shape} must be [{b}, {nq}]")
+    if not 0 < value_dim <= d:
+        raise ValueError(f"{value_dim=} must be in (0, {d}]")
+
+
+@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block"))
+def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
+                     sel_pages: jax.Array, q_pos: jax.Array, *, value_dim: int, scale: float,
+                     query_block: int = 64) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA attention of each query over the pages selected for it on this shard.
+
+    q:         f[B, Q, H, D]     queries in the cached layout `[q_lat | q_pe]` (padded)
+    kv_cache:  T[P + 1, ps, D]   this shard's latent cache `[c | k_pe]`
+    sel_slots: i32[B, Q, N]      local slot of each selected page, -1 where this shard does not
+                                 own it (or the entry is unused)
+    sel_pages: i32[B, Q, N]      logical page index of each entry (token s of page p sits at
+                                 position p * ps + s); only read where sel_slots >= 0
+    q_pos:     i32[B, Q]         query positions (-1 = padding); keys at positions <= q_pos attend
+    returns:   o f32[B, Q, H, value_dim] (the softmax-weighted `c`), lse f32[B, Q, H]
+               (natural log; o = 0 and lse = -inf where no key is visible)
+
+    The KV block is upcast to the query dtype before the score dot; probabilities stay f32.
+    Queries are processed `query_block` at a time so memory stays bounded.
+    """
+    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+    b, nq, h, d = q.shape
+    ps = kv_cache.shape[1]
+    qb = min(query_block, nq)
+    num_blocks = -(-nq // qb)
+    pad = num_blocks * qb - nq
+
+    def blocks(x, fill):  # [B, Q, ...] -> [blocks, B, qb, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(b, num_blocks, qb, *x.shape[2:]), 1, 0)
+
+    offsets = jnp.arange(ps, dtype=jnp.int32)
+
+    def block(carry, xs):
+        qq, slots, pages, pos = xs            # [B, qb, H, D], [B, qb, N] x2, [B, qb]
+        kv = kv_cache[jnp.maximum(slots, 0)].astype(qq.dtype)   # [B, qb, N, ps, D]
+        key_pos = pages[..., None] * ps + offsets                # [B, qb, N, ps]
+        visible = (slots[..., None] >= 0) & (key_pos <= pos[..., None, None])
+        kv = jnp.where(visible[..., None], kv, 0)               # unused slots may hold garbage
+        s = jnp.einsum("bqhd,bqnsd->bqhns", qq, kv,
+                       preferred_element_type=jnp.float32) * scale  # [B, qb, H, N, ps]
+        s = jnp.where(visible[:, :, None], s, NEG_INF)
+        s = s.reshape(*s.shape[:3], -1)                          # [B, qb, H, N * ps]
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m_safe)
+        denom = p.sum(axis=-1)                                   # [B, qb, H]
+        v = kv[..., :value_dim].astype(jnp.float32).reshape(*kv.shape[:2], -1, value_dim)
+        o = jnp.einsum("bqhk,bqkv->bqhv", p, v) / jnp.where(denom > 0, denom, 1.0)[..., None]
+        lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m_safe[..., 0],
+                        NEG_INF)
+        return carry, (o, lse)
+
+    xs = (blocks(q, 0), blocks(sel_slots, -1), blocks(sel_pages, 0), blocks(q_pos, -1))
+    _, (o, lse) = lax.scan(block, None, xs)
+    o = jnp.moveaxis(o, 0, 1).reshape(b, num_blocks * qb, h, value_dim)[:, :nq]
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, num_blocks * qb, h)[:, :nq]
+    return o, lse
