@@ -35,6 +35,7 @@ class CapacityReport:
     bytes_per_token_bf16: int
     bytes_per_token: int
     ratio_vs_bf16: float
+    ratio_vs_bf16_2dp: str
     devices: int
     hbm_gib_per_device: float
     weights_gib_per_device: float
@@ -58,7 +59,8 @@ def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hb
         kv_cache_dtype=kv_cache_dtype,
         bytes_per_token_bf16=bpt_bf16,
         bytes_per_token=bpt,
-        ratio_vs_bf16=round(bpt_bf16 / bpt, 2),
+        ratio_vs_bf16=round(bpt_bf16 / bpt, 4),
+        ratio_vs_bf16_2dp=f"{bpt_bf16 / bpt:.2f}",
         devices=devices,
         hbm_gib_per_device=hbm_gib,
         weights_gib_per_device=weights_gib,

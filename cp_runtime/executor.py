@@ -8,8 +8,6 @@ interface over Ray worker actors, one per host, each running the same SPMD progr
 from __future__ import annotations
 
 import abc
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +45,25 @@ class Executor(abc.ABC):
         """Release devices/workers. Default: nothing to release."""
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_page(pool: KVPool, shard, src, dst) -> KVPool:
-    def copy(buf):
-        return buf.at[shard, dst].set(buf[shard, src])
-    return jax.tree.map(copy, pool)
+def make_page_copy(mesh):
+    """copy(pool, shard, src, dst) -> pool: page src -> dst on one shard, every layer, in place.
+
+    Other shards copy their sentinel onto itself, so every shard runs the same program."""
+    sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
+
+    def body(pool: KVPool, shard, src, dst) -> KVPool:
+        mine = jax.lax.axis_index(CP_AXIS) == shard
+
+        def copy(buf):                                        # [1, P + 1, ps, D]
+            sentinel = buf.shape[1] - 1
+            s, d = jnp.where(mine, src, sentinel), jnp.where(mine, dst, sentinel)
+            return buf.at[0, d].set(buf[0, s])
+
+        return jax.tree.map(copy, pool)
+
+    spmd = jax.shard_map(body, mesh=mesh, in_specs=(sharded, rep, rep, rep), out_specs=sharded,
+                         check_vma=False)
+    return jax.jit(spmd, donate_argnums=(0,))
 
 
 class LocalExecutor(Executor):
@@ -69,6 +81,7 @@ class LocalExecutor(Executor):
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         self.kernels = select_kernels(runtime.backend)
+        self._copy_page = make_page_copy(self.mesh)
         self._steps = {flag: make_step(model, runtime, self.mesh, self.kernels, all_logits=flag)
                        for flag in (False, True)}
 
@@ -78,4 +91,4 @@ class LocalExecutor(Executor):
         return np.asarray(out)
 
     def copy_page(self, shard: int, src: int, dst: int) -> None:
-        self.pool = _copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))
+        self.pool = self._copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))

@@ -8,11 +8,12 @@ elsewhere. An unknown name is refused with the list of choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 
-from kernels import reference
+from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 
@@ -30,15 +31,39 @@ class Kernels:
 REFERENCE = Kernels("reference", reference.write_kv, reference.indexer_page_scores,
                     reference.sparse_attention)
 
+BACKEND_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,
+                      query_block: int, interpret: bool):
+    """Decode kernel for one query per row, the query-block prefill kernel otherwise."""
+    if q.shape[1] == 1:
+        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
+                                           value_dim=value_dim, scale=scale, interpret=interpret)
+    return sparse_prefill.sparse_prefill(q, kv_cache, sel_slots, sel_pages, q_pos,
+                                         value_dim=value_dim, scale=scale,
+                                         query_block=query_block, interpret=interpret)
+
+
+def _pallas(interpret: bool) -> Kernels:
+    return Kernels(
+        "pallas_interpret" if interpret else "pallas",
+        functools.partial(cache_write.write_kv, interpret=interpret),
+        functools.partial(indexer.indexer_page_scores, interpret=interpret),
+        functools.partial(_pallas_attention, interpret=interpret))
+
 
 def resolve_backend(name: str) -> str:
+    if name not in BACKEND_CHOICES:
+        raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(BACKEND_CHOICES)}")
     if name == "auto":
         return "pallas" if jax.default_backend() == "tpu" else "reference"
     return name
 
 
 def select_kernels(name: str) -> Kernels:
+    """The kernel set for a backend name (see the module docstring)."""
     resolved = resolve_backend(name)
     if resolved == "reference":
         return REFERENCE
-    raise ValueError(f"unknown kernel backend {name!r}; choices: auto, reference")
+    return _pallas(interpret=resolved == "pallas_interpret")

@@ -21,7 +21,7 @@ from cp_runtime.selection import earlier_pages_mask, rank_pages
 from cp_runtime.weights import Params
 
 __all__ = ["token_scores", "page_scores", "selection_mask", "dense_sparse_attention",
-           "oracle_logits"]
+           "make_oracle_attend", "oracle_logits"]
 
 
 def token_scores(index: IndexerInputs) -> jax.Array:
@@ -68,10 +68,8 @@ def _round_trip(x: jax.Array, dtype) -> jax.Array:
     return x if dtype is None else x.astype(dtype).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype"))
-def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
-                  kv_cache_dtype: str | None = None) -> jax.Array:
-    """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1)."""
+def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | None):
+    """The oracle's `attend` callback; its state is the current selection mask bool[T, T]."""
     latent_dtype = indexer_dtype = None
     if kv_cache_dtype is not None:
         latent_dtype = latent_cache_dtype(kv_cache_dtype)
@@ -86,6 +84,14 @@ def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_s
                                    value_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale)
         return o, mask
 
+    return attend
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype"))
+def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
+                  kv_cache_dtype: str | None = None) -> jax.Array:
+    """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1)."""
+    attend = make_oracle_attend(cfg, page_size, kv_cache_dtype)
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     hidden, _ = forward(params, cfg, tokens, pos, attend, None)
     return logits(params, hidden)

@@ -1,5 +1,38 @@
-"""Test setup: 16 virtual CPU devices, configured before JAX is first used."""
+"""Test setup: 16 virtual CPU devices (configured before JAX is first used) and shared fixtures."""
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 16)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from cp_runtime.config import RuntimeConfig, load_model_config  # noqa: E402
+from cp_runtime.engine import Engine  # noqa: E402
+from cp_runtime.executor import LocalExecutor  # noqa: E402
+from cp_runtime.weights import init_params  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model_config("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny):
+    return init_params(tiny, seed=0)
+
+
+def make_engine(model, params, **runtime) -> Engine:
+    """An engine on a LocalExecutor; `runtime` overrides RuntimeConfig fields."""
+    rt = RuntimeConfig(model=model.name, **runtime)
+    return Engine(model, rt, LocalExecutor(model, rt, params))
+
+
+def random_tokens(model, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, model.vocab_size, n).tolist()
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

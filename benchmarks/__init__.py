@@ -1,0 +1,1 @@
+"""The long-context benchmark suite: each module is runnable as `python -m benchmarks.NAME`."""

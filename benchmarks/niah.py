@@ -1,0 +1,620 @@
+"""Needle in a haystack: recall and log-prob uplift over context lengths x needle depths, per
+needle variant, latent cache dtype and shard count, through the serving path (Engine ->
+LocalExecutor -> paged, sharded, quantized cache).
+
+By default the model is the hand-built retrieval model (benchmarks/recall_model.py): it measures
+whether the runtime's retrieval path (indexer page selection, context-parallel top-K, sparse
+attention over the cache) finds a fact, not language ability. With `--model DIR` it runs a real
+checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
+filler text, then a question).
+
+Per trial: the context (haystack with the needle(s) at `depth`, the fraction of the haystack
+before the first needle), then the question; the answer is scored teacher-forced:
+
+    recall    = every answer token is the argmax (the same as greedy decoding producing it)
+    logprob   = sum of log p(answer token)
+    uplift    = logprob - logprob of the same answer with the needle(s) absent (same haystack)
+
+Variants: `single` (one needle), `distract` (one needle plus `siblings` facts whose keys are
+near the needle's key, with other values, scattered through the haystack: for the recall model
+cosine 0.98, so cache precision decides the answer), `multi` (4 needles with unrelated keys at
+the depth, each asked). Their counts add up per (variant, dtype, shards) as "correct/trials".
+
+Prefill cost: one engine per (dtype, shards); per (variant, length) one root session prefills
+the haystack once, in order of depth; each depth forks the root where its needles go, prefills
+the rest of its context, forks once per question, and closes everything. The root, completed,
+gives the needle-absent baseline. That is L + sum_d (L - p_d) prefill tokens per (variant,
+length) instead of L * depths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import re
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from benchmarks.recall_model import RecallModel, build_recall_model
+from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.layout import cdiv
+from cp_runtime.weights import Params
+
+__all__ = ["Variant", "VARIANTS", "Probe", "Case", "Context", "parse_length", "recall_context",
+           "score_probes", "run_context", "run_sweep", "build_parser", "main"]
+
+DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
+DEFAULT_LENGTHS = "8k,16k,32k,64k,128k"
+QUICK_LENGTHS = "2k,4k"
+DEFAULT_DEPTHS = 5
+QUICK_DEPTHS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """needles: facts hidden at the depth, each asked once; siblings: near-key distractor facts
+    per needle, placed anywhere in the haystack; level: index into the recall model's key
+    levels (`RecallLayout.rhos`) the needle keys come from (their siblings' cosine)."""
+
+    name: str
+    needles: int
+    siblings: int
+    level: int
+
+
+VARIANTS = {
+    "single": Variant("single", needles=1, siblings=0, level=0),
+    "distract": Variant("distract", needles=2, siblings=3, level=2),
+    "multi": Variant("multi", needles=4, siblings=0, level=0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A question appended to a context and the answer tokens it should produce."""
+
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One depth: the context is haystack[:start] + suffix (needles inserted at `start`...)."""
+
+    depth: float
+    start: int
+    suffix: np.ndarray
+    probes: tuple[Probe, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """One (variant, length): a haystack and its depth cases, sorted by `start`."""
+
+    haystack: np.ndarray
+    cases: tuple[Case, ...]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return len(self.haystack) + sum(len(c.suffix) for c in self.cases)
+
+
+ContextFn = Callable[[Variant, int, tuple[float, ...], np.random.Generator], Context]
+
+
+def parse_length(text: str) -> int:
+    """'8k' -> 8192, '1m' -> 1048576, '5000' -> 5000."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"bad length {text!r}: use a number with an optional k or m suffix")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+    return int(m.group(1)) * scale
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    """'5' -> five evenly spaced depths in [0, 1]; '0,0.5,1' -> those."""
+    if "," not in text and "." not in text:
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--depths {text}: need at least one depth")
+        return tuple(float(x) for x in np.linspace(0.0, 1.0, n)) if n > 1 else (0.5,)
+    depths = tuple(float(x) for x in text.split(","))
+    if not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"--depths {text}: depths lie in [0, 1]")
+    return depths
+
+
+def _insertion_points(hay_len: int, depth: float, needles: int) -> np.ndarray:
+    """Where a depth's needles go: the first after `depth` of the haystack, the rest every
+    `gap` tokens after it (a window of about 1/16 of the haystack)."""
+    gap = max(1, hay_len // (16 * needles))
+    span = (needles - 1) * gap
+    start = int(round(depth * (hay_len - span)))
+    return start + gap * np.arange(needles)
+
+
+def _build_context(haystack: np.ndarray, depths: tuple[float, ...],
+                   needles: list[list[np.ndarray]], probes: list[list[Probe]]) -> Context:
+    """Insert each depth's needle token runs into the haystack; cases sorted by start."""
+    cases = []
+    for depth, runs, qs in zip(depths, needles, probes):
+        points = _insertion_points(len(haystack), depth, len(runs))
+        pieces, prev = [], int(points[0])
+        for point, run in zip(points, runs):
+            pieces += [haystack[prev:point], run]
+            prev = int(point)
+        pieces.append(haystack[prev:])
+        cases.append(Case(depth=depth, start=int(points[0]),
+                          suffix=np.concatenate(pieces).astype(np.int32), probes=tuple(qs)))
+    return Context(haystack=haystack, cases=tuple(sorted(cases, key=lambda c: c.start)))
+
+
+def recall_context(model: RecallModel, variant: Variant, length: int,
+                   depths: tuple[float, ...], rng: np.random.Generator) -> Context:
+    """A recall-model context of `length` tokens (needles included; the question follows).
+
+    Needle keys of one context come from distinct clusters; with siblings, every needle of
+    every depth gets its own cluster, since all siblings live in the shared haystack."""
+    lay = model.layout
+    hay_len = length - variant.needles
+    if hay_len < 16 * variant.needles:
+        raise ValueError(f"length {length} is too short for {variant.needles} needles")
+    n_cl = lay.clusters_per_level
+    if variant.siblings:
+        if len(depths) * variant.needles > n_cl:
+            raise ValueError(f"variant {variant.name}: {len(depths)} depths x {variant.needles} "
+                             f"needles need that many key clusters; the model has {n_cl}")
+        if variant.siblings > lay.keys_per_cluster - 1:
+            raise ValueError(f"variant {variant.name}: at most {lay.keys_per_cluster - 1} "
+                             "siblings per needle")
+        picks = rng.permutation(n_cl)[: len(depths) * variant.needles] + variant.level * n_cl
+        clusters = picks.reshape(len(depths), variant.needles)
+    else:
+        total = len(lay.rhos) * n_cl
+        clusters = np.stack([rng.permutation(total)[: variant.needles] for _ in depths])
+    haystack = lay.filler(rng, hay_len)
+    sibling_facts = []
+    needles, probes = [], []
+    for row in clusters:
+        runs, qs = [], []
+        for cluster in row:
+            key = int(cluster) * lay.keys_per_cluster + int(rng.integers(lay.keys_per_cluster))
+            value = int(rng.integers(lay.n_values))
+            runs.append(np.asarray([lay.fact(key, value)], np.int32))
+            qs.append(Probe(prompt=(lay.query(key),), answer=(lay.answer(value),)))
+            others = [v for v in range(lay.n_values) if v != value]
+            for sib in rng.permutation(lay.siblings(key))[: variant.siblings]:
+                sibling_facts.append(lay.fact(int(sib), int(rng.choice(others))))
+        needles.append(runs)
+        probes.append(qs)
+    if sibling_facts:
+        haystack[rng.permutation(hay_len)[: len(sibling_facts)]] = sibling_facts
+    return _build_context(haystack, depths, needles, probes)
+
+
+# -- running ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Score:
+    correct: bool
+    logprob: float
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def score_probes(engine, session_id: int, probes: list[Probe]) -> list[Score]:
+    """Teacher-forced scores of each probe appended to the session (which is left unchanged:
+    each probe runs on a fork). Single-token probes go in batched decode steps."""
+    if all(len(p.prompt) == 1 and len(p.answer) == 1 for p in probes):
+        scores = []
+        step = engine.runtime.max_batch
+        for i in range(0, len(probes), step):
+            group = probes[i: i + step]
+            forks = [engine.fork(session_id) for _ in group]
+            try:
+                logits = engine.decode([f.id for f in forks], [p.prompt[0] for p in group])
+            finally:
+                for f in forks:
+                    engine.close_session(f.id)
+            for row, p in zip(_log_softmax(logits), group):
+                scores.append(Score(bool(row.argmax() == p.answer[0]), float(row[p.answer[0]])))
+        return scores
+    scores = []
+    for p in probes:
+        fork = engine.fork(session_id)
+        try:
+            logits = engine.extend(fork.id, list(p.prompt) + list(p.answer[:-1]),
+                                   all_logits=True)
+        finally:
+            engine.close_session(fork.id)
+        rows = _log_softmax(logits[len(p.prompt) - 1:])               # [len(answer), V]
+        picked = rows[np.arange(len(p.answer)), list(p.answer)]
+        scores.append(Score(bool((rows.argmax(-1) == np.asarray(p.answer)).all()),
+                            float(picked.sum())))
+    return scores
+
+
+def run_context(engine, ctx: Context, progress: Callable[[int], None] | None = None
+                ) -> tuple[list[list[Score]], list[list[Score]]]:
+    """Scores per case and the needle-absent baseline scores of the same probes."""
+    root = engine.create_session()
+    done, per_case = 0, []
+    try:
+        for case in ctx.cases:
+            if case.start > done:
+                engine.extend(root.id, ctx.haystack[done: case.start].tolist(), progress=progress)
+                done = case.start
+            child = engine.fork(root.id)
+            try:
+                engine.extend(child.id, case.suffix.tolist(), progress=progress)
+                per_case.append(score_probes(engine, child.id, list(case.probes)))
+            finally:
+                engine.close_session(child.id)
+        if done < len(ctx.haystack):
+            engine.extend(root.id, ctx.haystack[done:].tolist(), progress=progress)
+        flat = score_probes(engine, root.id, [p for c in ctx.cases for p in c.probes])
+    finally:
+        engine.close_session(root.id)
+    baseline, i = [], 0
+    for case in ctx.cases:
+        baseline.append(flat[i: i + len(case.probes)])
+        i += len(case.probes)
+    return per_case, baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the sweep runs: a model, its weights, and how to build a context."""
+
+    name: str
+    cfg: ModelConfig
+    params: Params
+    make_context: ContextFn
+
+
+def _runtime(args, cfg: ModelConfig, dtype: str, shards: int, max_len: int) -> RuntimeConfig:
+    # Root + one child (sharing the root's prefix) + one page per question fork, per shard.
+    pages = cdiv(2 * max_len, args.page_size) + 4 * args.max_batch + shards
+    return RuntimeConfig(model=cfg.name, kv_cache_dtype=dtype, page_size=args.page_size,
+                         num_shards=shards, pages_per_shard=cdiv(pages, shards),
+                         chunk_size=args.chunk_size, max_batch=args.max_batch,
+                         query_block=args.query_block, backend=args.backend)
+
+
+def run_sweep(args, work: Workload) -> dict:
+    """Every (shards, dtype, variant, length, depth) cell; returns the report payload."""
+    # Imported here so that `--help` and argument errors need no devices.
+    from tqdm import tqdm
+
+    from cp_runtime.engine import Engine
+    from cp_runtime.executor import LocalExecutor
+
+    variants = [VARIANTS[v] for v in args.variants]
+    contexts = {}
+    for vi, variant in enumerate(variants):
+        for length in args.lengths:
+            rng = np.random.default_rng([args.seed, vi, length])
+            contexts[variant.name, length] = work.make_context(variant, length, args.depths, rng)
+    per_setting = sum(c.prefill_tokens for c in contexts.values())
+    total = per_setting * len(args.dtypes) * len(args.shards)
+    print(f"niah: {work.name}, {len(contexts)} contexts x {len(args.dtypes)} dtypes x "
+          f"{len(args.shards)} shard counts, {total:,} prefill tokens")
+    cells, timings = [], []
+    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=args.no_progress,
+               dynamic_ncols=True)
+    for shards in args.shards:
+        for dtype in args.dtypes:
+            rt = _runtime(args, work.cfg, dtype, shards, max(args.lengths))
+            t0 = time.perf_counter()
+            engine = Engine(work.cfg, rt, LocalExecutor(work.cfg, rt, work.params))
+            for (variant, length), ctx in contexts.items():
+                bar.set_description(f"S={shards} {dtype} {variant} {length}")
+                per_case, baseline = run_context(engine, ctx, progress=bar.update)
+                for case, scores, base in zip(ctx.cases, per_case, baseline):
+                    cells.append(_cell(shards, dtype, variant, length, case, scores, base))
+            engine.executor.close()
+            timings.append({"shards": shards, "dtype": dtype, "prefill_tokens": per_setting,
+                            "seconds": time.perf_counter() - t0})
+    bar.close()
+    return {"model": work.name, "variants": {v.name: dataclasses.asdict(v) for v in variants},
+            "lengths": list(args.lengths), "depths": list(args.depths),
+            "page_size": args.page_size, "index_topk": work.cfg.index_topk,
+            "chunk_size": args.chunk_size, "seed": args.seed, "cells": cells,
+            "summary": _summary(cells), "timings": timings}
+
+
+def _cell(shards, dtype, variant, length, case: Case, scores: list[Score],
+          base: list[Score]) -> dict:
+    lp = [s.logprob for s in scores]
+    blp = [s.logprob for s in base]
+    return {"shards": shards, "dtype": dtype, "variant": variant, "length": length,
+            "depth": case.depth, "trials": len(scores),
+            "correct": sum(s.correct for s in scores),
+            "baseline_correct": sum(s.correct for s in base),
+            "logprob": float(np.mean(lp)), "baseline_logprob": float(np.mean(blp)),
+            "uplift": float(np.mean(np.subtract(lp, blp)))}
+
+
+def _summary(cells: list[dict]) -> list[dict]:
+    """Per (shards, dtype, variant): correct/trials per length and overall, mean uplift."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["shards"], c["dtype"], c["variant"]), []).append(c)
+    out = []
+    for (shards, dtype, variant), cs in groups.items():
+        row = {"shards": shards, "dtype": dtype, "variant": variant}
+        for length in sorted({c["length"] for c in cs}):
+            sel = [c for c in cs if c["length"] == length]
+            row[_length_label(length)] = (f"{sum(c['correct'] for c in sel)}/"
+                                          f"{sum(c['trials'] for c in sel)}")
+        row["recall"] = f"{sum(c['correct'] for c in cs)}/{sum(c['trials'] for c in cs)}"
+        row["no_needle"] = (f"{sum(c['baseline_correct'] for c in cs)}/"
+                            f"{sum(c['trials'] for c in cs)}")
+        weights = np.asarray([c["trials"] for c in cs], float)
+        row["uplift_nats"] = float(np.average([c["uplift"] for c in cs], weights=weights))
+        out.append(row)
+    return out
+
+
+def _length_label(n: int) -> str:
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n >> 10}K" if n % (1 << 10) == 0 else str(n)
+
+
+# -- output -------------------------------------------------------------------------------
+def write_heatmap(report: dict, path: pathlib.Path) -> pathlib.Path:
+    """Recall fraction per length x depth: one panel per (variant, dtype), one row of panels
+    per variant, shard counts side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = report["cells"]
+    variants = list(report["variants"])
+    cols = sorted({(c["shards"], c["dtype"]) for c in cells}, key=lambda k: (k[0], k[1]))
+    lengths, depths = report["lengths"], sorted(set(report["depths"]))
+    fig, axes = plt.subplots(len(variants), len(cols), squeeze=False,
+                             figsize=(2.2 + 2.4 * len(cols), 0.8 + 2.0 * len(variants)))
+    for r, variant in enumerate(variants):
+        for k, (shards, dtype) in enumerate(cols):
+            ax = axes[r][k]
+            grid = np.full((len(lengths), len(depths)), np.nan)
+            for c in cells:
+                if (c["variant"], c["shards"], c["dtype"]) == (variant, shards, dtype):
+                    i, j = lengths.index(c["length"]), depths.index(c["depth"])
+                    grid[i, j] = c["correct"] / c["trials"]
+                    ax.text(j, i, f"{c['correct']}/{c['trials']}", ha="center", va="center",
+                            fontsize=7)
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+            ax.set_xticks(range(len(depths)), [f"{d:.2g}" for d in depths], fontsize=7)
+            ax.set_yticks(range(len(lengths)), [_length_label(n) for n in lengths], fontsize=7)
+            ax.set_title(f"{variant}, {dtype}, S={shards}", fontsize=8)
+            if r == len(variants) - 1:
+                ax.set_xlabel("needle depth", fontsize=7)
+            if k == 0:
+                ax.set_ylabel("context length", fontsize=7)
+    fig.suptitle(f"needle recall, {report['model']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def print_report(report: dict, info: dict) -> None:
+    print(f"machine: {info['processor']}, {info['cpu_count']} CPUs, jax {info['jax']} "
+          f"backend {info['backend']} ({info['devices']} x {info['device_kind']})")
+    lengths = [_length_label(n) for n in report["lengths"]]
+    print_table(report["summary"],
+                ["variant", "dtype", "shards", *lengths, "recall", "no_needle", "uplift_nats"],
+                title=f"needle recall (correct/trials), {report['model']}, depths "
+                      f"{report['depths']}, page_size {report['page_size']}, "
+                      f"index_topk {report['index_topk']}")
+    for t in report["timings"]:
+        print(f"S={t['shards']} {t['dtype']}: {t['prefill_tokens']:,} prefill tokens in "
+              f"{t['seconds']:.1f} s ({t['prefill_tokens'] / t['seconds']:,.0f} tokens/s, "
+              "compiles included)")
+
+
+# -- a real checkpoint --------------------------------------------------------------------
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+_SUBJECTS = ("The old ferry", "A tired courier", "The village choir", "Our night porter",
+             "The river pilot", "A patient gardener", "The station clock", "Every bookbinder")
+_VERBS = ("waited beside", "walked past", "sang about", "looked over", "talked about",
+          "painted", "counted", "remembered")
+_OBJECTS = ("the grey harbour wall", "a crate of winter apples", "the narrow stone bridge",
+            "three copper lanterns", "the market square at dawn", "a map of the coast",
+            "the last train north", "an unfinished letter")
+_KEY_WORDS = ("amber", "cobalt", "falcon", "granite", "harbor", "juniper", "lantern", "marble",
+              "nectar", "orchid", "pepper", "quartz", "saffron", "timber", "velvet", "willow")
+
+
+def hf_model_config(hf: dict, name: str) -> ModelConfig:
+    """A ModelConfig from a Hugging Face DeepSeek-V3.2-style config.json dict."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "indexer_types"}
+    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in hf.items() if k in fields}
+    if hf.get("rope_scaling"):
+        raise ValueError(f"{name}: rope_scaling {hf['rope_scaling']} is not implemented by "
+                         "cp_runtime.model.rope (plain RoPE only)")
+    layers = hf.get("num_hidden_layers", 0)
+    values["indexer_types"] = tuple(hf.get("indexer_types") or ["full"] * layers)
+    for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts"):
+        if values.get(key) is None:
+            values[key] = 0
+    required = {f.name for f in dataclasses.fields(ModelConfig)
+                if f.default is dataclasses.MISSING} - {"name"}
+    missing = sorted(required - set(values))
+    if missing:
+        raise ValueError(f"{name}: config.json lacks {missing}")
+    return ModelConfig(name=name, **values)
+
+
+def load_checkpoint(model_dir: str | pathlib.Path) -> tuple[ModelConfig, Params, object]:
+    """Config, weights and tokenizer of a checkpoint directory (config.json, one
+    model.safetensors, tokenizer files). Raises ValueError naming what is missing."""
+    d = pathlib.Path(model_dir)
+    if not d.is_dir():
+        raise ValueError(f"--model {d}: not a directory")
+    missing = [f for f in ("config.json", "model.safetensors") if not (d / f).exists()]
+    if not any((d / f).exists() for f in _TOKENIZER_FILES):
+        missing.append(" or ".join(_TOKENIZER_FILES))
+    if "model.safetensors" in missing and (d / "model.safetensors.index.json").exists():
+        raise ValueError(f"--model {d}: sharded checkpoints (model.safetensors.index.json) are "
+                         "not supported: cp_runtime.weights.load_params reads one file")
+    if missing:
+        raise ValueError(f"--model {d}: missing {', '.join(missing)}")
+    from cp_runtime.weights import load_params
+    try:
+        from transformers import AutoTokenizer     # only this path needs transformers
+    except ImportError:
+        raise ValueError("--model needs the `transformers` package for the tokenizer") from None
+    cfg = hf_model_config(json.loads((d / "config.json").read_text()), d.name)
+    params = load_params(d / "model.safetensors", cfg)
+    return cfg, params, AutoTokenizer.from_pretrained(str(d))
+
+
+def text_context(tokenizer, variant: Variant, length: int, depths: tuple[float, ...],
+                 rng: np.random.Generator) -> Context:
+    """RULER-style: filler sentences, key-value needle sentences at sentence boundaries, and a
+    question whose answer is the value. Siblings: needles whose key shares the first word."""
+    def enc(text: str) -> np.ndarray:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+
+    def sentence(key: str, value: str) -> str:
+        return f" The registered code for the {key} account is {value}."
+
+    hay, n = [], 0
+    while n < length:
+        s = enc(f" {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}.")
+        hay.append(s)
+        n += len(s)
+    needles, probes, siblings = [], [], []
+    words = list(_KEY_WORDS)
+    for _ in depths:
+        runs, qs = [], []
+        for _ in range(variant.needles):
+            first, second = rng.choice(words, 2, replace=False)
+            key, value = f"{first}-{second}", str(rng.integers(1_000_000, 10_000_000))
+            runs.append(enc(sentence(key, value)))
+            question = (f"\nQuestion: what is the registered code for the {key} account?\n"
+                        f"Answer: The registered code for the {key} account is")
+            qs.append(Probe(prompt=tuple(enc(question).tolist()),
+                            answer=tuple(enc(f" {value}").tolist())))
+            for other in rng.permutation([w for w in words if w not in (first, second)])[
+                    : variant.siblings]:
+                siblings.append(enc(sentence(f"{first}-{other}",
+                                             str(rng.integers(1_000_000, 10_000_000)))))
+        needles.append(runs)
+        probes.append(qs)
+    for s in siblings:
+        hay.insert(int(rng.integers(len(hay) + 1)), s)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    head = [np.asarray([bos], np.int32)] if bos is not None else []
+    haystack = np.concatenate(head + hay)[:length]
+    # Needles go in at sentence boundaries: snap each insertion point down to the nearest one.
+    bounds = np.cumsum([len(h) for h in head + hay])
+    ctx = _build_context(haystack, depths, needles, probes)
+    cases = []
+    for case in ctx.cases:
+        snapped = int(bounds[bounds <= case.start].max(initial=0))
+        suffix = np.concatenate([haystack[snapped: case.start], case.suffix])
+        cases.append(dataclasses.replace(case, start=snapped, suffix=suffix))
+    return Context(haystack=haystack, cases=tuple(sorted(cases, key=lambda c: c.start)))
+
+
+# -- command line -------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.niah",
+        description="Needle-in-a-haystack recall and log-prob uplift over context lengths x "
+                    "depths, per needle variant, cache dtype and shard count.")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small sweep for a few minutes on a CPU: lengths {QUICK_LENGTHS}, "
+                        f"{QUICK_DEPTHS} depths (explicit --lengths/--depths win)")
+    p.add_argument("--lengths", default=None,
+                   help=f"context lengths, e.g. 8k,16k,1m (default {DEFAULT_LENGTHS})")
+    p.add_argument("--depths", default=None,
+                   help=f"a count of evenly spaced depths or a list like 0,0.5,1 "
+                        f"(default {DEFAULT_DEPTHS})")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"needle variants: {', '.join(VARIANTS)}")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="latent cache dtypes")
+    p.add_argument("--shards", default="16", help="shard counts, e.g. 1,16")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a Hugging Face checkpoint directory (config.json, model.safetensors, "
+                        "tokenizer) to run with text needles instead of the recall model")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens per step)")
+    p.add_argument("--query-block", type=int, default=16, help="sparse prefill query block")
+    p.add_argument("--max-batch", type=int, default=8, help="questions per decode step")
+    p.add_argument("--backend", default="auto", help="kernel backend (auto, reference, pallas)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/niah", help="output directory (JSON and PNG)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _parse(argv) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    args.lengths = sorted({parse_length(x) for x in lengths.split(",")})
+    depths = args.depths or str(QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS)
+    args.depths = _depths(depths)
+    args.variants = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r}; choices: {', '.join(VARIANTS)}")
+    args.dtypes = [d.strip() for d in args.dtypes.split(",")]
+    args.shards = [int(s) for s in args.shards.split(",")]
+    if any(s < 1 for s in args.shards):
+        raise ValueError(f"--shards {args.shards}: shard counts must be positive")
+    return args
+
+
+def _workload(args) -> Workload:
+    if args.model is None:
+        model = build_recall_model()
+        return Workload("recall", model.cfg, model.params,
+                        lambda v, n, d, rng: recall_context(model, v, n, d, rng))
+    cfg, params, tokenizer = load_checkpoint(args.model)
+    return Workload(cfg.name, cfg, params,
+                    lambda v, n, d, rng: text_context(tokenizer, v, n, d, rng))
+
+
+def _init_devices(count: int) -> None:
+    """Ask for `count` virtual CPU devices; if JAX already started, use what it has."""
+    try:
+        init_cpu_devices(count)
+    except RuntimeError:
+        pass
+    if jax.device_count() < count:
+        raise ValueError(f"--shards {count} needs {count} devices, JAX has "
+                         f"{jax.device_count()} (on CPU, run before any other JAX use)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _init_devices(max(args.shards))
+    work = _workload(args)
+    report = run_sweep(args, work)
+    info = machine()
+    print_report(report, info)
+    out = pathlib.Path(args.out)
+    json_path = write_json(out / "niah.json", report)
+    png_path = write_heatmap(report, out / "niah_heatmap.png")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""How often a narrower indexer key cache changes the DSA page selection, and what that does to
+recall: the measurement behind keeping the indexer cache bf16 (cp_runtime/dtypes.py).
+
+The runtime stores each token's indexer key k (after LayerNorm, RoPE and Hadamard) in the cache;
+the query side stays f32. Here the same keys are rounded through each storage scheme and the
+top-K earlier pages of every query are recomputed offline with the oracle's functions:
+
+    bf16              the runtime's indexer cache (the reference)
+    f32               no rounding (how far bf16 itself is from exact)
+    fp8_e4m3          k stored in e4m3, no scale
+    fp8_e4m3_tok      k / amax(|k|) stored in e4m3, the per-token scale amax kept in f32
+    fp8_e4m3_tok448   k * 448 / amax(|k|) in e4m3 (the scale maps amax to e4m3's largest
+                      normal, so small entries stay out of the subnormal range)
+    fp8_e5m2          k stored in e5m2, no scale
+
+Per scheme, against bf16: the fraction of queries whose selected set differs, and the mean
+fraction of the K selected pages swapped. Only queries with more than K earlier pages count
+(with fewer, every earlier page is selected whatever the scores).
+
+Inputs: (1) the random-weight `tiny` model on random tokens, every query of every `full` layer
+(random weights give many near-ties: a worst case for flips); (2) the recall model
+(benchmarks/recall_model.py) at the question of needle contexts whose needle has `siblings`
+near-key distractors (cosine 0.98) scattered in the haystack. For (2) the answer is also
+computed with each scheme's selection (latent cache bf16, so only the indexer differs), for
+several index_topk values: when K is smaller than the number of fact pages, a flip in the
+indexer's ranking decides whether the needle is read at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import print_table, write_json
+from cp_runtime.config import ModelConfig, load_model_config
+from cp_runtime.dtypes import latent_cache_dtype
+from cp_runtime.model import IndexerInputs, forward, indexer_inputs, logits, mla_inputs, rms_norm
+from cp_runtime.oracle import dense_sparse_attention, page_scores, selection_mask, token_scores
+from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
+from cp_runtime.weights import Params, init_params, layer_params
+
+__all__ = ["SCHEMES", "round_keys", "top_pages", "SelectionChange", "selection_change",
+           "indexer_inputs_of", "last_token_answer", "build_parser", "main"]
+
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+SCHEMES = ("bf16", "f32", "fp8_e4m3", "fp8_e4m3_tok", "fp8_e4m3_tok448", "fp8_e5m2")
+REFERENCE = "bf16"
+
+
+def round_keys(k: jax.Array, scheme: str) -> jax.Array:
+    """k f32[..., D] as read back from a cache stored under `scheme`, f32[..., D]."""
+    k = k.astype(jnp.float32)
+    if scheme == "f32":
+        return k
+    if scheme in ("bf16", "fp8_e4m3", "fp8_e5m2"):
+        dtype = {"bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn,
+                 "fp8_e5m2": jnp.float8_e5m2}[scheme]
+        return k.astype(dtype).astype(jnp.float32)
+    if scheme in ("fp8_e4m3_tok", "fp8_e4m3_tok448"):
+        target = 1.0 if scheme == "fp8_e4m3_tok" else E4M3_MAX
+        amax = jnp.max(jnp.abs(k), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / target, 1.0)                # f32[..., 1], kept
+        return (k / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    raise ValueError(f"unknown key scheme {scheme!r}; choices: {', '.join(SCHEMES)}")
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "k"))
+def top_pages(index: IndexerInputs, *, page_size: int, k: int) -> jax.Array:
+    """The top-k earlier pages of every query, i32[T, k] (NO_PAGE past the earlier pages)."""
+    pscores = page_scores(token_scores(index), page_size)                   # [T, n]
+    pages = jnp.broadcast_to(jnp.arange(pscores.shape[1], dtype=jnp.int32), pscores.shape)
+    pos = jnp.arange(pscores.shape[0], dtype=jnp.int32)
+    eligible = earlier_pages_mask(pages, pos, page_size)
+    return rank_pages(jnp.where(eligible, pscores, -jnp.inf), pages, k)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionChange:
+    """queries: queries with a full K to choose; changed: how many chose a different set;
+    swapped: mean over those queries of (pages in ref not in test) / K."""
+
+    queries: int
+    changed: int
+    swapped: float
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.queries if self.queries else 0.0
+
+
+def selection_change(ref: np.ndarray, test: np.ndarray) -> SelectionChange:
+    """Compare two selections i32[Q, K] row by row (as sets; NO_PAGE entries ignored)."""
+    ref, test = np.asarray(ref), np.asarray(test)
+    if ref.shape != test.shape or ref.ndim != 2:
+        raise ValueError(f"selections {ref.shape} and {test.shape} must be the same [Q, K]")
+    k = ref.shape[1]
+    full = (ref != NO_PAGE).all(-1)                       # queries with K pages to choose
+    missing = np.array([len(set(a) - set(b)) for a, b in zip(ref[full], test[full])])
+    return SelectionChange(queries=int(full.sum()), changed=int((missing > 0).sum()),
+                           swapped=float(missing.mean() / k) if len(missing) else 0.0)
+
+
+def indexer_inputs_of(params: Params, cfg: ModelConfig, tokens: jax.Array, *, page_size: int,
+                      kv_cache_dtype: str = "bf16") -> list[IndexerInputs]:
+    """The indexer inputs of every `full` layer along the oracle's forward pass (selection from
+    bf16 keys, latents rounded to `kv_cache_dtype`), one sequence of T tokens."""
+    return list(_indexer_inputs_of(params, tokens, cfg=cfg, page_size=page_size,
+                                   kv_cache_dtype=kv_cache_dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype"))
+def _indexer_inputs_of(params, tokens, *, cfg, page_size, kv_cache_dtype):
+    latent_dtype = latent_cache_dtype(kv_cache_dtype)
+    k_pages = cfg.index_topk // page_size
+
+    def attend(layer, state, q_row, kv_row, index):
+        mask, seen = state
+        if index is not None:
+            seen = seen + (index,)
+            rounded = IndexerInputs(q=index.q, w=index.w, k=round_keys(index.k, REFERENCE))
+            mask = selection_mask(token_scores(rounded), page_size, k_pages)
+        kv = kv_row.astype(latent_dtype).astype(kv_row.dtype)
+        o = dense_sparse_attention(q_row, kv, mask, value_dim=cfg.kv_lora_rank,
+                                   scale=cfg.softmax_scale)
+        return o, (mask, seen)
+
+    pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    _, (_, seen) = forward(params, cfg, tokens, pos, attend, (None, ()))
+    return seen
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "k_pages", "scheme",
+                                             "latent_dtype"))
+def last_token_answer(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
+                      k_pages: int, scheme: str, latent_dtype: str = "bf16"
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Logits f32[V] of the last token and its top pages i32[k_pages], with indexer keys read
+    back under `scheme`. One-layer models only: layer 0's cache rows depend on the tokens
+    alone, so the last token runs as a decode step over them."""
+    if cfg.num_hidden_layers != 1:
+        raise ValueError(f"{cfg.name}: last_token_answer needs a one-layer model")
+    t = tokens.shape[0]
+    pos = jnp.arange(t, dtype=jnp.int32)
+    p = layer_params(params, 0)
+    h = rms_norm(params["model.embed_tokens.weight"][tokens], p["input_layernorm.weight"],
+                 cfg.rms_norm_eps)
+    _, kv_rows, q_lora = mla_inputs(p, cfg, h, pos)                     # [T, D]
+    keys = round_keys(indexer_inputs(p, cfg, h, q_lora, pos).k, scheme)  # [T, Di]
+    kv_rows = kv_rows.astype(latent_cache_dtype(latent_dtype)).astype(jnp.float32)
+    own = (t - 1) // page_size
+    key_page = jnp.arange(t) // page_size
+
+    def attend(layer, chosen, q_row, kv_row, index):                     # one query [1, ...]
+        logit = jnp.einsum("hd,sd->hs", index.q[0], keys)
+        scores = jnp.einsum("hs,h->s", jax.nn.relu(logit), index.w[0])   # [T]
+        n = own + 1
+        pscores = jnp.pad(scores, (0, n * page_size - t), constant_values=-jnp.inf
+                          ).reshape(n, page_size).max(-1)                # [T] -> [n, ps] -> [n]
+        pages = jnp.arange(n, dtype=jnp.int32)
+        top = rank_pages(jnp.where(pages < own, pscores, -jnp.inf), pages, k_pages)[1]
+        mask = (key_page[:, None] == top[None]).any(-1) | (key_page == own)
+        o = dense_sparse_attention(q_row, kv_rows, mask[None], value_dim=cfg.kv_lora_rank,
+                                   scale=cfg.softmax_scale)
+        return o, top
+
+    hidden, top = forward(params, cfg, tokens[-1:], pos[-1:], attend, None)
+    return logits(params, hidden)[0], top
+
+
+# -- the study ----------------------------------------------------------------------------
+def tiny_study(args) -> list[dict]:
+    """Selection changes on the random-weight tiny model, every query of every full layer."""
+    cfg = load_model_config(args.tiny_model)
+    k_pages = cfg.index_topk // args.page_size
+    totals = {s: [0, 0, 0.0] for s in SCHEMES if s != REFERENCE}
+    for seed in range(args.seeds):
+        params = init_params(cfg, seed)
+        tokens = jax.random.randint(jax.random.key(1000 + seed), (args.tokens,), 0,
+                                    cfg.vocab_size)
+        for index in indexer_inputs_of(params, cfg, tokens, page_size=args.page_size):
+            ref = top_pages(dataclasses.replace(index, k=round_keys(index.k, REFERENCE)),
+                            page_size=args.page_size, k=k_pages)
+            for scheme, acc in totals.items():
+                test = top_pages(dataclasses.replace(index, k=round_keys(index.k, scheme)),
+                                 page_size=args.page_size, k=k_pages)
+                change = selection_change(ref, test)
+                acc[0] += change.queries
+                acc[1] += change.changed
+                acc[2] += change.swapped * change.queries
+    return [{"model": cfg.name, "index_topk": cfg.index_topk, "scheme": s, "queries": q,
+             "changed": f"{c}/{q}", "changed_pct": 100.0 * c / q,
+             "swapped_pct": 100.0 * w / q} for s, (q, c, w) in totals.items()]
+
+
+def recall_study(args) -> tuple[list[dict], list[dict]]:
+    """Selection changes at the question, and recall, on the recall model per index_topk."""
+    from benchmarks.niah import Variant, recall_context
+    from benchmarks.recall_model import build_recall_model
+
+    model = build_recall_model()
+    variant = Variant("selection", needles=1, siblings=args.siblings, level=2)
+    rng = np.random.default_rng(args.seed)
+    trials = []
+    for _ in range(args.recall_trials):
+        depth = float(rng.uniform(0.0, 0.9))         # keep the needle off the question's page
+        ctx = recall_context(model, variant, args.recall_length, (depth,), rng)
+        case = ctx.cases[0]
+        probe = case.probes[0]
+        tokens = np.concatenate([ctx.haystack[: case.start], case.suffix, probe.prompt])
+        trials.append((jnp.asarray(tokens, jnp.int32), probe.answer[0]))
+    sel_rows, recall_rows = [], []
+    for topk in args.topks:
+        k_pages = topk // args.page_size
+        results = {}
+        for scheme in SCHEMES:
+            out = [last_token_answer(model.params, toks, cfg=model.cfg,
+                                     page_size=args.page_size, k_pages=k_pages, scheme=scheme)
+                   for toks, _ in trials]
+            correct = sum(int(np.argmax(lg)) == ans for (lg, _), (_, ans) in zip(out, trials))
+            results[scheme] = (np.stack([np.asarray(top) for _, top in out]), correct)
+        ref = results[REFERENCE][0]
+        for scheme, (tops, correct) in results.items():
+            recall_rows.append({"index_topk": topk, "K": k_pages, "scheme": scheme,
+                                "recall": f"{correct}/{len(trials)}"})
+            if scheme != REFERENCE:
+                change = selection_change(ref, tops)
+                sel_rows.append({"model": f"recall (question, {args.siblings} siblings)",
+                                 "index_topk": topk, "scheme": scheme, "queries": change.queries,
+                                 "changed": f"{change.changed}/{change.queries}",
+                                 "changed_pct": 100.0 * change.changed_fraction,
+                                 "swapped_pct": 100.0 * change.swapped})
+    return sel_rows, recall_rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.selection",
+        description="How often an fp8 indexer key cache changes the DSA top-K pages compared "
+                    "with bf16, and what that does to recall.")
+    p.add_argument("--tiny-model", default="tiny", help="random-weight model config")
+    p.add_argument("--tokens", type=int, default=2048, help="sequence length for the tiny model")
+    p.add_argument("--seeds", type=int, default=3, help="tiny-model weight seeds")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--recall-trials", type=int, default=64, help="needle contexts")
+    p.add_argument("--recall-length", type=int, default=2048, help="needle context length")
+    p.add_argument("--siblings", type=int, default=7,
+                   help="near-key distractors per needle (at most 7)")
+    p.add_argument("--topks", default="16,32,64",
+                   help="index_topk values for the recall model (K = topk / page_size)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="fewer seeds, trials and tokens")
+    p.add_argument("--out", default="out/selection", help="output directory (JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.topks = [int(x) for x in args.topks.split(",")]
+    if args.quick:
+        args.seeds, args.tokens, args.recall_trials = 1, 1024, 24
+    bad = [t for t in args.topks if t < args.page_size or t % args.page_size]
+    if bad:
+        raise ValueError(f"--topks {bad[0]} must be a positive multiple of --page-size")
+    tiny_rows = tiny_study(args)
+    sel_rows, recall_rows = recall_study(args)
+    columns = ["model", "index_topk", "scheme", "changed", "changed_pct", "swapped_pct"]
+    print_table(tiny_rows + sel_rows, columns,
+                title=f"selection vs a bf16 indexer cache (page_size {args.page_size}; "
+                      "changed = queries whose top-K set differs)")
+    print()
+    print_table(recall_rows, ["index_topk", "K", "scheme", "recall"],
+                title=f"recall model, {args.siblings} siblings at cosine 0.98, latent bf16, "
+                      f"{args.recall_length} tokens")
+    path = write_json(f"{args.out}/selection.json",
+                      {"page_size": args.page_size, "tiny_tokens": args.tokens,
+                       "tiny_seeds": args.seeds, "recall_trials": args.recall_trials,
+                       "recall_length": args.recall_length, "siblings": args.siblings,
+                       "selection": tiny_rows + sel_rows, "recall": recall_rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

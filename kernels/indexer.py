@@ -1,0 +1,220 @@
+"""DSA indexer page scores: the Pallas TPU kernel of `reference.indexer_page_scores`.
+
+    I(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s))
+    P(t, p) = max_{s in page p, s <= t} I(t, s)          (-inf when no such s)
+
+One grid step per (sequence, block of QUERY_BLOCK queries). The shard's page table arrives by
+scalar prefetch; the kernel walks its pages `key_block_pages` at a time through a VMEM ring of
+async DMAs (`packing.page_ring`), scores all qb * Hi query rows against a key block with one MXU
+dot, reduces over heads, masks keys after each query and max-pools each page. Key blocks wholly
+after the block's last query are neither read nor scored: the wrapper counts the visible blocks
+(a prefix, since positions grow with the local page index) and the kernel fills the rest with
+-inf. The dot runs in bf16 when queries and keys are exactly representable in bf16 (bf16 and fp8
+are), else in f32; products are exact either way, so only the f32 summation order differs from the
+reference.
+
+Grid:   (B, nqb = ceil(Q / qb)), both parallel.
+Blocks: q [qb, Hi, Di] VMEM; w f32[qb, Hi, 1] VMEM; q_pos i32[qb, 1] VMEM; page table i32[B * Mp]
+        (Mp = nkb * nb, sentinel-padded), visible key blocks i32[B * nqb] and shard i32[1] scalar
+        prefetch (SMEM); key cache T[P + 1, ps / pk, pk, Di] stays in HBM (pl.ANY);
+        out f32[nkb, qb, nb] VMEM (transposed to [B, Q, M] outside).
+VMEM:   R = qb * Hi rows, K = nb * ps keys per block, c = cache itemsize, q = query itemsize
+          ring      NB * K * Di * c                          (NB = NUM_BUFFERS)
+          inputs    2 * (R * Di * q + R * 4 + qb * 4)
+          output    2 * Mp * qb * 4
+          temps     2 * R * K * 4 + K * Di * 4 + 2 * qb * K * 4  (logits, ReLU, keys, scores)
+        e.g. qb = 32, Hi = 64, Di = 128, nb = 8, ps = 64, Mp = 2048, bf16: ~10.1 MiB, 8 MiB of it
+        the [R, K] logits and their ReLU; nb = 4 halves those (~5.8 MiB).
+Per call (upper bound: every key block visible to every query block):
+        bytes = B*Q*Hi*(Di*q + 4) + B*Q*4 + B*nqb*Mp*(ps*Di*c + 4) + B*Q*Mp*4
+        flops = B*nqb*Mp*ps * qb*Hi * (2*Di + 3)       (dot, ReLU, weight, head sum)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cp_runtime.layout import cdiv
+from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+                             unpack_page)
+from kernels.reference import NEG_INF
+
+__all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
+
+# Queries per grid step. The logits temp [qb * Hi, nb * ps] f32 dominates VMEM; 32 queries of 64
+# heads against 8 pages of 64 keys is 4 MiB, leaving room for double-buffered inputs.
+QUERY_BLOCK = 32
+# One key block in flight ahead of compute: a block is nb pages, already a long DMA.
+NUM_BUFFERS = 2
+
+# Dtypes whose every value is a bf16 value, so a bf16 MXU dot of them has exact products.
+_BF16_EXACT = {np.dtype(jnp.bfloat16), np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+
+
+def check_indexer_args(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
+                       q_pos: jax.Array) -> None:
+    """Trace-time shape checks of the indexer arguments."""
+    b, nq, hi, di = q.shape
+    if w.shape != (b, nq, hi):
+        raise ValueError(f"w {w.shape} must be [{b}, {nq}, {hi}]")
+    if k_cache.ndim != 3 or k_cache.shape[-1] != di:
+        raise ValueError(f"k cache {k_cache.shape} must be [P + 1, ps, {di}]")
+    if local_pages.ndim != 2 or local_pages.shape[0] != b:
+        raise ValueError(f"local_pages {local_pages.shape} must be [{b}, M]")
+    if q_pos.shape != (b, nq):
+        raise ValueError(f"q_pos {q_pos.shape} must be [{b}, {nq}]")
+
+
+def _dot_dtype(q_dtype, k_dtype):
+    both = {np.dtype(q_dtype), np.dtype(k_dtype)}
+    return jnp.bfloat16 if both <= _BF16_EXACT else jnp.float32
+
+
+def _indexer_kernel(pages_ref,          # [B * Mp] SMEM (scalar prefetch)
+                    visible_ref,        # [B * nqb] SMEM (scalar prefetch)
+                    shard_ref,          # [1] SMEM (scalar prefetch)
+                    q_ref,              # [qb, Hi, Di] VMEM
+                    w_ref,              # [qb, Hi, 1] VMEM
+                    pos_ref,            # [qb, 1] VMEM
+                    k_hbm,              # [P + 1, ps // pk, pk, Di] HBM
+                    out_ref,            # [nkb, qb, nb] VMEM
+                    ring, sems,         # [NB, nb, ps // pk, pk, Di] VMEM, DMA[NB]
+                    *, num_shards: int, num_buffers: int, dot_dtype):
+    nkb, qb, nb = out_ref.shape
+    _, hi, di = q_ref.shape
+    ps = ring.shape[2] * ring.shape[3]
+    keys_per_block = nb * ps
+    b = pl.program_id(0)
+    count = visible_ref[b * pl.num_programs(1) + pl.program_id(1)]
+    out_ref[...] = jnp.full(out_ref.shape, NEG_INF, jnp.float32)
+
+    def copies(kb, buffer):
+        first = b * (nkb * nb) + kb * nb
+        return [pltpu.make_async_copy(k_hbm.at[pages_ref[first + i]], ring.at[buffer, i],
+                                      sems.at[buffer]) for i in range(nb)]
+
+    def step(kb, buffer):
+        keys = unpack_page(ring[buffer]).astype(dot_dtype).reshape(keys_per_block, di)
+        q = q_ref[...].astype(dot_dtype).reshape(qb * hi, di)                # [R, Di]
+        logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)         # [R, K]
+        scores = (jnp.maximum(logits, 0.0).reshape(qb, hi, keys_per_block)
+                  * w_ref[...]).sum(axis=1)                                  # [qb, K]
+        column = lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1)
+        local = kb * nb + column // ps
+        key_pos = (local * num_shards + shard_ref[0]) * ps + column % ps     # [1, K]
+        scores = jnp.where(key_pos <= pos_ref[...], scores, NEG_INF)
+        out_ref[kb] = scores.reshape(qb, nb, ps).max(axis=-1)                # [qb, nb]
+
+    page_ring(count, num_buffers, copies, step)
+
+
+def _visible_blocks(q_pos: jax.Array, shard: jax.Array, *, num_blocks: int, block_pages: int,
+                    num_shards: int, page_size: int) -> jax.Array:
+    """i32[B, nqb]: how many leading key blocks hold a key at or before the block's last query.
+
+    q_pos: i32[B, nqb, qb]
+    """
+    first_local = jnp.arange(num_blocks, dtype=jnp.int32) * block_pages
+    first_key = (first_local * num_shards + shard) * page_size                 # [nkb]
+    last_query = q_pos.max(axis=-1)                                            # [B, nqb]
+    return (first_key <= last_query[..., None]).sum(axis=-1, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "interpret"))
+def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
+                        q_pos: jax.Array, shard: jax.Array, *, num_shards: int,
+                        key_block_pages: int, interpret: bool = False) -> jax.Array:
+    """Pallas twin of `reference.indexer_page_scores`; same arguments and result.
+
+    q:           f[B, Q, Hi, Di]   indexer queries (Hi a multiple of 8 on TPU)
+    w:           f[B, Q, Hi]       per-head weights
+    k_cache:     T[P + 1, ps, Di]  pool layout; viewed packed inside
+    local_pages: i32[B, M]         slot of the j-th local page (-1 reads the sentinel, as the
+                                   reference's wrapping index does)
+    q_pos:       i32[B, Q]         positions, -1 = padding
+    shard:       i32[]             this shard's index on the cp axis
+    returns:     f32[B, Q, M]
+    """
+    check_indexer_args(q, w, k_cache, local_pages, q_pos)
+    b, nq, hi, di = q.shape
+    m = local_pages.shape[1]
+    sentinel, ps = k_cache.shape[0] - 1, k_cache.shape[1]
+    check_page_size(ps)
+    nb = min(key_block_pages, m)
+    nkb = cdiv(m, nb)
+    qb = min(QUERY_BLOCK, nq)
+    nqb = cdiv(nq, qb)
+    qpad = nqb * qb - nq
+    pages = jnp.where(local_pages < 0, sentinel, local_pages).astype(jnp.int32)
+    # Padded pages sit past any query: read (from the sentinel) but always masked.
+    pages = jnp.pad(pages, ((0, 0), (0, nkb * nb - m)), constant_values=sentinel)
+    q = jnp.pad(q, ((0, 0), (0, qpad), (0, 0), (0, 0)))
+    w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, qpad), (0, 0)))[..., None]  # [B, Qp, Hi, 1]
+    q_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, qpad)), constant_values=-1)
+    shard = jnp.asarray(shard, jnp.int32)
+    visible = _visible_blocks(q_pos.reshape(b, nqb, qb), shard, num_blocks=nkb, block_pages=nb,
+                              num_shards=num_shards, page_size=ps)
+    packed = pack_pages(k_cache)
+    kernel = functools.partial(_indexer_kernel, num_shards=num_shards, num_buffers=NUM_BUFFERS,
+                               dot_dtype=_dot_dtype(q.dtype, k_cache.dtype))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, nqb),
+            in_specs=[
+                pl.BlockSpec((None, qb, hi, di), lambda bi, qi, *_: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, qb, hi, 1), lambda bi, qi, *_: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, qb, 1), lambda bi, qi, *_: (bi, qi, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((None, nkb, qb, nb), lambda bi, qi, *_: (bi, 0, qi, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((NUM_BUFFERS, nb, *packed.shape[1:]), packed.dtype),
+                pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, nkb, nqb * qb, nb), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret_params(interpret),
+        name="indexer_page_scores",
+    )(pages.reshape(-1), visible.reshape(-1), shard.reshape(1), q, w, q_pos[..., None], packed)
+    # [B, nkb, Qp, nb] -> [B, Qp, nkb * nb] -> [B, Q, M]
+    out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)
+    return out[:, :nq, :m]
+
+
+def cost(q, w, k_cache, local_pages, q_pos, shard=None, *, num_shards: int,
+         key_block_pages: int) -> dict:
+    """Grid, blocks, VMEM bytes, and the upper bounds of HBM bytes and flops of one call.
+
+    Takes the kernel's arguments or anything with `.shape`/`.dtype` (jax.ShapeDtypeStruct).
+    """
+    del w, q_pos, shard, num_shards
+    b, nq, hi, di = q.shape
+    m = local_pages.shape[1]
+    ps = k_cache.shape[1]
+    c, qi = np.dtype(k_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+    nb = min(key_block_pages, m)
+    mp = cdiv(m, nb) * nb
+    qb = min(QUERY_BLOCK, nq)
+    nqb = cdiv(nq, qb)
+    rows, keys = qb * hi, nb * ps
+    vmem = (NUM_BUFFERS * keys * di * c + 2 * (rows * di * qi + rows * 4 + qb * 4)
+            + 2 * mp * qb * 4 + 2 * rows * keys * 4 + keys * di * 4 + 2 * qb * keys * 4)
+    return {
+        "grid": (b, nqb),
+        "blocks": {"q": (qb, hi, di), "keys": (keys, di), "out": (mp // nb, qb, nb)},
+        "vmem_bytes": vmem,
+        "bytes": (b * nq * hi * (di * qi + 4) + b * nq * 4 + b * nqb * mp * (ps * di * c + 4)
+                  + b * nq * mp * 4),
+        "flops": b * nqb * mp * ps * rows * (2 * di + 3),
+    }

@@ -1,0 +1,114 @@
+"""TPU page layout and page movement shared by the Pallas kernels.
+
+Packed page view. A TPU vreg is 8 sublanes x 128 lanes of 32-bit words; a narrower dtype packs
+`pk = 4 / itemsize` consecutive rows into each word (fp8: 4 rows, bf16: 2, f32: 1). Viewing the
+pool `T[P + 1, ps, D]` as `T[P + 1, ps // pk, pk, D]` makes that packed axis explicit, so a page
+DMA moves whole 32-bit rows and lands in VMEM already in the order the vreg load wants. The view
+is a free reshape (row-major, same bytes); it is taken outside the kernels because ref
+`.reshape`/`.bitcast` inside a kernel fail in TPU interpret mode (the CPU tests), so kernels only
+reshape values they have loaded (`unpack_page`).
+
+`page_size % 16 == 0`: a bf16 tile is 16 sublane rows, so a page is a whole number of bf16 tiles
+and, for fp8, of 4-packed rows; a page DMA then never splits a tile.
+
+Page ring. `page_ring` drives a loop over a dynamic number of items (pages, or blocks of pages)
+whose data reach VMEM through `num_buffers` scratch buffers: while item j is computed, the DMAs of
+items j + 1 .. j + num_buffers - 1 are in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = [
+    "PAGE_ALIGN",
+    "packing",
+    "check_page_size",
+    "pack_pages",
+    "unpack_pages",
+    "unpack_page",
+    "interpret_params",
+    "page_ring",
+]
+
+# Rows per bf16 (16, 128) tile; every page size must be a multiple of it.
+PAGE_ALIGN = 16
+
+
+def packing(dtype) -> int:
+    """Rows per 32-bit word: 4 for 1-byte dtypes, 2 for 2-byte, 1 for 4-byte."""
+    itemsize = np.dtype(dtype).itemsize
+    if itemsize not in (1, 2, 4):
+        raise ValueError(f"cache dtype {np.dtype(dtype)} ({itemsize=}) has no TPU packing")
+    return 4 // itemsize
+
+
+def check_page_size(page_size: int) -> None:
+    if page_size % PAGE_ALIGN:
+        raise ValueError(f"{page_size=} must be a multiple of {PAGE_ALIGN}")
+
+
+def pack_pages(cache: jax.Array) -> jax.Array:
+    """T[P + 1, ps, D] -> T[P + 1, ps // pk, pk, D] (free reshape)."""
+    pages, ps, d = cache.shape
+    check_page_size(ps)
+    pk = packing(cache.dtype)
+    return cache.reshape(pages, ps // pk, pk, d)
+
+
+def unpack_pages(packed: jax.Array) -> jax.Array:
+    """T[P + 1, ps // pk, pk, D] -> T[P + 1, ps, D] (free reshape)."""
+    pages, groups, pk, d = packed.shape
+    return packed.reshape(pages, groups * pk, d)
+
+
+def unpack_page(page: jax.Array) -> jax.Array:
+    """In-kernel, on a loaded value: T[..., ps // pk, pk, D] -> T[..., ps, D]."""
+    *lead, groups, pk, d = page.shape
+    return page.reshape(*lead, groups * pk, d)
+
+
+def interpret_params(interpret: bool):
+    """The `interpret=` argument of `pl.pallas_call`: TPU interpret mode (runs on CPU) or off."""
+    return pltpu.InterpretParams() if interpret else False
+
+
+def page_ring(count: jax.Array, num_buffers: int,
+              copies: Callable[[jax.Array, jax.Array], Sequence],
+              step: Callable[[jax.Array, jax.Array], None]) -> None:
+    """Run `step(j, buffer)` for j in [0, count), each after its DMAs `copies(j, buffer)` landed.
+
+    count:       i32[]  number of items (dynamic; 0 runs nothing)
+    copies:      (item, buffer) -> async copy descriptors that bring the item into that buffer
+    step:        (item, buffer) -> None; computes on the buffer
+    num_buffers: ring depth (>= 2); item j uses buffer j % num_buffers
+
+    Item j + num_buffers - 1 goes into the buffer item j - 1 used, which `step` is done with
+    because steps run in order.
+    """
+    assert num_buffers >= 2, num_buffers
+
+    def start(item):
+        for copy in copies(item, item % num_buffers):
+            copy.start()
+
+    for k in range(num_buffers - 1):
+        pl.when(k < count)(lambda k=k: start(k))
+
+    def body(j, carry):
+        ahead = j + num_buffers - 1
+        pl.when(ahead < count)(lambda: start(ahead))
+        buffer = j % num_buffers
+        for copy in copies(j, buffer):
+            copy.wait()
+        step(j, buffer)
+        return carry
+
+    lax.fori_loop(0, count, body, jnp.int32(0))

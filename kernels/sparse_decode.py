@@ -1,0 +1,175 @@
+"""Sparse MLA decode: the Pallas TPU kernel of `reference.sparse_attention` for Q == 1.
+
+One grid step per sequence. The page lists arrive by scalar prefetch; the kernel first compacts,
+in SMEM, the entries that have a visible key (slot >= 0 and page start <= position), so the DMA
+ring (`packing.page_ring`) only ever waits on pages it uses. Each page is upcast to the query
+dtype in VMEM and folded into an online softmax over the H query rows (shared with
+`sparse_prefill`). Entries are processed one by one, so a page listed twice counts twice, as in
+the reference. Keys past the query's position are zeroed before the dot.
+
+Grid:   (B,), parallel.
+Blocks: q [H, D] VMEM; sel_slots, sel_pages i32[B * N] and q_pos i32[B] scalar prefetch (SMEM);
+        kv cache T[P + 1, ps / pk, pk, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
+        out o f32[H, V] and lse f32[H, 1] VMEM; live-entry list i32[N] SMEM scratch.
+VMEM:   c = cache itemsize, q = query itemsize
+          ring      NB * ps * D * c                 (NB = NUM_BUFFERS)
+          inputs    2 * H * D * q
+          outputs   2 * H * (V + 1) * 4
+          scratch   H * (V + 2) * 4                 (acc, m, l)
+          temps     2 * H * ps * 4 + ps * D * (q + 4)
+        e.g. H = 128, D = 576, V = 512, ps = 64, fp8, bf16 q: ~1.4 MiB.
+SMEM:   (2 * B * N + B + N) * 4 bytes (the whole page tables are prefetched).
+Per call (upper bound: all B * N entries visible):
+        bytes = B*H*D*q + B*N*(ps*D*c + 8) + B*H*(V + 1)*4
+        flops = 2 * B*N * H * ps * (D + V)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+                             unpack_page)
+from kernels.reference import NEG_INF, check_attention_args
+from kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
+
+__all__ = ["NUM_BUFFERS", "sparse_decode", "cost"]
+
+# Ring depth. Decode scores only H rows per page, so by the roofline (see sparse_prefill) a page
+# fetch outlasts its compute and the kernel is bound by HBM; a third buffer keeps two fetches in
+# flight so DMA latency, not only bandwidth, is covered. Not yet tuned on a TPU.
+NUM_BUFFERS = 3
+
+
+def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM (scalar prefetch)
+                   q_ref,                          # [H, D] VMEM
+                   cache_hbm,                      # [P + 1, ps // pk, pk, D] HBM
+                   o_ref,                          # [H, V] VMEM
+                   lse_ref,                        # [H, 1] VMEM
+                   ring, sems,                     # [NB, ps // pk, pk, D] VMEM, DMA[NB]
+                   live_ref,                       # [N] SMEM
+                   m_ref, l_ref, acc_ref,          # [H, 1], [H, 1], [H, V] VMEM
+                   *, scale: float, value_dim: int, num_buffers: int):
+    n = live_ref.shape[0]
+    ps = ring.shape[1] * ring.shape[2]
+    b = pl.program_id(0)
+    pos = pos_ref[b]
+    init_softmax(m_ref, l_ref, acc_ref)
+
+    def keep(j, count):
+        # Branch-free compaction: always write, advance only past a visible entry.
+        entry = b * n + j
+        live_ref[count] = entry
+        visible = (slots_ref[entry] >= 0) & (pages_ref[entry] * ps <= pos)
+        return count + visible.astype(jnp.int32)
+
+    count = lax.fori_loop(0, n, keep, jnp.int32(0))
+
+    def copies(j, buffer):
+        return [pltpu.make_async_copy(cache_hbm.at[slots_ref[live_ref[j]]], ring.at[buffer],
+                                      sems.at[buffer])]
+
+    def step(j, buffer):
+        start = pages_ref[live_ref[j]] * ps
+        kv = unpack_page(ring[buffer]).astype(q_ref.dtype)        # [ps, D]
+        row_pos = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
+        kv = jnp.where(row_pos <= pos, kv, 0)                      # keys after the query
+        s = lax.dot_general(q_ref[...], kv, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [H, ps]
+        key_pos = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
+        s = jnp.where(key_pos <= pos, s, NEG_INF)
+        v = kv[:, :value_dim].astype(jnp.float32)                  # [ps, V]
+        online_softmax_step(s, 1.0, v, m_ref, l_ref, acc_ref)
+
+    page_ring(count, num_buffers, copies, step)
+    o, lse = finalize_softmax(m_ref, l_ref, acc_ref)
+    o_ref[...] = o
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "interpret"))
+def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_pages: jax.Array,
+                  q_pos: jax.Array, *, value_dim: int, scale: float, query_block: int = 64,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Pallas twin of `reference.sparse_attention` for one query per sequence.
+
+    q:         f[B, 1, H, D]     the decode query of each sequence
+    kv_cache:  T[P + 1, ps, D]   pool layout; viewed packed inside
+    sel_slots: i32[B, 1, N]      local slot per selected page, -1 = not on this shard / unused
+    sel_pages: i32[B, 1, N]      logical page of each entry
+    q_pos:     i32[B, 1]         positions, -1 = padding
+    query_block: accepted for signature parity with the reference; one query needs no blocking
+    returns:   o f32[B, 1, H, value_dim], lse f32[B, 1, H]
+    """
+    del query_block
+    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+    b, nq, h, d = q.shape
+    if nq != 1:
+        raise ValueError(f"sparse_decode takes one query per sequence, got Q={nq}; "
+                         "use sparse_prefill")
+    n = sel_slots.shape[-1]
+    check_page_size(kv_cache.shape[1])
+    packed = pack_pages(kv_cache)
+    kernel = functools.partial(_decode_kernel, scale=scale, value_dim=value_dim,
+                               num_buffers=NUM_BUFFERS)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b,),
+            in_specs=[
+                pl.BlockSpec((None, None, h, d), lambda bi, *_: (bi, 0, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, h, value_dim), lambda bi, *_: (bi, 0, 0, 0)),
+                pl.BlockSpec((None, None, h, 1), lambda bi, *_: (bi, 0, 0, 0)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((NUM_BUFFERS, *packed.shape[1:]), packed.dtype),
+                pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
+                pltpu.SMEM((n,), jnp.int32),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((h, value_dim), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, 1, h, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((b, 1, h, 1), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret_params(interpret),
+        name="sparse_decode",
+    )(sel_slots.astype(jnp.int32).reshape(-1), sel_pages.astype(jnp.int32).reshape(-1),
+      q_pos.astype(jnp.int32).reshape(-1), q, packed)
+    return o, lse[..., 0]
+
+
+def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,
+         query_block: int = 64) -> dict:
+    """Grid, blocks, VMEM bytes, and the upper bounds of HBM bytes and flops of one call.
+
+    Takes the kernel's arguments or anything with `.shape`/`.dtype` (jax.ShapeDtypeStruct).
+    """
+    del sel_pages, q_pos, scale, query_block
+    b, _, h, d = q.shape
+    n = sel_slots.shape[-1]
+    ps = kv_cache.shape[1]
+    c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+    vmem = (NUM_BUFFERS * ps * d * c + 2 * h * d * qi + 2 * h * (value_dim + 1) * 4
+            + h * (value_dim + 2) * 4 + 2 * h * ps * 4 + ps * d * (qi + 4))
+    return {
+        "grid": (b,),
+        "blocks": {"q": (h, d), "page": (ps, d), "o": (h, value_dim)},
+        "vmem_bytes": vmem,
+        "bytes": b * h * d * qi + b * n * (ps * d * c + 8) + b * h * (value_dim + 1) * 4,
+        "flops": 2 * b * n * h * ps * (d + value_dim),
+    }

@@ -1,0 +1,266 @@
+"""Sparse MLA prefill: the Pallas TPU kernel of `reference.sparse_attention` for blocks of queries.
+
+Per (sequence b, query block i) the wrapper builds, in XLA, the union of the pages the block's
+queries selected: an entry counts where its slot is >= 0 and its page starts at or before its
+query's position; duplicates collapse. The kernel streams the union's pages from HBM into a VMEM
+ring by async DMA (`packing.page_ring`), upcasts each page to the query dtype, and runs one online
+softmax over it for all qb * H query rows at once. Each query weighs a page's keys by how many
+times its own list names the page (0: not selected, 2: listed twice, as the reference counts it)
+and hides keys after its position. Keys past the block's last position are zeroed before the dot,
+so stray rows (a partial last page, a NaN-poisoned tail) never reach the accumulators.
+Assumes one logical page per slot within a sequence (true of any page table).
+
+Neighbouring queries select mostly the same pages, so the union is close to N pages and each page
+is read once per block instead of once per query; the price is that every query row scores every
+union page (masked), so flops grow with the union size U <= qb * N.
+
+Grid:   (B, nqb = ceil(Q / qb)), both parallel.
+Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM;
+        union slots and pages i32[U] SMEM (U = qb * N); union count i32[B * nqb] scalar prefetch;
+        kv cache T[P + 1, ps / pk, pk, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
+        out o f32[qb, H, V] and lse f32[qb, H, 1] VMEM.
+VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
+          ring      NB * ps * D * c                      (NB = NUM_BUFFERS)
+          inputs    2 * (R * D * q + qb * N * 4 + qb * 4)  (pipeline double buffers)
+          outputs   2 * R * (V + 1) * 4
+          scratch   R * (V + 2) * 4                      (acc, m, l)
+          temps     2 * R * ps * 4 + ps * D * (q + 4)     (scores, probs, one upcast page)
+        SMEM: 4 * U * 4 bytes (two union lists, double-buffered) + 4 * B * nqb (counts).
+        e.g. qb = 64, H = 16, D = 576, V = 512, ps = 64, N = 32, fp8, bf16 q: ~9.1 MiB.
+Per call (upper bound: every selected page distinct and visible, U = qb * N):
+        bytes = B*Q*H*D*q + B*Q*N*4 + B*nqb*U*(ps*D*c + 8) + B*Q*H*(V + 1)*4
+        flops = 2 * B*nqb*U * qb*H * ps * (D + V)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cp_runtime.layout import cdiv
+from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+                             unpack_page)
+from kernels.reference import NEG_INF, check_attention_args
+
+__all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
+           "finalize_softmax", "cost"]
+
+# Ring depth. Two buffers hide one page's DMA behind the previous page's compute. By the v5e
+# roofline (0.8 TB/s HBM, 197 TFLOP/s bf16) a 64 x 576 fp8 page takes as long to fetch as to
+# score against ~65 query rows, and a prefill block has qb * H >= 64 rows, so compute covers the
+# fetch. An estimate, not yet a TPU measurement.
+NUM_BUFFERS = 2
+
+_NO_SLOT = np.iinfo(np.int32).max  # sorts after every real slot
+
+
+def block_union(sel_slots: jax.Array, sel_pages: jax.Array, q_pos: jax.Array, *, page_size: int,
+                query_block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Distinct visible pages selected by each block of queries (XLA, outside the kernel).
+
+    sel_slots, sel_pages: i32[B, Q, N] with Q a multiple of query_block
+    q_pos:                i32[B, Q]
+    returns: slots i32[B, nqb, U], pages i32[B, nqb, U] (U = query_block * N; the first `count`
+             entries are the union, in slot order, the rest are filler), count i32[B, nqb]
+    """
+    b, nq, n = sel_slots.shape
+    nqb = nq // query_block
+    visible = (sel_slots >= 0) & (sel_pages * page_size <= q_pos[..., None])
+    key = jnp.where(visible, sel_slots, _NO_SLOT)
+    # [B, Q, N] -> [B, nqb, qb * N]
+    key = key.reshape(b, nqb, query_block * n)
+    pages = sel_pages.reshape(b, nqb, query_block * n)
+    key, pages = lax.sort((key, pages), dimension=-1, num_keys=1)
+    first = (key != _NO_SLOT) & (key != jnp.roll(key, 1, axis=-1))
+    first = first.at[..., 0].set(key[..., 0] != _NO_SLOT)
+    # Stable sort on "not first" moves the distinct entries to the front, still in slot order.
+    _, slots, pages = lax.sort((jnp.where(first, 0, 1), key, pages), dimension=-1, num_keys=1,
+                              is_stable=True)
+    return slots, pages, first.sum(axis=-1, dtype=jnp.int32)
+
+
+def online_softmax_step(s: jax.Array, weight: jax.Array | float, v: jax.Array, m_ref, l_ref,
+                        acc_ref) -> None:
+    """Fold one page into the running softmax of R query rows.
+
+    s:      f32[R, ps]  scaled scores, -inf where hidden
+    weight: f32[R, 1]   multiplicity of the page in each row's list (or the scalar 1.0)
+    v:      f32[ps, V]  values, zero where no row sees the key
+    m_ref, l_ref: f32[R, 1] VMEM, running max and denominator; acc_ref: f32[R, V] VMEM
+    """
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    # A row that has seen nothing yet keeps m = -inf; subtract 0 there so exp gives 0, not NaN.
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe) * weight
+    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    m_ref[...] = m_new
+
+
+def init_softmax(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def finalize_softmax(m_ref, l_ref, acc_ref) -> tuple[jax.Array, jax.Array]:
+    """-> o f32[R, V], lse f32[R, 1]; o = 0 and lse = -inf for rows that saw no key."""
+    m, l = m_ref[...], l_ref[...]
+    seen = l > 0
+    safe_l = jnp.where(seen, l, 1.0)
+    lse = jnp.where(seen, jnp.log(safe_l) + jnp.where(jnp.isfinite(m), m, 0.0), NEG_INF)
+    return acc_ref[...] / safe_l, lse
+
+
+def _prefill_kernel(count_ref,                # [B * nqb] SMEM (scalar prefetch)
+                    uslots_ref, upages_ref,   # [U] SMEM
+                    q_ref,                    # [qb, H, D] VMEM
+                    sel_ref,                  # [qb, N] VMEM
+                    pos_ref,                  # [qb, 1] VMEM
+                    cache_hbm,                # [P + 1, ps // pk, pk, D] HBM
+                    o_ref,                    # [qb, H, V] VMEM
+                    lse_ref,                  # [qb, H, 1] VMEM
+                    ring, sems,               # [NB, ps // pk, pk, D] VMEM, DMA[NB]
+                    m_ref, l_ref, acc_ref,    # [R, 1], [R, 1], [R, V] VMEM
+                    *, scale: float, value_dim: int, num_buffers: int):
+    qb, h, d = q_ref.shape
+    ps = ring.shape[1] * ring.shape[2]
+    count = count_ref[pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)]
+    pos = pos_ref[...]                                            # [qb, 1]
+    max_pos = jnp.max(pos)
+    init_softmax(m_ref, l_ref, acc_ref)
+
+    def copies(j, buffer):
+        return [pltpu.make_async_copy(cache_hbm.at[uslots_ref[j]], ring.at[buffer],
+                                      sems.at[buffer])]
+
+    def step(j, buffer):
+        start = upages_ref[j] * ps
+        kv = unpack_page(ring[buffer]).astype(q_ref.dtype)        # [ps, D]
+        row_pos = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
+        kv = jnp.where(row_pos <= max_pos, kv, 0)                  # no query sees these rows
+        q = q_ref[...].reshape(qb * h, d)                          # [R, D]
+        s = lax.dot_general(q, kv, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [R, ps]
+        weight = jnp.sum((sel_ref[...] == uslots_ref[j]).astype(jnp.float32), axis=1,
+                         keepdims=True)                            # [qb, 1]
+        key_pos = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
+        visible = (weight > 0) & (key_pos <= pos)                  # [qb, ps]
+        s = jnp.where(visible[:, None, :], s.reshape(qb, h, ps), NEG_INF).reshape(qb * h, ps)
+        weight = jnp.broadcast_to(weight[:, None, :], (qb, h, 1)).reshape(qb * h, 1)
+        v = kv[:, :value_dim].astype(jnp.float32)                  # [ps, V]
+        online_softmax_step(s, weight, v, m_ref, l_ref, acc_ref)
+
+    page_ring(count, num_buffers, copies, step)
+    o, lse = finalize_softmax(m_ref, l_ref, acc_ref)
+    o_ref[...] = o.reshape(qb, h, value_dim)
+    lse_ref[...] = lse.reshape(qb, h, 1)
+
+
+def _pad_queries(x: jax.Array, pad: int, fill) -> jax.Array:
+    """Pad axis 1 (queries) of x by `pad` entries of `fill`."""
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+
+@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "interpret"))
+def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
+                   sel_pages: jax.Array, q_pos: jax.Array, *, value_dim: int, scale: float,
+                   query_block: int = 64, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Pallas twin of `reference.sparse_attention`; same arguments and results.
+
+    q:         f[B, Q, H, D]     queries in the cached layout (H a multiple of 8 on TPU)
+    kv_cache:  T[P + 1, ps, D]   pool layout; viewed packed inside
+    sel_slots: i32[B, Q, N]      local slot per selected page, -1 = not on this shard / unused
+    sel_pages: i32[B, Q, N]      logical page of each entry
+    q_pos:     i32[B, Q]         positions, -1 = padding query
+    returns:   o f32[B, Q, H, value_dim], lse f32[B, Q, H]
+    """
+    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+    b, nq, h, d = q.shape
+    n = sel_slots.shape[-1]
+    ps = kv_cache.shape[1]
+    check_page_size(ps)
+    qb = min(query_block, nq)
+    nqb = cdiv(nq, qb)
+    pad = nqb * qb - nq
+    q = _pad_queries(q, pad, 0)
+    sel_slots = _pad_queries(sel_slots.astype(jnp.int32), pad, -1)
+    sel_pages = _pad_queries(sel_pages.astype(jnp.int32), pad, 0)
+    q_pos = _pad_queries(q_pos.astype(jnp.int32), pad, -1)
+    uslots, upages, count = block_union(sel_slots, sel_pages, q_pos, page_size=ps,
+                                        query_block=qb)
+    packed = pack_pages(kv_cache)
+    union_spec = pl.BlockSpec((None, None, qb * n), lambda bi, qi, *_: (bi, qi, 0),
+                              memory_space=pltpu.SMEM)
+    kernel = functools.partial(_prefill_kernel, scale=scale, value_dim=value_dim,
+                               num_buffers=NUM_BUFFERS)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, nqb),
+            in_specs=[
+                union_spec,
+                union_spec,
+                pl.BlockSpec((None, qb, h, d), lambda bi, qi, *_: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, qb, n), lambda bi, qi, *_: (bi, qi, 0)),
+                pl.BlockSpec((None, qb, 1), lambda bi, qi, *_: (bi, qi, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, qb, h, value_dim), lambda bi, qi, *_: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, qb, h, 1), lambda bi, qi, *_: (bi, qi, 0, 0)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((NUM_BUFFERS, *packed.shape[1:]), packed.dtype),
+                pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
+                pltpu.VMEM((qb * h, 1), jnp.float32),
+                pltpu.VMEM((qb * h, 1), jnp.float32),
+                pltpu.VMEM((qb * h, value_dim), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, nqb * qb, h, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((b, nqb * qb, h, 1), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret_params(interpret),
+        name="sparse_prefill",
+    )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], packed)
+    return o[:, :nq], lse[:, :nq, :, 0]
+
+
+def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,
+         query_block: int = 64) -> dict:
+    """Grid, blocks, VMEM bytes, and the upper bounds of HBM bytes and flops of one call.
+
+    Takes the kernel's arguments or anything with `.shape`/`.dtype` (jax.ShapeDtypeStruct).
+    """
+    del sel_pages, q_pos, scale
+    b, nq, h, d = q.shape
+    n = sel_slots.shape[-1]
+    ps = kv_cache.shape[1]
+    c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+    qb = min(query_block, nq)
+    nqb = cdiv(nq, qb)
+    rows, union = qb * h, qb * n
+    vmem = (NUM_BUFFERS * ps * d * c + 2 * (rows * d * qi + qb * n * 4 + qb * 4)
+            + 2 * rows * (value_dim + 1) * 4 + rows * (value_dim + 2) * 4
+            + 2 * rows * ps * 4 + ps * d * (qi + 4))
+    return {
+        "grid": (b, nqb),
+        "blocks": {"q": (qb, h, d), "sel_slots": (qb, n), "union": (union,),
+                   "page": (ps, d), "o": (qb, h, value_dim)},
+        "vmem_bytes": vmem,
+        "bytes": (b * nq * h * d * qi + b * nq * n * 4 + b * nqb * union * (ps * d * c + 8)
+                  + b * nq * h * (value_dim + 1) * 4),
+        "flops": 2 * b * nqb * union * rows * ps * (d + value_dim),
+    }

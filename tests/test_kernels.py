@@ -1,0 +1,315 @@
+"""Pallas kernels in TPU interpret mode (on the CPU) against their XLA references.
+
+Every pool is one shard's share of sessions of different lengths; unused pages, the
+sentinel and the unwritten tail of each session's last page hold NaN, so a kernel that reads (and
+does not mask) a row it should not see fails loudly.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cp_runtime.layout import cdiv
+from kernels import reference
+from kernels.cache_write import write_kv
+from kernels.indexer import indexer_page_scores
+from kernels.packing import pack_pages, packing, unpack_pages
+from kernels.sparse_decode import sparse_decode
+from kernels.sparse_prefill import block_union, sparse_prefill
+
+PS, D, H, V = 16, 256, 4, 192    # page size, cached row width, heads, value width
+HI, DI = 4, 128                  # indexer heads and head width
+SCALE = D ** -0.5
+
+CACHE_DTYPES = {
+    "bf16": jnp.bfloat16,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
+
+# (max abs error, rel-L2) bounds of kernel vs reference on the same cache. Both upcast the cache
+# exactly (bf16 and fp8 values are bf16 values) and form exact f32 products, so all that differs
+# is the order of f32 sums: an online softmax page by page vs one softmax over all keys, a 2-D dot
+# vs an einsum, a head sum after vs inside the contraction. Bounds sit ~8x above the measured
+# worst case on these shapes, so a reordering passes while a wrong mask or a dropped page (errors
+# of order 1e-2 and up) fails. The cache dtype does not enter the error, hence equal rows.
+TOLERANCE = {
+    # |o| <= 3, |lse| <= 5.2, <= 6 pages of 16 keys; measured max 4.8e-7, rel-L2 8.6e-8.
+    ("attention", "bf16"): (4e-6, 1e-6),
+    # Same sums over coarser (still exact) values; measured max 4.8e-7, rel-L2 8.1e-8.
+    ("attention", "fp8_e4m3"): (4e-6, 1e-6),
+    # Same; measured max 4.8e-7, rel-L2 8.7e-8.
+    ("attention", "fp8_e5m2"): (4e-6, 1e-6),
+    # |score| <= 62: sums of 4 heads of ReLU(q . k) over Di = 128, so one f32 ulp of the largest
+    # score is 3.8e-6; measured max 1.9e-6, rel-L2 1.7e-8.
+    ("indexer", "bf16"): (4e-5, 4e-7),
+    # Same scale; measured max 3.8e-6 (one ulp at 62), rel-L2 3.3e-8.
+    ("indexer", "fp8_e4m3"): (4e-5, 4e-7),
+    # Same scale; measured max 0 (this draw sums in the same order), rel-L2 0.
+    ("indexer", "fp8_e5m2"): (4e-5, 4e-7),
+}
+
+
+def rel_l2(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def assert_matches(out, ref, kernel: str, dtype_name: str) -> None:
+    """Same -inf pattern exactly; finite entries within the table's bounds; no NaN anywhere."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not np.isnan(out).any(), "kernel produced NaN (read an unused row?)"
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    max_abs, max_rel = TOLERANCE[(kernel, dtype_name)]
+    err = np.abs(out[finite] - ref[finite])
+    assert err.max(initial=0.0) <= max_abs, f"max abs error {err.max()} > {max_abs}"
+    assert rel_l2(out[finite], ref[finite]) <= max_rel
+
+
+# ---- scenario builders ------------------------------------------------------------------------
+
+def session_pool(rng, dtype, lengths, *, num_shards=1, shard=0, width=D, spare=2):
+    """This shard's cache of sessions with `lengths` tokens, and where each logical page sits.
+
+    returns: cache T[P + 1, PS, width]; slot_of {(session, logical page): slot}
+    """
+    owned = [(b, p) for b, n in enumerate(lengths) for p in range(cdiv(n, PS))
+             if p % num_shards == shard]
+    num_pages = len(owned) + spare
+    slots = rng.permutation(num_pages)[:len(owned)]
+    cache = np.full((num_pages + 1, PS, width), np.nan, np.float32)
+    for (b, p), slot in zip(owned, slots):
+        rows = min(PS, lengths[b] - p * PS)
+        cache[slot, :rows] = rng.standard_normal((rows, width))
+    slot_of = {key: int(slot) for key, slot in zip(owned, slots)}
+    return jnp.asarray(cache).astype(dtype), slot_of
+
+
+def select_pages(rng, q_pos, slot_of, n):
+    """Per query up to n distinct logical pages at or before it (its own page always among
+    them), then -1 entries; entries on other shards get slot -1.
+
+    returns: sel_slots, sel_pages i32[B, Q, n]
+    """
+    b, nq = q_pos.shape
+    slots = np.full((b, nq, n), -1, np.int32)
+    pages = np.zeros((b, nq, n), np.int32)
+    for i in range(b):
+        for j in range(nq):
+            if q_pos[i, j] < 0:
+                continue
+            own = q_pos[i, j] // PS
+            earlier = rng.permutation(own)[:n - 1]
+            chosen = np.concatenate([[own], earlier]).astype(np.int32)
+            pages[i, j, :len(chosen)] = chosen
+            slots[i, j, :len(chosen)] = [slot_of.get((i, p), -1) for p in chosen]
+    return slots, pages
+
+
+def attention_inputs(dtype, lengths, q_pos, *, n, seed=0):
+    rng = np.random.default_rng(seed)
+    cache, slot_of = session_pool(rng, dtype, lengths)
+    slots, pages = select_pages(rng, q_pos, slot_of, n)
+    q = jnp.asarray(rng.standard_normal((*q_pos.shape, H, D)), jnp.bfloat16)
+    return q, cache, slots, pages, slot_of
+
+
+# ---- packing ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,pk", [(jnp.float8_e4m3fn, 4), (jnp.bfloat16, 2),
+                                      (jnp.float32, 1)])
+def test_packed_view_is_a_free_reshape(dtype, pk):
+    # Each row holds its offset in the page: integers below 16 are exact in every dtype here.
+    rows = jnp.arange(3 * PS, dtype=jnp.float32) % PS
+    cache = jnp.broadcast_to(rows.reshape(3, PS, 1), (3, PS, 128)).astype(dtype)
+    packed = pack_pages(cache)
+    assert packing(dtype) == pk and packed.shape == (3, PS // pk, pk, 128)
+    np.testing.assert_array_equal(packed[1, 2, pk - 1], cache[1, 2 * pk + pk - 1])
+    np.testing.assert_array_equal(unpack_pages(packed), cache)
+
+
+def test_page_size_not_multiple_of_16_is_refused():
+    cache = jnp.zeros((3, 24, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_size=24"):
+        pack_pages(cache)
+    q = jnp.zeros((1, 1, H, D), jnp.bfloat16)
+    sel = jnp.zeros((1, 1, 2), jnp.int32)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    for kernel in (sparse_prefill, sparse_decode):
+        with pytest.raises(ValueError, match="page_size=24"):
+            kernel(q, cache, sel, sel, pos, value_dim=V, scale=SCALE, interpret=True)
+    qi = jnp.zeros((1, 1, HI, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_size=24"):
+        indexer_page_scores(qi, jnp.zeros((1, 1, HI)), cache, sel[0], pos, jnp.int32(0),
+                            num_shards=1, key_block_pages=1, interpret=True)
+
+
+# ---- cache write ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+@pytest.mark.parametrize("new_dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_is_bit_exact(name, new_dtype):
+    rng = np.random.default_rng(1)
+    pages = 5
+    cache = jnp.asarray(rng.standard_normal((pages + 1, PS, D)), jnp.float32)
+    cache = cache.astype(CACHE_DTYPES[name])
+    rows = 11  # not a multiple of the rows per grid step
+    flat = rng.permutation(pages * PS)[:rows]
+    slots, offsets = flat // PS, flat % PS
+    slots[[3, 7]] = pages  # discarded rows go to the sentinel (distinct offsets)
+    new = jnp.asarray(rng.standard_normal((rows, D)) * 4, new_dtype)
+    out = write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets), interpret=True)
+    ref = reference.write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets))
+    assert out.dtype == cache.dtype
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(ref).view(np.uint8))
+    assert (np.asarray(out).view(np.uint8) != np.asarray(cache).view(np.uint8)).any()
+
+
+def test_write_kv_rejects_wrong_width():
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv(jnp.zeros((2, PS, D)), jnp.zeros((1, D + 1)), jnp.zeros(1, jnp.int32),
+                 jnp.zeros(1, jnp.int32), interpret=True)
+
+
+# ---- indexer ----------------------------------------------------------------------------------
+
+def indexer_inputs(dtype, *, shard, num_shards, nq, seed=2):
+    """Sessions of 70, 9 and 40 tokens; queries at the end of each (9 fills only part)."""
+    rng = np.random.default_rng(seed)
+    lengths = [70, 9, 40]
+    cache, slot_of = session_pool(rng, dtype, lengths, num_shards=num_shards, shard=shard,
+                                  width=DI)
+    sentinel = cache.shape[0] - 1
+    m = cdiv(cdiv(max(lengths), PS), num_shards)
+    local = np.full((len(lengths), m), sentinel, np.int32)
+    for (b, p), slot in slot_of.items():
+        local[b, p // num_shards] = slot
+    local[1, -1] = -1  # a missing page given as -1 rather than the sentinel
+    q_pos = np.full((len(lengths), nq), -1, np.int32)
+    for b, n in enumerate(lengths):
+        take = min(nq - 1, n)  # keep one padding query per session
+        q_pos[b, :take] = np.arange(n - take, n)
+    q_pos[0, 0] = 0  # a query with no earlier page
+    q = jnp.asarray(rng.standard_normal((len(lengths), nq, HI, DI)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(lengths), nq, HI)), jnp.float32)
+    return q, w, cache, jnp.asarray(local), jnp.asarray(q_pos)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+@pytest.mark.parametrize("shard", [0, 1])
+def test_indexer_matches_reference(name, shard):
+    args = indexer_inputs(CACHE_DTYPES[name], shard=shard, num_shards=2, nq=6)
+    statics = dict(num_shards=2, key_block_pages=2)  # M = 3 local pages: a partial key block
+    out = indexer_page_scores(*args, jnp.int32(shard), **statics, interpret=True)
+    ref = reference.indexer_page_scores(*args, jnp.int32(shard), **statics)
+    assert_matches(out, ref, "indexer", name)
+    assert np.isfinite(np.asarray(out)).any() and np.isneginf(np.asarray(out)).any()
+
+
+def test_indexer_spans_query_blocks():
+    # 40 queries: two query blocks of 32, the second mostly padding.
+    args = indexer_inputs(jnp.bfloat16, shard=0, num_shards=1, nq=40)
+    out = indexer_page_scores(*args, jnp.int32(0), num_shards=1, key_block_pages=3,
+                              interpret=True)
+    ref = reference.indexer_page_scores(*args, jnp.int32(0), num_shards=1, key_block_pages=3)
+    assert_matches(out, ref, "indexer", "bf16")
+
+
+# ---- sparse prefill ---------------------------------------------------------------------------
+
+def test_block_union_matches_sets():
+    rng = np.random.default_rng(3)
+    qb, n = 4, 3
+    slots = rng.integers(-1, 6, (2, 8, n)).astype(np.int32)
+    pages = (slots + 1).astype(np.int32)          # slot s holds logical page s + 1
+    q_pos = rng.integers(-1, 6 * PS, (2, 8)).astype(np.int32)
+    us, up, count = block_union(jnp.asarray(slots), jnp.asarray(pages), jnp.asarray(q_pos),
+                                page_size=PS, query_block=qb)
+    for b in range(2):
+        for i in range(2):
+            block = slice(i * qb, (i + 1) * qb)
+            want = {(s, p) for s, p, t in zip(slots[b, block].ravel(), pages[b, block].ravel(),
+                                               np.repeat(q_pos[b, block], n))
+                    if s >= 0 and p * PS <= t}
+            c = int(count[b, i])
+            got = set(zip(np.asarray(us[b, i, :c]).tolist(), np.asarray(up[b, i, :c]).tolist()))
+            assert c == len(want) and got == want
+
+
+def prefill_case(dtype):
+    """Sessions of 70, 9 and 40 tokens; 10 queries each, blocks of 4 (the last one padded).
+
+    Session 1 holds one page, so its queries start with no earlier page and N = 6 exceeds its
+    page count; its last query slot is padding.
+    """
+    lengths = [70, 9, 40]
+    q_pos = np.stack([np.arange(60, 70), np.r_[np.arange(9), -1], np.arange(25, 35)])
+    q, cache, slots, pages, slot_of = attention_inputs(dtype, lengths, q_pos.astype(np.int32),
+                                                       n=6)
+    slots[0, 1, -1], pages[0, 1, -1] = slots[0, 1, 0], pages[0, 1, 0]  # a page listed twice
+    # A page after the query: hidden for this query, visible to others in its block.
+    slots[2, 4, -1], pages[2, 4, -1] = slot_of[(2, 2)], 2
+    return q, cache, jnp.asarray(slots), jnp.asarray(pages), jnp.asarray(q_pos, jnp.int32)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_sparse_prefill_matches_reference(name):
+    args = prefill_case(CACHE_DTYPES[name])
+    statics = dict(value_dim=V, scale=SCALE, query_block=4)
+    o, lse = sparse_prefill(*args, **statics, interpret=True)
+    ro, rlse = reference.sparse_attention(*args, **statics)
+    assert o.shape == ro.shape and lse.shape == rlse.shape
+    assert_matches(o, ro, "attention", name)
+    assert_matches(lse, rlse, "attention", name)
+    assert np.isneginf(np.asarray(lse[1, -1])).all()  # the padding query
+
+
+# ---- sparse decode ----------------------------------------------------------------------------
+
+def decode_case(dtype):
+    """Sessions of 70, 1, 40 and 17 tokens: a query on a partial last page, one at position 0, a
+    padding query, and one on the first row of a page; N = 6 exceeds every page count."""
+    lengths = [70, 1, 40, 17]
+    q_pos = np.array([[69], [0], [-1], [16]], np.int32)
+    q, cache, slots, pages, _ = attention_inputs(dtype, lengths, q_pos, n=6, seed=4)
+    slots[3, 0, -1], pages[3, 0, -1] = slots[3, 0, 0], pages[3, 0, 0]  # a page listed twice
+    return q, cache, jnp.asarray(slots), jnp.asarray(pages), jnp.asarray(q_pos)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_sparse_decode_matches_reference(name):
+    args = decode_case(CACHE_DTYPES[name])
+    statics = dict(value_dim=V, scale=SCALE)
+    o, lse = sparse_decode(*args, **statics, interpret=True)
+    ro, rlse = reference.sparse_attention(*args, **statics)
+    assert o.shape == ro.shape and lse.shape == rlse.shape
+    assert_matches(o, ro, "attention", name)
+    assert_matches(lse, rlse, "attention", name)
+
+
+def test_bounds_catch_a_dropped_page():
+    # The attention bounds must see one page missing from one query's list.
+    q, cache, slots, pages, q_pos = decode_case(jnp.bfloat16)
+    o, _ = sparse_decode(q, cache, slots, pages, q_pos, value_dim=V, scale=SCALE, interpret=True)
+    dropped = slots.at[0, 0, 1].set(-1)
+    ro, _ = reference.sparse_attention(q, cache, dropped, pages, q_pos, value_dim=V, scale=SCALE)
+    max_abs, _ = TOLERANCE[("attention", "bf16")]
+    assert np.abs(np.asarray(o) - np.asarray(ro)).max() > 100 * max_abs
+
+
+def test_sparse_decode_rejects_query_blocks():
+    q, cache, slots, pages, q_pos = prefill_case(jnp.bfloat16)
+    with pytest.raises(ValueError, match="Q=10"):
+        sparse_decode(q, cache, slots, pages, q_pos, value_dim=V, scale=SCALE, interpret=True)
+
+
+@pytest.mark.parametrize("kernel", [sparse_prefill, sparse_decode])
+def test_shard_owning_no_selected_page_gives_empty_result(kernel):
+    q, cache, slots, pages, q_pos = decode_case(jnp.float8_e4m3fn)
+    none = jnp.full_like(slots, -1)  # every selected page lives on another shard
+    o, lse = kernel(q, cache, none, pages, q_pos, value_dim=V, scale=SCALE, interpret=True)
+    np.testing.assert_array_equal(np.asarray(o), 0.0)
+    assert np.isneginf(np.asarray(lse)).all()

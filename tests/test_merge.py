@@ -1,0 +1,80 @@
+"""Exact merge of per-shard partials over real collectives on 16 virtual devices."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cp_runtime.merge import MERGES, merge_stacked
+
+S = 16
+
+
+def _partials(rng, lead=(3, 5, 4), dv=8, keys=12):
+    """Per-shard partials of a real softmax over S * keys keys, and the exact answer."""
+    scores = rng.normal(size=(S, *lead, keys)) * 3
+    values = rng.normal(size=(S, *lead, keys, dv))
+    lse = np.log(np.exp(scores).sum(-1))
+    o = (np.exp(scores - lse[..., None])[..., None] * values).sum(-2)
+    all_scores = np.moveaxis(scores, 0, -2).reshape(*lead, S * keys)
+    all_values = np.moveaxis(values, 0, -3).reshape(*lead, S * keys, dv)
+    p = np.exp(all_scores - all_scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    exact = (p[..., None] * all_values).sum(-2)
+    exact_lse = np.log(np.exp(all_scores).sum(-1))
+    return o.astype(np.float32), lse.astype(np.float32), exact, exact_lse
+
+
+@functools.cache
+def _collective(name: str):
+    mesh = jax.make_mesh((S,), ("cp",))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P("cp")),
+                       out_specs=(P(), P()), check_vma=False)
+    def run(o, lse):
+        return MERGES[name](o[0], lse[0], "cp")
+
+    return mesh, run
+
+
+def _merge_on_devices(name, o, lse):
+    mesh, run = _collective(name)
+    shard = NamedSharding(mesh, P("cp"))
+    out = run(jax.device_put(o, shard), jax.device_put(lse, shard))
+    return np.asarray(out[0]), np.asarray(out[1])
+
+
+@pytest.mark.parametrize("name", sorted(MERGES))
+def test_merge_is_exact(name):
+    o, lse, exact, exact_lse = _partials(np.random.default_rng(0))
+    merged, merged_lse = _merge_on_devices(name, o, lse)
+    np.testing.assert_allclose(merged, exact, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(merged_lse, exact_lse, rtol=1e-5)
+    ref, ref_lse = merge_stacked(jnp.asarray(o), jnp.asarray(lse))
+    np.testing.assert_allclose(merged, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(MERGES))
+def test_empty_shards_contribute_nothing(name):
+    o, lse, _, _ = _partials(np.random.default_rng(1))
+    o[np.arange(S) != 5] = 0.0
+    lse[np.arange(S) != 5] = -np.inf               # only shard 5 saw any key
+    lse[5, 0] = -np.inf                             # and one row no shard saw
+    o[5, 0] = 0.0
+    merged, merged_lse = _merge_on_devices(name, o, lse)
+    assert np.isfinite(merged).all()
+    np.testing.assert_allclose(merged[1:], o[5, 1:], rtol=1e-6)
+    assert (merged[0] == 0).all() and np.isneginf(merged_lse[0]).all()
+
+
+def test_a_wrong_merge_is_caught():
+    """The check above can fail: averaging partials instead of weighting by exp(lse)."""
+    o, lse, exact, _ = _partials(np.random.default_rng(2))
+    wrong = o.mean(0)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(wrong, exact, rtol=2e-5, atol=2e-6)
