@@ -15,10 +15,11 @@ before the first needle), then the question; the answer is scored teacher-forced
     logprob   = sum of log p(answer token)
     uplift    = logprob - logprob of the same answer with the needle(s) absent (same haystack)
 
-Variants: `single` (one needle), `distract` (one needle plus `siblings` facts whose keys are
-near the needle's key, with other values, scattered through the haystack: for the recall model
-cosine 0.98, so cache precision decides the answer), `multi` (4 needles with unrelated keys at
-the depth, each asked). Their counts add up per (variant, dtype, shards) as "correct/trials".
+Variants: `single` (one needle), `distract` (2 needles at the depth, each with 3 sibling facts
+whose keys are near its key, with other values, scattered through the haystack: for the recall
+model cosine 0.98, so cache precision decides the answer), `multi` (4 needles with unrelated
+keys at the depth). Every needle is asked once; counts add up per (variant, dtype, shards) as
+"correct/trials".
 
 Prefill cost: one engine per (dtype, shards); per (variant, length) one root session prefills
 the haystack once, in order of depth; each depth forks the root where its needles go, prefills
@@ -39,12 +40,15 @@ from typing import Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from benchmarks.common import init_cpu_devices, machine, print_table, write_json
 from benchmarks.recall_model import RecallModel, build_recall_model
 from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.engine import Engine
+from cp_runtime.executor import LocalExecutor
 from cp_runtime.layout import cdiv
-from cp_runtime.weights import Params
+from cp_runtime.weights import Params, load_params
 
 __all__ = ["Variant", "VARIANTS", "Probe", "Case", "Context", "parse_length", "recall_context",
            "score_probes", "run_context", "run_sweep", "build_parser", "main"]
@@ -54,6 +58,7 @@ DEFAULT_LENGTHS = "8k,16k,32k,64k,128k"
 QUICK_LENGTHS = "2k,4k"
 DEFAULT_DEPTHS = 5
 QUICK_DEPTHS = 3
+PROBE_SLACK = 1024  # tokens a context may hold beyond its length (needle sentences, question)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +145,16 @@ def _insertion_points(hay_len: int, depth: float, needles: int) -> np.ndarray:
 
 
 def _build_context(haystack: np.ndarray, depths: tuple[float, ...],
-                   needles: list[list[np.ndarray]], probes: list[list[Probe]]) -> Context:
-    """Insert each depth's needle token runs into the haystack; cases sorted by start."""
+                   needles: list[list[np.ndarray]], probes: list[list[Probe]],
+                   boundaries: np.ndarray | None = None) -> Context:
+    """Insert each depth's needle token runs into the haystack; cases sorted by start.
+    With `boundaries` (sorted allowed insertion indices, 0 included) each insertion point moves
+    down to the nearest boundary."""
     cases = []
     for depth, runs, qs in zip(depths, needles, probes):
         points = _insertion_points(len(haystack), depth, len(runs))
+        if boundaries is not None:
+            points = boundaries[np.searchsorted(boundaries, points, side="right") - 1]
         pieces, prev = [], int(points[0])
         for point, run in zip(points, runs):
             pieces += [haystack[prev:point], run]
@@ -212,35 +222,40 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def score_probes(engine, session_id: int, probes: list[Probe]) -> list[Score]:
-    """Teacher-forced scores of each probe appended to the session (which is left unchanged:
-    each probe runs on a fork). Single-token probes go in batched decode steps."""
+    """Teacher-forced scores of each probe appended to the session, which is left unchanged
+    (each probe runs on a fork). When every probe is one token in and one token out they go
+    in batched decode steps, otherwise one chunked extend each."""
     if all(len(p.prompt) == 1 and len(p.answer) == 1 for p in probes):
-        scores = []
-        step = engine.runtime.max_batch
-        for i in range(0, len(probes), step):
-            group = probes[i: i + step]
-            forks = [engine.fork(session_id) for _ in group]
-            try:
-                logits = engine.decode([f.id for f in forks], [p.prompt[0] for p in group])
-            finally:
-                for f in forks:
-                    engine.close_session(f.id)
-            for row, p in zip(_log_softmax(logits), group):
-                scores.append(Score(bool(row.argmax() == p.answer[0]), float(row[p.answer[0]])))
-        return scores
+        return _score_by_decode(engine, session_id, probes)
+    return [_score_by_extend(engine, session_id, p) for p in probes]
+
+
+def _score_by_decode(engine, session_id: int, probes: list[Probe]) -> list[Score]:
     scores = []
-    for p in probes:
-        fork = engine.fork(session_id)
+    step = engine.runtime.max_batch
+    for i in range(0, len(probes), step):
+        group = probes[i: i + step]
+        forks = [engine.fork(session_id) for _ in group]
         try:
-            logits = engine.extend(fork.id, list(p.prompt) + list(p.answer[:-1]),
-                                   all_logits=True)
+            logits = engine.decode([f.id for f in forks], [p.prompt[0] for p in group])
         finally:
-            engine.close_session(fork.id)
-        rows = _log_softmax(logits[len(p.prompt) - 1:])               # [len(answer), V]
-        picked = rows[np.arange(len(p.answer)), list(p.answer)]
-        scores.append(Score(bool((rows.argmax(-1) == np.asarray(p.answer)).all()),
-                            float(picked.sum())))
+            for f in forks:
+                engine.close_session(f.id)
+        for row, p in zip(_log_softmax(logits), group):
+            scores.append(Score(bool(row.argmax() == p.answer[0]), float(row[p.answer[0]])))
     return scores
+
+
+def _score_by_extend(engine, session_id: int, probe: Probe) -> Score:
+    fork = engine.fork(session_id)
+    try:
+        logits = engine.extend(fork.id, list(probe.prompt) + list(probe.answer[:-1]),
+                               all_logits=True)
+    finally:
+        engine.close_session(fork.id)
+    rows = _log_softmax(logits[len(probe.prompt) - 1:])                  # [len(answer), V]
+    picked = rows[np.arange(len(probe.answer)), list(probe.answer)]
+    return Score(bool((rows.argmax(-1) == np.asarray(probe.answer)).all()), float(picked.sum()))
 
 
 def run_context(engine, ctx: Context, progress: Callable[[int], None] | None = None
@@ -282,27 +297,24 @@ class Workload:
 
 
 def _runtime(args, cfg: ModelConfig, dtype: str, shards: int, max_len: int) -> RuntimeConfig:
-    # Root + one child (sharing the root's prefix) + one page per question fork, per shard.
-    pages = cdiv(2 * max_len, args.page_size) + 4 * args.max_batch + shards
+    # A root and one child at a time (pages spread over the shards; text needles and questions
+    # add up to PROBE_SLACK tokens), plus the question forks, whose new pages can all land on
+    # one shard (the owner of the page after the context).
+    spread = cdiv(cdiv(2 * (max_len + PROBE_SLACK), args.page_size), shards)
+    per_shard = spread + 2 * args.max_batch + 2
     return RuntimeConfig(model=cfg.name, kv_cache_dtype=dtype, page_size=args.page_size,
-                         num_shards=shards, pages_per_shard=cdiv(pages, shards),
+                         num_shards=shards, pages_per_shard=per_shard,
                          chunk_size=args.chunk_size, max_batch=args.max_batch,
                          query_block=args.query_block, backend=args.backend)
 
 
 def run_sweep(args, work: Workload) -> dict:
     """Every (shards, dtype, variant, length, depth) cell; returns the report payload."""
-    # Imported here so that `--help` and argument errors need no devices.
-    from tqdm import tqdm
-
-    from cp_runtime.engine import Engine
-    from cp_runtime.executor import LocalExecutor
-
     variants = [VARIANTS[v] for v in args.variants]
     contexts = {}
-    for vi, variant in enumerate(variants):
+    for variant in variants:
         for length in args.lengths:
-            rng = np.random.default_rng([args.seed, vi, length])
+            rng = np.random.default_rng([args.seed, list(VARIANTS).index(variant.name), length])
             contexts[variant.name, length] = work.make_context(variant, length, args.depths, rng)
     per_setting = sum(c.prefill_tokens for c in contexts.values())
     total = per_setting * len(args.dtypes) * len(args.shards)
@@ -310,7 +322,7 @@ def run_sweep(args, work: Workload) -> dict:
           f"{len(args.shards)} shard counts, {total:,} prefill tokens")
     cells, timings = [], []
     bar = tqdm(total=total, unit="tok", unit_scale=True, disable=args.no_progress,
-               dynamic_ncols=True)
+               dynamic_ncols=True, mininterval=1.0)
     for shards in args.shards:
         for dtype in args.dtypes:
             rt = _runtime(args, work.cfg, dtype, shards, max(args.lengths))
@@ -322,6 +334,7 @@ def run_sweep(args, work: Workload) -> dict:
                 for case, scores, base in zip(ctx.cases, per_case, baseline):
                     cells.append(_cell(shards, dtype, variant, length, case, scores, base))
             engine.executor.close()
+            del engine                                   # free this setting's pool
             timings.append({"shards": shards, "dtype": dtype, "prefill_tokens": per_setting,
                             "seconds": time.perf_counter() - t0})
     bar.close()
@@ -403,7 +416,7 @@ def write_heatmap(report: dict, path: pathlib.Path) -> pathlib.Path:
                 ax.set_xlabel("needle depth", fontsize=7)
             if k == 0:
                 ax.set_ylabel("context length", fontsize=7)
-    fig.suptitle(f"needle recall, {report['model']}", fontsize=9)
+    fig.suptitle(f"needle recall (correct/trials), model {report['model']}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -473,7 +486,6 @@ def load_checkpoint(model_dir: str | pathlib.Path) -> tuple[ModelConfig, Params,
                          "not supported: cp_runtime.weights.load_params reads one file")
     if missing:
         raise ValueError(f"--model {d}: missing {', '.join(missing)}")
-    from cp_runtime.weights import load_params
     try:
         from transformers import AutoTokenizer     # only this path needs transformers
     except ImportError:
@@ -485,8 +497,9 @@ def load_checkpoint(model_dir: str | pathlib.Path) -> tuple[ModelConfig, Params,
 
 def text_context(tokenizer, variant: Variant, length: int, depths: tuple[float, ...],
                  rng: np.random.Generator) -> Context:
-    """RULER-style: filler sentences, key-value needle sentences at sentence boundaries, and a
-    question whose answer is the value. Siblings: needles whose key shares the first word."""
+    """RULER-style: `length` tokens of filler sentences, key-value needle sentences inserted at
+    sentence boundaries (they add their own tokens), and a question whose answer is the value.
+    Siblings: needle sentences whose key shares the first word, with other values."""
     def enc(text: str) -> np.ndarray:
         return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
 
@@ -521,15 +534,8 @@ def text_context(tokenizer, variant: Variant, length: int, depths: tuple[float, 
     bos = getattr(tokenizer, "bos_token_id", None)
     head = [np.asarray([bos], np.int32)] if bos is not None else []
     haystack = np.concatenate(head + hay)[:length]
-    # Needles go in at sentence boundaries: snap each insertion point down to the nearest one.
-    bounds = np.cumsum([len(h) for h in head + hay])
-    ctx = _build_context(haystack, depths, needles, probes)
-    cases = []
-    for case in ctx.cases:
-        snapped = int(bounds[bounds <= case.start].max(initial=0))
-        suffix = np.concatenate([haystack[snapped: case.start], case.suffix])
-        cases.append(dataclasses.replace(case, start=snapped, suffix=suffix))
-    return Context(haystack=haystack, cases=tuple(sorted(cases, key=lambda c: c.start)))
+    bounds = np.concatenate([[0], np.cumsum([len(h) for h in head + hay])])
+    return _build_context(haystack, depths, needles, probes, bounds[bounds <= length])
 
 
 # -- command line -------------------------------------------------------------------------
@@ -617,4 +623,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ValueError as e:
+        build_parser().exit(2, f"niah: error: {e}\n")

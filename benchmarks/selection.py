@@ -37,9 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, write_json
+from benchmarks.niah import Variant, recall_context
+from benchmarks.recall_model import build_recall_model
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
-from cp_runtime.model import IndexerInputs, forward, indexer_inputs, logits, mla_inputs, rms_norm
+from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
+                              rms_norm)
 from cp_runtime.oracle import dense_sparse_attention, page_scores, selection_mask, token_scores
 from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
 from cp_runtime.weights import Params, init_params, layer_params
@@ -93,13 +96,19 @@ class SelectionChange:
         return self.changed / self.queries if self.queries else 0.0
 
 
-def selection_change(ref: np.ndarray, test: np.ndarray) -> SelectionChange:
-    """Compare two selections i32[Q, K] row by row (as sets; NO_PAGE entries ignored)."""
+def selection_change(ref: np.ndarray, test: np.ndarray,
+                     candidates: np.ndarray | None = None) -> SelectionChange:
+    """Compare two selections i32[Q, K] row by row, as sets.
+
+    candidates: i32[Q] earlier pages each query could choose from; rows with at most K are
+    skipped (everything is selected there). Without it, rows holding NO_PAGE are skipped."""
     ref, test = np.asarray(ref), np.asarray(test)
     if ref.shape != test.shape or ref.ndim != 2:
         raise ValueError(f"selections {ref.shape} and {test.shape} must be the same [Q, K]")
     k = ref.shape[1]
-    full = (ref != NO_PAGE).all(-1)                       # queries with K pages to choose
+    full = (ref != NO_PAGE).all(-1)
+    if candidates is not None:
+        full &= np.asarray(candidates) > k
     missing = np.array([len(set(a) - set(b)) for a, b in zip(ref[full], test[full])])
     return SelectionChange(queries=int(full.sum()), changed=int((missing > 0).sum()),
                            swapped=float(missing.mean() / k) if len(missing) else 0.0)
@@ -188,7 +197,7 @@ def tiny_study(args) -> list[dict]:
             for scheme, acc in totals.items():
                 test = top_pages(dataclasses.replace(index, k=round_keys(index.k, scheme)),
                                  page_size=args.page_size, k=k_pages)
-                change = selection_change(ref, test)
+                change = selection_change(ref, test, np.arange(args.tokens) // args.page_size)
                 acc[0] += change.queries
                 acc[1] += change.changed
                 acc[2] += change.swapped * change.queries
@@ -199,9 +208,6 @@ def tiny_study(args) -> list[dict]:
 
 def recall_study(args) -> tuple[list[dict], list[dict]]:
     """Selection changes at the question, and recall, on the recall model per index_topk."""
-    from benchmarks.niah import Variant, recall_context
-    from benchmarks.recall_model import build_recall_model
-
     model = build_recall_model()
     variant = Variant("selection", needles=1, siblings=args.siblings, level=2)
     rng = np.random.default_rng(args.seed)

@@ -20,6 +20,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.merge import MERGES
 from cp_runtime.model import IndexerInputs
+from cp_runtime.pool import PoolSpec
 from cp_runtime.selection import attended_pages, global_top_pages, local_candidates
 
 __all__ = ["ShardState", "ShardAttention"]
@@ -44,6 +45,7 @@ class ShardAttention:
 
     model: ModelConfig
     runtime: RuntimeConfig
+    pool: PoolSpec
     kernels: Kernels
     axis_name: str
     shard: jax.Array
@@ -66,20 +68,21 @@ class ShardAttention:
         owned = (pages >= 0) & (pages % self.num_shards == self.shard)
         return jnp.where(owned, slots.reshape(pages.shape), sentinel)
 
-    def _write(self, cache: jax.Array, rows: jax.Array) -> jax.Array:
+    def _write(self, cache: jax.Array, rows: jax.Array, cache_dtype) -> jax.Array:
         """Write rows f[B, Q, D] of the step's tokens into this shard's cache (owner only)."""
         sentinel = cache.shape[0] - 1
         page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
         slots = self._slots_of(page, sentinel)
         offsets = jnp.maximum(self.pos, 0) % self.page_size
         return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]), slots.reshape(-1),
-                                     offsets.reshape(-1))
+                                     offsets.reshape(-1), cache_dtype=cache_dtype)
 
     def _select(self, icache: jax.Array, index: IndexerInputs) -> jax.Array:
         k = self.model.index_topk // self.page_size
         scores = self.kernels.indexer_page_scores(
             index.q, index.w, icache, self.local_table, self.pos, self.shard,
-            num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages)
+            num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
+            cache_dtype=self.pool.indexer_dtype)
         cand_scores, cand_pages = local_candidates(
             scores, self.pos, self.shard, num_shards=self.num_shards, page_size=self.page_size,
             k=k)
@@ -88,18 +91,19 @@ class ShardAttention:
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None) -> tuple[jax.Array, ShardState]:
         latent = list(state.latent)
-        latent[layer] = self._write(latent[layer], kv_row)
+        latent[layer] = self._write(latent[layer], kv_row, self.pool.latent_dtype)
         indexer, selection = state.indexer, state.selection
         if index is not None:
             slot = self.model.indexer_slot(layer)
             indexer = list(indexer)
-            indexer[slot] = self._write(indexer[slot], index.k)
+            indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
             selection = self._select(indexer[slot], index)
             indexer = tuple(indexer)
         pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
         sel_slots = self._slots_of(pages, -1)
         o, lse = self.kernels.sparse_attention(
             q_row, latent[layer], sel_slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
-            scale=self.model.softmax_scale, query_block=self.runtime.query_block)
+            scale=self.model.softmax_scale, query_block=self.runtime.query_block,
+            cache_dtype=self.pool.latent_dtype)
         o, _ = MERGES[self.runtime.merge](o, lse, self.axis_name)
         return o, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)

@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "KV_CACHE_DTYPES",
+
     "DEFAULT_MODEL_DTYPE",
     "latent_cache_dtype",
     "indexer_cache_dtype",
@@ -51,3 +52,4 @@ def indexer_cache_dtype(name: str, model_dtype=DEFAULT_MODEL_DTYPE) -> np.dtype:
     if dtype_bytes(latent) < dtype_bytes(jnp.bfloat16):
         return np.dtype(jnp.bfloat16)
     return latent
+

@@ -82,7 +82,8 @@ class LocalExecutor(Executor):
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         self.kernels = select_kernels(runtime.backend)
         self._copy_page = make_page_copy(self.mesh)
-        self._steps = {flag: make_step(model, runtime, self.mesh, self.kernels, all_logits=flag)
+        self._steps = {flag: make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
+                                        all_logits=flag)
                        for flag in (False, True)}
 
     def run(self, inputs: StepInputs, *, all_logits: bool = False) -> np.ndarray:

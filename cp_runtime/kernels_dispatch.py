@@ -14,13 +14,15 @@ from typing import Callable
 import jax
 
 from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
+from kernels.storage import from_storage, storage_dtype
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The four per-shard operations, all with the signatures of kernels/reference.py."""
+    """The per-shard operations, all with the signatures of kernels/reference.py (including the
+    `cache_dtype` keyword for caches in storage form)."""
 
     name: str
     write_kv: Callable
@@ -34,9 +36,30 @@ REFERENCE = Kernels("reference", reference.write_kv, reference.indexer_page_scor
 BACKEND_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 
 
+# The Pallas kernels take caches in their value dtype (TPU has native fp8/bf16); pool buffers in
+# storage form are reinterpreted around them, a free bitcast on TPU.
+def _values(cache, cache_dtype):
+    return cache if cache_dtype is None else from_storage(cache, cache_dtype)
+
+
+def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, interpret: bool):
+    out = cache_write.write_kv(_values(cache, cache_dtype), new, slots, offsets,
+                               interpret=interpret)
+    return out if cache_dtype is None else jax.lax.bitcast_convert_type(
+        out, storage_dtype(cache_dtype))
+
+
+def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, *, num_shards: int,
+                   key_block_pages: int, cache_dtype=None, interpret: bool):
+    return indexer.indexer_page_scores(q, w, _values(k_cache, cache_dtype), local_pages, q_pos,
+                                       shard, num_shards=num_shards,
+                                       key_block_pages=key_block_pages, interpret=interpret)
+
+
 def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,
-                      query_block: int, interpret: bool):
+                      query_block: int, cache_dtype=None, interpret: bool):
     """Decode kernel for one query per row, the query-block prefill kernel otherwise."""
+    kv_cache = _values(kv_cache, cache_dtype)
     if q.shape[1] == 1:
         return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
                                            value_dim=value_dim, scale=scale, interpret=interpret)
@@ -48,8 +71,8 @@ def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: in
 def _pallas(interpret: bool) -> Kernels:
     return Kernels(
         "pallas_interpret" if interpret else "pallas",
-        functools.partial(cache_write.write_kv, interpret=interpret),
-        functools.partial(indexer.indexer_page_scores, interpret=interpret),
+        functools.partial(_pallas_write, interpret=interpret),
+        functools.partial(_pallas_scores, interpret=interpret),
         functools.partial(_pallas_attention, interpret=interpret))
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.storage import cdiv
+
 __all__ = [
     "cdiv",
     "owner_shard",
@@ -21,10 +23,6 @@ __all__ = [
     "owner_shard_jnp",
     "global_page_jnp",
 ]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def owner_shard(page, num_shards: int):

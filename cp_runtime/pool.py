@@ -4,6 +4,9 @@ page owner over the `cp` mesh axis.
     latent[l]:  T_lat[S, P + 1, ps, D_lat_pad]   (fp8/bf16/f32, `[c | k_pe]`, parts padded)
     indexer[i]: T_idx[S, P + 1, ps, D_idx]       (bf16 unless the latent is wider)
 
+fp8 and bf16 values are stored as uint8 / uint16 of the same bits (see kernels/storage.py for
+why: no full-pool converts on backends without native narrow floats).
+
 Page `P` of every shard is the sentinel that non-owners write to. Buffers are donated to the
 jitted steps, which update them in place; nothing here ever copies a whole buffer.
 """
@@ -19,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
+from kernels.storage import storage_dtype
 
 __all__ = ["KVPool", "PoolSpec", "CP_AXIS"]
 
@@ -83,9 +87,9 @@ class KVPool:
             return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
         return cls(
-            latent=tuple(zeros(spec.latent_shape, spec.latent_dtype)
+            latent=tuple(zeros(spec.latent_shape, storage_dtype(spec.latent_dtype))
                          for _ in range(spec.model.num_hidden_layers)),
-            indexer=tuple(zeros(spec.indexer_shape, spec.indexer_dtype)
+            indexer=tuple(zeros(spec.indexer_shape, storage_dtype(spec.indexer_dtype))
                           for _ in range(spec.model.num_full_layers)),
         )
 

@@ -28,7 +28,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_table
 from cp_runtime.model import forward, logits
-from cp_runtime.pool import CP_AXIS, KVPool
+from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.weights import Params
 
 __all__ = ["StepInputs", "make_step"]
@@ -65,9 +65,11 @@ class StepInputs:
 
 
 def _shard_body(params, latent, indexer, tokens, pos, local_tables, logit_index, *,
-                model: ModelConfig, runtime: RuntimeConfig, kernels: Kernels, all_logits: bool):
+                model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, kernels: Kernels,
+                all_logits: bool):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]."""
-    attend = ShardAttention(model=model, runtime=runtime, kernels=kernels, axis_name=CP_AXIS,
+    attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
+                            axis_name=CP_AXIS,
                             shard=lax.axis_index(CP_AXIS), local_table=local_tables[0], pos=pos)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
@@ -78,15 +80,15 @@ def _shard_body(params, latent, indexer, tokens, pos, local_tables, logit_index,
     return (out, tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
 
 
-def make_step(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, kernels: Kernels, *,
-              all_logits: bool = False):
+def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
+              kernels: Kernels, *, all_logits: bool = False):
     """Returns step(params, pool, tokens, pos, local_tables, logit_index) -> (logits, pool).
 
     logits: f32[B, V] (or f32[B, Q, V] with all_logits). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
-    body = functools.partial(_shard_body, model=model, runtime=runtime, kernels=kernels,
-                             all_logits=all_logits)
+    body = functools.partial(_shard_body, model=model, runtime=runtime, pool=pool,
+                             kernels=kernels, all_logits=all_logits)
     spmd = jax.shard_map(body, mesh=mesh, in_specs=(rep, sharded, sharded, rep, rep, sharded, rep),
                          out_specs=(rep, sharded, sharded), check_vma=False)
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.layout import cdiv
+from kernels.storage import cdiv
 from kernels.packing import interpret_params
 
 __all__ = ["ROWS_PER_STEP", "write_kv", "cost"]

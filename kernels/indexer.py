@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.layout import cdiv
+from kernels.storage import cdiv
 from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
 from kernels.reference import NEG_INF

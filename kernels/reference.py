@@ -7,6 +7,10 @@ per query, `M` local pages per sequence on this shard. A position of -1 marks a 
 
 All four functions are pure: the cache write returns the updated cache (donated and updated in
 place by XLA under jit; the Pallas kernel aliases input and output).
+
+`cache_dtype`: the dtype of the cached values when the cache array holds them as same-width
+unsigned integers (the pool's storage form, see storage.py); None when the cache array already
+has the value dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from kernels.storage import from_storage, to_storage
 
 __all__ = [
     "NEG_INF",
@@ -28,7 +34,8 @@ __all__ = [
 NEG_INF = -jnp.inf
 
 
-def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Array, *,
+             cache_dtype=None) -> jax.Array:
     """Write rows into a paged cache. The single cast to the cache dtype happens here.
 
     cache:   T[P + 1, ps, D]  one shard's cache of one layer
@@ -39,13 +46,22 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
     """
     if new.ndim != 2 or new.shape[-1] != cache.shape[-1]:
         raise ValueError(f"new rows {new.shape} do not match cache rows {cache.shape}")
-    return cache.at[slots, offsets].set(new.astype(cache.dtype), mode="promise_in_bounds")
+    rows = new.astype(cache.dtype) if cache_dtype is None else to_storage(new, cache_dtype)
+    if rows.shape[0] == 1:
+        # XLA turns a one-row scatter into a dynamic-update-slice, which it then performs on a
+        # copy of the whole buffer (measured on CPU: 3 buffer copies). A second, discarded row
+        # for the sentinel page keeps it a true in-place scatter.
+        sentinel = cache.shape[0] - 1
+        rows = jnp.concatenate([rows, rows])
+        slots = jnp.concatenate([slots, jnp.full((1,), sentinel, slots.dtype)])
+        offsets = jnp.concatenate([offsets, offsets])
+    return cache.at[slots, offsets].set(rows, mode="promise_in_bounds")
 
 
-@functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages"))
+@functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "cache_dtype"))
 def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
                         q_pos: jax.Array, shard: jax.Array, *, num_shards: int,
-                        key_block_pages: int) -> jax.Array:
+                        key_block_pages: int, cache_dtype=None) -> jax.Array:
     """DSA indexer page scores of one shard's pages, blocked over keys.
 
         I(t, s)  = sum_h w_h(t) * ReLU(q_h(t) . k(s))
@@ -63,6 +79,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     """
     b, m = local_pages.shape
     ps = k_cache.shape[1]
+    value_dtype = k_cache.dtype if cache_dtype is None else cache_dtype
     nb = min(key_block_pages, m)
     num_blocks = -(-m // nb)
     pad = num_blocks * nb - m
@@ -75,7 +92,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
 
     def block(carry, xs):
         blk_pages, blk_index = xs                                     # [B, nb], []
-        keys = k_cache[blk_pages].astype(jnp.float32)                 # [B, nb, ps, Di]
+        keys = from_storage(k_cache[blk_pages], value_dtype).astype(jnp.float32)  # [B,nb,ps,Di]
         logits = jnp.einsum("bqhd,bnsd->bqhns", qf, keys)             # [B, Q, Hi, nb, ps]
         scores = jnp.einsum("bqhns,bqh->bqns", jax.nn.relu(logits), wf)  # [B, Q, nb, ps]
         local = blk_index * nb + jnp.arange(nb, dtype=jnp.int32)      # [nb]
@@ -104,10 +121,10 @@ def check_attention_args(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array
         raise ValueError(f"{value_dim=} must be in (0, {d}]")
 
 
-@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block"))
+@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "cache_dtype"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
                      sel_pages: jax.Array, q_pos: jax.Array, *, value_dim: int, scale: float,
-                     query_block: int = 64) -> tuple[jax.Array, jax.Array]:
+                     query_block: int = 64, cache_dtype=None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA attention of each query over the pages selected for it on this shard.
 
     q:         f[B, Q, H, D]     queries in the cached layout `[q_lat | q_pe]` (padded)
@@ -126,6 +143,7 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
     b, nq, h, d = q.shape
     ps = kv_cache.shape[1]
+    value_dtype = kv_cache.dtype if cache_dtype is None else cache_dtype
     qb = min(query_block, nq)
     num_blocks = -(-nq // qb)
     pad = num_blocks * qb - nq
@@ -138,7 +156,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
 
     def block(carry, xs):
         qq, slots, pages, pos = xs            # [B, qb, H, D], [B, qb, N] x2, [B, qb]
-        kv = kv_cache[jnp.maximum(slots, 0)].astype(qq.dtype)   # [B, qb, N, ps, D]
+        kv = from_storage(kv_cache[jnp.maximum(slots, 0)], value_dtype)  # [B, qb, N, ps, D]
+        kv = kv.astype(qq.dtype)
         key_pos = pages[..., None] * ps + offsets                # [B, qb, N, ps]
         visible = (slots[..., None] >= 0) & (key_pos <= pos[..., None, None])
         kv = jnp.where(visible[..., None], kv, 0)               # unused slots may hold garbage
