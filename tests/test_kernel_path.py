@@ -1,0 +1,28 @@
+"""The tiny model through the Pallas kernels (TPU interpret mode) equals the reference path
+within the kernels' bounds.
+
+Only S = 1 runs here: the interpret-mode kernels inside a 16-device shard_map did not finish in
+15 minutes on this 2-core machine (the process sat idle, not computing); see the kernels issue."""
+
+import numpy as np
+import pytest
+
+from conftest import make_engine, random_tokens, rel_l2
+
+# Kernel vs reference differ by f32 summation order only (tests/test_kernels.py measures ~1e-7
+# per kernel); through 4 layers and the lm head the logits' rel-L2 measured 2e-7 (S = 1).
+KERNEL_PATH_BOUND = 1e-5
+
+
+@pytest.mark.parametrize("shards", [1])
+def test_kernel_path_matches_reference(tiny, tiny_params, shards):
+    outs = {}
+    for backend in ("reference", "pallas_interpret"):
+        engine = make_engine(tiny, tiny_params, kv_cache_dtype="fp8_e4m3", num_shards=shards,
+                             pages_per_shard=max(8 // shards, 1) * 2, page_size=16,
+                             chunk_size=32, backend=backend, key_block_pages=2)
+        s = engine.create_session()
+        prefill = engine.extend(s.id, random_tokens(tiny, 40, 0), all_logits=True)
+        decode = engine.decode([s.id], [3])
+        outs[backend] = np.concatenate([prefill, decode])
+    assert 0 <= rel_l2(outs["pallas_interpret"], outs["reference"]) <= KERNEL_PATH_BOUND
