@@ -23,7 +23,7 @@ to c, u = sqrt(rho) c + sqrt(1 - rho) n). A needle's distractors are its cluster
 other values.
 
 Weights (one layer, MLP zero, every RoPE part zero, so positions play no part):
-    MLA      c = RMSNorm([u | e_v | noise]) for a fact (key, value one-hot, nothing);
+    MLA      c = RMSNorm([u | e_v | noise]) (a fact: its key, its value one-hot, no noise);
              q_lat = beta [u_query | 0 | 0], beta set so a query scores its own fact at
              `target_logit`; a sibling at rho scores rho * target_logit. W_uv reads e_v,
              o_proj writes it into the residual's value block, lm_head maps value j to answer(j).
@@ -34,7 +34,8 @@ Weights (one layer, MLP zero, every RoPE part zero, so positions play no part):
 Why the path is required: a query attends its own page plus the top `index_topk // page_size`
 earlier pages; a needle anywhere else is read only if the indexer selected its page. With the
 indexer blinded (weights_proj = 0, every page scores 0, ties go to the lowest pages) or with
-`hub` pages filling the top-K, recall falls to chance (tests/test_recall.py).
+`hub` pages filling the top-K, recall falls to zero: the query reads filler, and every answer
+token gets the same logit (tests/test_recall.py).
 
 Why precision matters: the needle and a sibling at cosine rho differ by
 target_logit * (1 - rho) in the attention logit (1.3 at rho = 0.98, target 64). Rounding the
@@ -208,9 +209,9 @@ class RecallLayout:
             if getattr(cfg, name) != value:
                 raise ValueError(f"config {cfg.name}: {name}={getattr(cfg, name)}, the recall "
                                  f"layout needs {value}")
-        if cfg.is_moe_layer(0) or cfg.indexer_types != ("full",):
+        if cfg.is_moe_layer(0) or cfg.indexer_types != ("full",) or cfg.tie_word_embeddings:
             raise ValueError(f"config {cfg.name}: the recall model is one dense layer with a "
-                             "full indexer")
+                             "full indexer and an untied lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,13 +364,9 @@ def build_recall_model(cfg: ModelConfig | None = None, *, layout: RecallLayout |
         else:
             params[name] = np.zeros(shape)                         # MLP, lm_head (below)
     params["model.embed_tokens.weight"] = emb
-    head = np.zeros((layout.vocab_size, layout.hidden_size))
+    head = params["lm_head.weight"]
     for value in range(layout.n_values):
         head[layout.answer(value), layout.value.start + value] = answer_gain
-    if "lm_head.weight" in params:
-        params["lm_head.weight"] = head
-    else:
-        raise ValueError(f"config {cfg.name}: the recall model needs an untied lm_head")
     out = {name: jnp.asarray(v, jnp.float32) for name, v in params.items()}
     # Scale q_nope so that a query scores its own fact at target_logit.
     gain = target_logit / _query_fact_logit(out, cfg, layout)
