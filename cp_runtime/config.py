@@ -29,7 +29,7 @@ __all__ = [
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
 INDEXER_TYPES = ("full", "shared")
-BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("gather_psum", "all_to_all")
 
 

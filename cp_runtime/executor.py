@@ -80,7 +80,7 @@ class LocalExecutor(Executor):
         self.pool_spec = pool_spec_for(model, runtime)
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
-        self.kernels = select_kernels(runtime.backend)
+        self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
         self._steps = {flag: make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
                                         all_logits=flag)

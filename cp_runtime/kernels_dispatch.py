@@ -1,8 +1,10 @@
 """Which implementation of the per-shard hot paths a step uses.
 
-`reference` is the XLA path (kernels/reference.py); `pallas` the TPU kernels; `pallas_interpret`
-the same kernels in TPU interpret mode (CPU tests); `auto` picks pallas on TPU and the reference
-elsewhere. An unknown name is refused with the list of choices.
+`xla` is the XLA path for backends without the TPU kernels: the references, except attention,
+which only touches the pages a shard owns (kernels/xla_sparse.py); `reference` is the plain
+references (kernels/reference.py); `pallas` the TPU kernels; `pallas_interpret` the same kernels
+in TPU interpret mode (CPU tests). `auto` picks pallas on TPU and xla elsewhere. An unknown name
+is refused with the list of choices.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Callable
 
 import jax
 
-from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
+from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill, xla_sparse
 from kernels.storage import from_storage, storage_dtype
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
@@ -33,7 +35,12 @@ class Kernels:
 REFERENCE = Kernels("reference", reference.write_kv, reference.indexer_page_scores,
                     reference.sparse_attention)
 
-BACKEND_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
+BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+
+
+def _xla(num_shards: int) -> Kernels:
+    return Kernels("xla", reference.write_kv, reference.indexer_page_scores,
+                   functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
 
 
 # The Pallas kernels take caches in their value dtype (TPU has native fp8/bf16); pool buffers in
@@ -80,13 +87,15 @@ def resolve_backend(name: str) -> str:
     if name not in BACKEND_CHOICES:
         raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(BACKEND_CHOICES)}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "reference"
+        return "pallas" if jax.default_backend() == "tpu" else "xla"
     return name
 
 
-def select_kernels(name: str) -> Kernels:
+def select_kernels(name: str, num_shards: int = 1) -> Kernels:
     """The kernel set for a backend name (see the module docstring)."""
     resolved = resolve_backend(name)
     if resolved == "reference":
         return REFERENCE
+    if resolved == "xla":
+        return _xla(num_shards)
     return _pallas(interpret=resolved == "pallas_interpret")

@@ -1,0 +1,64 @@
+"""PNG charts for the benchmarks: grouped bars and lines, written with matplotlib's Agg backend
+(no display needed). matplotlib is the `bench` extra; it loads on first use, so the benchmarks'
+tables and JSON do not depend on it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+__all__ = ["bar_chart", "line_chart"]
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (imported here: the `bench` extra is optional)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str | pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def bar_chart(path: str | pathlib.Path, groups: Sequence[str], series: dict[str, Sequence[float]],
+              *, ylabel: str, title: str, log: bool = False) -> pathlib.Path:
+    """Grouped bars: one group per entry of `groups`, one bar per series (values in group order)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(series)) / 3), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def line_chart(path: str | pathlib.Path, lines: dict[str, tuple[Sequence[float], Sequence[float]]],
+               *, xlabel: str, ylabel: str, title: str, logx: bool = True) -> pathlib.Path:
+    """One line per entry of `lines` (label -> (xs, ys)), markers at the measured points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, (xs, ys) in lines.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
