@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import tomllib
-import types
 import typing
 from typing import Any
 
@@ -166,9 +165,6 @@ class RuntimeConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                               f"{tuple(KV_CACHE_DTYPES)}")
-
-    def replace(self, **changes: Any) -> "RuntimeConfig":
-        return dataclasses.replace(self, **changes)
 
 
 def _check_type(path: pathlib.Path, name: str, value: Any, hint: Any) -> Any:

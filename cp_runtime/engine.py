@@ -17,7 +17,7 @@ import numpy as np
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.executor import Executor
 from cp_runtime.layout import cdiv
-from cp_runtime.pages import PageAllocator
+from cp_runtime.pages import CapacityError, PageAllocator
 from cp_runtime.step import StepInputs
 
 __all__ = ["Session", "Engine"]
@@ -150,7 +150,7 @@ class Engine:
         try:
             for s in sessions:
                 self._reserve(s, 1)
-        except Exception:
+        except CapacityError:
             for s, pages in zip(sessions, before):
                 s.pages = self.allocator.shrink(s.pages, len(pages))
             raise

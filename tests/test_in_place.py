@@ -1,12 +1,9 @@
 """Pool buffers are donated to the jitted steps and updated in place: the compiled step aliases
 every pool buffer to its output and allocates no pool-sized temporary."""
 
-import jax
-import numpy as np
 import pytest
 
 from conftest import make_engine, random_tokens
-from cp_runtime.step import StepInputs
 
 
 def _compiled_step(engine, q):

@@ -1,6 +1,5 @@
 """The owned-pairs XLA attention equals the reference, on the compact path and the fallback."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
