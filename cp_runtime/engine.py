@@ -85,11 +85,15 @@ class Engine:
             session.pages = self.allocator.grow(session.pages, want)
 
     # -- step plans -----------------------------------------------------------------------
-    def _page_table(self, sessions: list[Session], rows: int) -> np.ndarray:
-        width = _bucket(max(len(s.pages) for s in sessions), self.runtime.num_shards)
+    def _page_table(self, sessions: list[Session], chunks: list[list[int]],
+                    rows: int) -> np.ndarray:
+        """i32[rows, M]: each session's pages up to the end of its chunk (not every reserved
+        page: later pages hold no keys yet, and the indexer's work grows with M)."""
+        used = [cdiv(s.length + len(c), self.runtime.page_size) for s, c in zip(sessions, chunks)]
+        width = _bucket(max(used), self.runtime.num_shards)
         table = np.full((rows, width), self.allocator.sentinel, np.int32)
-        for row, s in enumerate(sessions):
-            table[row, : len(s.pages)] = s.pages
+        for row, (s, n) in enumerate(zip(sessions, used)):
+            table[row, :n] = s.pages[:n]
         return table
 
     def _plan(self, sessions: list[Session], chunks: list[list[int]], width: int,
@@ -102,7 +106,7 @@ class Engine:
             positions[row, : len(chunk)] = np.arange(s.length, s.length + len(chunk))
             last[row] = len(chunk) - 1
         return StepInputs(tokens=tokens, positions=positions,
-                          page_table=self._page_table(sessions, rows), logit_index=last)
+                          page_table=self._page_table(sessions, chunks, rows), logit_index=last)
 
     def _advance(self, sessions: list[Session], chunks: list[list[int]], width: int,
                  all_logits: bool) -> np.ndarray:
