@@ -13,7 +13,10 @@ __all__ = ["machine", "write_json", "print_table", "init_cpu_devices"]
 
 
 def init_cpu_devices(count: int = 16) -> None:
-    """Give the CPU backend `count` virtual devices; must run before JAX is first used."""
+    """Give the CPU backend `count` virtual devices; must run before JAX is first used. Sizes
+    XLA's CPU thread pool one past the device count (interpret-mode kernels on every device at
+    once deadlock otherwise: kernels/packing.py)."""
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, count + 1)))
     jax.config.update("jax_num_cpu_devices", count)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["bar_chart", "line_chart"]
+__all__ = ["bar_chart", "line_chart", "token_label"]
 
 
 def _pyplot():
@@ -47,15 +47,33 @@ def bar_chart(path: str | pathlib.Path, groups: Sequence[str], series: dict[str,
     return _save(fig, path)
 
 
+def token_label(n: float) -> str:
+    """1024 -> '1K', 1048576 -> '1M' (binary prefixes, as context lengths are given)."""
+    for size, suffix in ((1 << 20, "M"), (1 << 10, "K")):
+        if n >= size and n % size == 0:
+            return f"{int(n) // size}{suffix}"
+    return f"{n:g}"
+
+
 def line_chart(path: str | pathlib.Path, lines: dict[str, tuple[Sequence[float], Sequence[float]]],
-               *, xlabel: str, ylabel: str, title: str, logx: bool = True) -> pathlib.Path:
-    """One line per entry of `lines` (label -> (xs, ys)), markers at the measured points."""
+               *, xlabel: str, ylabel: str, title: str, logx: bool = True,
+               dashed: Sequence[str] = (), groups: dict[str, str] | None = None) -> pathlib.Path:
+    """One line per entry of `lines` (label -> (xs, ys)), markers at the measured points; the
+    labels in `dashed` are drawn dashed, and labels mapped to the same `groups` entry share a
+    colour. A log2 x axis is labelled in tokens (1K, 64K, 1M)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    groups = groups or {label: label for label in lines}
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {g: cycle[i % len(cycle)] for i, g in enumerate(dict.fromkeys(groups.values()))}
     for label, (xs, ys) in lines.items():
-        ax.plot(xs, ys, marker="o", label=label)
+        ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label in dashed else "-",
+                color=colors[groups.get(label, label)])
     if logx:
         ax.set_xscale("log", base=2)
+        ticks = sorted({x for xs, _ in lines.values() for x in xs})
+        ax.set_xticks(ticks, [token_label(x) for x in ticks])
+        ax.minorticks_off()
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -1,22 +1,241 @@
-"""Prefill tokens/s and decode ms/step vs context length, shard count, cache dtype and pool size
-(first version: the roofline fractions come with the benchmark suite issue).
+"""Prefill tokens/s and decode ms/step vs context length, shard count, cache dtype and pool size;
+the fraction of this machine's measured memory bandwidth and matmul FLOP/s that each achieves;
+and the decode time of DSA's sparse selection against a dense equivalent.
 
     python -m benchmarks.throughput --lengths 2k,8k --shards 16 --dtypes bf16,fp8_e4m3 \
         --pool-factors 1,4
+    python -m benchmarks.throughput --lengths 8k,64k,1m --pool-factors 1      # long contexts
+
+Measured per (length, shards, dtype, pool factor): a fresh engine prefills `length` random tokens
+in `--chunk` steps, then decodes `--decode-steps` single tokens (median step after a warm-up).
+`prefill_s` is the wall time including the step compile; `prefill_tok_per_s` excludes the compile
+time, which JAX reports through `jax.monitoring` (trace, lowering and backend compile).
 
 Decode time at a fixed context must not depend on the pool size (pool 4x larger: within 10%):
 the step updates pool buffers in place and reads only selected pages.
+
+Sparse vs dense (`dense_vs_sparse` = dense ms / sparse ms, at the first pool factor): the same
+model with `index_topk` raised to cover every page of the context, so each decode step selects
+and reads all pages, on the same pool and page table as the sparse run (the cache contents are the
+sparse run's: only time is measured). Its indexer top-K, page gathers and attention all grow with
+the context, so `--dense-max-length` caps the lengths where it runs.
+
+Roofline fractions: work / time / peak, with the peak from benchmarks/roofline.py measured in the
+same run over the same devices, and the work counted by the functions below: what this design must
+do per step (dense layers on every shard, cache reads and scores only for tokens a query may see,
+each page read once per step), not what the reference kernels do with padding and masks.
+Elementwise work (norms, RoPE, softmax) and collectives are not counted.
+
+Measured with the defaults on the development machine (2 shared x86 cores, 16 virtual devices,
+`small` model; 2.1 min in all): roofline 30 GB/s read, 76 GFLOP/s; prefill 0.8-1.5 K tokens/s
+(3-5% of matmul FLOP/s: the 16 replicas of the dense layers dominate the count), 2.7-6.8 s of
+compile per prefill; decode 10-13 ms/step at 2K and 8K alike (about 1.3% of bandwidth: per-step
+dispatch over 16 devices, not memory, sets it), pool 4x within 0.88-1.17x; dense / sparse decode
+2.3-3.0x at 2K and 4.4-5.0x at 8K.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import pathlib
 import statistics
 import time
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+import jax
+import jax.monitoring
+import numpy as np
+from tqdm import tqdm
 
-__all__ = ["build_parser", "main", "parse_length"]
+from benchmarks.common import machine, print_table, write_json
+from benchmarks.plots import line_chart
+from benchmarks.roofline import ensure_devices, measure_roofline
+from cp_runtime.capacity import bytes_per_token
+from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
+from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.engine import Engine
+from cp_runtime.executor import LocalExecutor
+from cp_runtime.kernels_dispatch import resolve_backend
+from cp_runtime.layout import cdiv
+from cp_runtime.weights import init_params
+
+__all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
+           "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
+           "compile_seconds", "parse_length", "build_parser", "main"]
+
+
+# -- work accounting ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Floating-point operations and bytes moved to or from memory."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+    def scaled(self, factor: float) -> "Work":
+        return Work(self.flops * factor, self.bytes * factor)
+
+
+def matmul_weights(model: ModelConfig, *, experts: int | None = None) -> int:
+    """Matmul weight elements one token's forward uses, all layers, lm_head excluded:
+
+        attention  q_lora*hid + H*(nope+rope)*q_lora + (kv_lora+rope)*hid
+                   + H*(nope+v)*kv_lora (W_uk and W_uv, absorbed) + hid*H*v
+        indexer    Hi*Di*q_lora + Di*hid + Hi*hid               (full layers)
+        MLP        3*inter*hid (dense) or E*hid + (k + shared)*3*moe_inter*hid (MoE)
+
+    `experts` replaces k (the routed experts per token), e.g. to count the weights a whole chunk
+    reads.
+    """
+    hid, h = model.hidden_size, model.num_attention_heads
+    attention = (model.q_lora_rank * hid + h * model.qk_head_dim * model.q_lora_rank
+                 + (model.kv_lora_rank + model.qk_rope_head_dim) * hid
+                 + h * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+                 + hid * h * model.v_head_dim)
+    hi, di = model.index_n_heads, model.index_head_dim
+    indexer = hi * di * model.q_lora_rank + di * hid + hi * hid
+    routed = model.num_experts_per_tok if experts is None else experts
+    total = 0
+    for layer in range(model.num_hidden_layers):
+        total += attention + (indexer if model.indexer_types[layer] == "full" else 0)
+        if model.is_moe_layer(layer):
+            total += (model.n_routed_experts * hid
+                      + (routed + model.n_shared_experts) * 3 * model.moe_intermediate_size * hid)
+        else:
+            total += 3 * model.intermediate_size * hid
+    return total
+
+
+def projection_work(model: ModelConfig, tokens: int, *, logit_rows: int, param_bytes: int,
+                    replicas: int) -> Work:
+    """The dense layers of one step over `tokens` tokens, on each of `replicas` shards:
+
+        flops = replicas * (tokens * (2 * W_tok + 2 * Di^2 * (Hi + 1) * F) + logit_rows * 2*V*hid)
+        bytes = replicas * param_bytes * (W_step + V*hid [if logit_rows] + tokens*hid [embedding])
+
+    W_tok = matmul_weights(model) (active experts), F = full layers (the Hadamard rotations of
+    q and k are Di x Di matmuls), W_step = the weights the step reads once: every routed expert
+    that some token of the step may use, min(E, tokens * k).
+    """
+    hid, di, hi = model.hidden_size, model.index_head_dim, model.index_n_heads
+    hadamard = 2 * di * di * (hi + 1) * model.num_full_layers if model.index_hadamard else 0
+    flops = (tokens * (2 * matmul_weights(model) + hadamard)
+             + logit_rows * 2 * model.vocab_size * hid)
+    experts = min(model.n_routed_experts, tokens * model.num_experts_per_tok)
+    weights = (matmul_weights(model, experts=experts)
+               + (model.vocab_size * hid if logit_rows else 0) + tokens * hid)
+    return Work(flops, weights * param_bytes).scaled(replicas)
+
+
+def indexer_work(model: ModelConfig, pairs: int, keys_read: int, *, kv_cache_dtype: str) -> Work:
+    """DSA indexer scores over the `full` layers (F of them):
+
+        flops = F * pairs * Hi * (2*Di + 3)      (q.k per head, ReLU, head weight, head sum)
+        bytes = F * keys_read * Di * c_idx       (indexer key cache, c_idx its itemsize)
+    """
+    c = dtype_bytes(indexer_cache_dtype(kv_cache_dtype))
+    f, hi, di = model.num_full_layers, model.index_n_heads, model.index_head_dim
+    return Work(f * pairs * hi * (2 * di + 3), f * keys_read * di * c)
+
+
+def attention_work(model: ModelConfig, pairs: int, pages_read: int, *, page_size: int,
+                   kv_cache_dtype: str) -> Work:
+    """Absorbed MLA over the selected keys, every layer (L of them):
+
+        flops = L * pairs * 2 * H * (D_lat + kv_lora)    (score over the cached row [c | k_pe] as
+                                                          stored, padded; value over c)
+        bytes = L * pages_read * ps * D_lat * c_lat      (whole latent pages, c_lat its itemsize)
+    """
+    c = dtype_bytes(latent_cache_dtype(kv_cache_dtype))
+    n, h, d = model.num_hidden_layers, model.num_attention_heads, model.latent_dim
+    return Work(n * pairs * 2 * h * (d + model.kv_lora_rank), n * pages_read * page_size * d * c)
+
+
+def cache_write_work(model: ModelConfig, tokens: int, *, kv_cache_dtype: str) -> Work:
+    """bytes = tokens * bytes_per_token (latent rows of every layer, indexer keys of every full
+    layer: cp_runtime.capacity, the same figure the pool is sized by); no flops."""
+    return Work(0, tokens * bytes_per_token(model, kv_cache_dtype))
+
+
+def decode_step_work(model: ModelConfig, *, context: int, page_size: int, kv_cache_dtype: str,
+                     shards: int, param_bytes: int) -> Work:
+    """One decode step of one sequence with `context` tokens cached (the new token at position
+    t = context, on page p = t // ps, K = index_topk // ps):
+
+        indexer    pairs = keys read = p * ps                      (every earlier page's keys)
+        attention  pages = 1 + min(K, p);  pairs = min(K, p) * ps + t % ps + 1
+        plus projection_work(1 token, 1 logit row) and cache_write_work(1 token)
+    """
+    t, ps = context, page_size
+    p, k = t // ps, model.index_topk // ps
+    sel = min(k, p)
+    return (projection_work(model, 1, logit_rows=1, param_bytes=param_bytes, replicas=shards)
+            + indexer_work(model, p * ps, p * ps, kv_cache_dtype=kv_cache_dtype)
+            + attention_work(model, sel * ps + t % ps + 1, 1 + sel, page_size=ps,
+                             kv_cache_dtype=kv_cache_dtype)
+            + cache_write_work(model, 1, kv_cache_dtype=kv_cache_dtype))
+
+
+def prefill_work(model: ModelConfig, *, length: int, chunk: int, page_size: int,
+                 kv_cache_dtype: str, shards: int, param_bytes: int) -> Work:
+    """A chunked prefill of `length` tokens, `chunk` per step. Query t (page t // ps) scores the
+    keys of its earlier pages and attends min(K, t // ps) pages plus its own page up to t:
+
+        indexer pairs   = sum_t (t // ps) * ps
+        attention pairs = sum_t min(K, t // ps) * ps + t % ps + 1
+
+    A step over [s, e) reads the indexer keys before its last query's page once,
+    ((e - 1) // ps) * ps, and each latent page at most once: at most min(ceil(e / ps),
+    own + (e - s) * K) pages, own = ceil(e / ps) - s // ps (an upper bound: the union of the
+    chunk's selections). Each step runs projection_work over its tokens with one logit row.
+    """
+    ps, k = page_size, model.index_topk // page_size
+    t = np.arange(length, dtype=np.int64)
+    index_pairs = int(((t // ps) * ps).sum())
+    attend_pairs = int((np.minimum(k, t // ps) * ps + t % ps + 1).sum())
+    keys_read = pages_read = 0
+    work = Work()
+    for s in range(0, length, chunk):
+        e = min(s + chunk, length)
+        keys_read += ((e - 1) // ps) * ps
+        pages_read += min(cdiv(e, ps), cdiv(e, ps) - s // ps + (e - s) * k)
+        work += projection_work(model, e - s, logit_rows=1, param_bytes=param_bytes,
+                                replicas=shards)
+    return (work + indexer_work(model, index_pairs, keys_read, kv_cache_dtype=kv_cache_dtype)
+            + attention_work(model, attend_pairs, pages_read, page_size=ps,
+                             kv_cache_dtype=kv_cache_dtype)
+            + cache_write_work(model, length, kv_cache_dtype=kv_cache_dtype))
+
+
+def dense_model(model: ModelConfig, *, tokens: int, page_size: int) -> ModelConfig:
+    """The same model with index_topk covering every page of a `tokens`-token context."""
+    return dataclasses.replace(model, index_topk=cdiv(tokens, page_size) * page_size)
+
+
+# -- measurement ----------------------------------------------------------------------------
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yields a one-element list that accumulates JAX's compile time inside the block."""
+    total = [0.0]
+
+    def listener(event: str, duration: float, **_) -> None:
+        if event in _COMPILE_EVENTS:
+            total[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def parse_length(text: str) -> int:
@@ -25,9 +244,93 @@ def parse_length(text: str) -> int:
     return int(text.rstrip("km")) * scale
 
 
+def _decode_ms(engine: Engine, session_id: int, steps: int, vocab: int) -> float:
+    engine.decode([session_id], [1])                                   # compile
+    samples = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        engine.decode([session_id], [step % vocab])
+        samples.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(samples)
+
+
+def _measure(model, params, *, length, shards, dtype, pool_factor, dense, args) -> dict:
+    """One grid point; with `dense`, also the dense-selection decode on the same pool."""
+    need = cdiv(cdiv(length + 2 * args.decode_steps + 2, args.page_size), shards)
+    rt = RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
+                       pages_per_shard=max(need, args.base_pages) * pool_factor,
+                       page_size=args.page_size, chunk_size=args.chunk, backend=args.backend)
+    engine = Engine(model, rt, LocalExecutor(model, rt, params))
+    session = engine.create_session()
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, length).tolist()
+    with tqdm(total=length, desc="prefill", unit="tok", leave=False,
+              disable=args.no_progress) as bar, compile_seconds() as compile_s:
+        t0 = time.perf_counter()
+        engine.extend(session.id, tokens, progress=bar.update)
+        prefill_s = time.perf_counter() - t0
+    row = {"length": length, "shards": shards, "dtype": dtype, "pool_factor": pool_factor,
+           "pool_pages_per_shard": rt.pages_per_shard, "prefill_s": prefill_s,
+           "prefill_compile_s": compile_s[0],
+           "prefill_tok_per_s": length / max(prefill_s - compile_s[0], 1e-9),
+           "decode_ms": _decode_ms(engine, session.id, args.decode_steps, model.vocab_size)}
+    if dense:
+        full = dense_model(model, tokens=length + 2 * args.decode_steps + 2,
+                           page_size=args.page_size)
+        dense_exec = LocalExecutor(full, rt, params)
+        dense_exec.pool, engine.executor.pool = engine.executor.pool, None  # same cache, no copy
+        engine.executor = dense_exec
+        row["dense_decode_ms"] = _decode_ms(engine, session.id, args.decode_steps,
+                                            model.vocab_size)
+        row["dense_vs_sparse"] = row["dense_decode_ms"] / row["decode_ms"]
+    return row
+
+
+def _roofline_fractions(row: dict, model: ModelConfig, roof: dict, *, args,
+                        param_bytes: int) -> dict:
+    """Achieved GB/s and GFLOP/s of the row's prefill and decode, and their fractions of `roof`."""
+    common = dict(page_size=args.page_size, kv_cache_dtype=row["dtype"], shards=row["shards"],
+                  param_bytes=param_bytes)
+    prefill = prefill_work(model, length=row["length"], chunk=args.chunk, **common)
+    decode = decode_step_work(model, context=row["length"] + args.decode_steps // 2, **common)
+    out = {}
+    for name, work, seconds in (
+            ("prefill", prefill, row["length"] / row["prefill_tok_per_s"]),
+            ("decode", decode, row["decode_ms"] / 1000)):
+        gbs, gflops = work.bytes / seconds / 1e9, work.flops / seconds / 1e9
+        out |= {f"{name}_gb_per_s": gbs, f"{name}_gflop_per_s": gflops,
+                f"{name}_bw_%": 100 * gbs / roof["memory_gb_per_s"],
+                f"{name}_flop_%": 100 * gflops / roof["matmul_gflop_per_s"],
+                f"{name}_flop_per_byte": work.flops / work.bytes}
+    return out
+
+
+def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path]:
+    first = min(r["pool_factor"] for r in rows)
+    series = sorted({(r["dtype"], r["shards"]) for r in rows})
+    decode, prefill, groups = {}, {}, {}
+    for dtype, shards in series:
+        pts = sorted((r["length"], r) for r in rows
+                     if (r["dtype"], r["shards"], r["pool_factor"]) == (dtype, shards, first))
+        label = f"{dtype} S={shards}"
+        decode[f"sparse {label}"] = ([n for n, _ in pts], [r["decode_ms"] for _, r in pts])
+        groups[f"sparse {label}"] = groups[f"dense {label}"] = label
+        dense = [(n, r["dense_decode_ms"]) for n, r in pts if "dense_decode_ms" in r]
+        if dense:
+            decode[f"dense {label}"] = ([n for n, _ in dense], [ms for _, ms in dense])
+        prefill[label] = ([n for n, _ in pts], [r["prefill_tok_per_s"] for _, r in pts])
+    return [line_chart(out.with_name(out.stem + "_decode.png"), decode, xlabel="context tokens",
+                       ylabel="decode ms / step", title=f"{model}: decode step (pool {first}x)",
+                       dashed=[label for label in decode if label.startswith("dense")],
+                       groups=groups),
+            line_chart(out.with_name(out.stem + "_prefill.png"), prefill,
+                       xlabel="context tokens", ylabel="prefill tokens / s",
+                       title=f"{model}: prefill, compile excluded (pool {first}x)")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.throughput",
-                                description="Prefill tokens/s and decode ms/step on the CPU mesh.")
+                                description="Prefill tokens/s and decode ms/step on the CPU mesh, "
+                                            "roofline fractions, sparse vs dense decode.")
     p.add_argument("--model", default="small")
     p.add_argument("--lengths", default="2k,8k", help="context lengths, e.g. 8k,64k,1m")
     p.add_argument("--shards", default="16", help="comma-separated shard counts")
@@ -39,67 +342,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=10)
-    p.add_argument("--out", default="out/throughput.json")
+    p.add_argument("--backend", default="auto",
+                   help="kernel backend (auto: pallas on TPU, xla elsewhere; reference, ...)")
+    p.add_argument("--dense-max-length", default="128k",
+                   help="longest context for the dense decode comparison (0: none)")
+    p.add_argument("--roofline-mib", type=int, default=None,
+                   help="bandwidth array size, all devices together (default by backend)")
+    p.add_argument("--matmul-n", type=int, default=None, help="roofline matmul side per device")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--out", default="out/throughput.json",
+                   help="JSON path; the PNGs go beside it (<stem>_decode.png, _prefill.png)")
     return p
-
-
-def _measure(model, params, *, length, shards, dtype, pool_factor, args) -> dict:
-    import numpy as np
-
-    from cp_runtime.config import RuntimeConfig
-    from cp_runtime.engine import Engine
-    from cp_runtime.executor import LocalExecutor
-    from cp_runtime.layout import cdiv
-
-    need = cdiv(cdiv(length + args.decode_steps + 1, args.page_size), shards)
-    rt = RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
-                       pages_per_shard=max(need, args.base_pages) * pool_factor,
-                       page_size=args.page_size,
-                       chunk_size=args.chunk)
-    engine = Engine(model, rt, LocalExecutor(model, rt, params))
-    session = engine.create_session()
-    tokens = np.random.default_rng(0).integers(0, model.vocab_size, length).tolist()
-    t0 = time.perf_counter()
-    engine.extend(session.id, tokens)
-    prefill_s = time.perf_counter() - t0
-    engine.decode([session.id], [1])                                   # compile
-    samples = []
-    for step in range(args.decode_steps):
-        t0 = time.perf_counter()
-        engine.decode([session.id], [step % model.vocab_size])
-        samples.append(time.perf_counter() - t0)
-    return {"length": length, "shards": shards, "dtype": dtype, "pool_factor": pool_factor,
-            "pool_pages_per_shard": rt.pages_per_shard, "prefill_s": prefill_s,
-            "prefill_tok_per_s": length / prefill_s,
-            "decode_ms": 1000 * statistics.median(samples)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shard_counts = [int(s) for s in args.shards.split(",")]
-    init_cpu_devices(max(shard_counts))
-    from tqdm import tqdm
-
-    from cp_runtime.config import load_model_config
-    from cp_runtime.weights import init_params
-
+    ensure_devices(max(shard_counts))
     model = load_model_config(args.model)
     params = init_params(model, seed=0)
+    param_bytes = params["model.embed_tokens.weight"].dtype.itemsize
+    roofs = {s: measure_roofline(jax.devices()[:s], mem_mib=args.roofline_mib,
+                                 matmul_n=args.matmul_n) for s in shard_counts}
+    pool_factors = [int(f) for f in args.pool_factors.split(",")]
+    dense_max = parse_length(args.dense_max_length)
     grid = [(length, s, d, f) for length in map(parse_length, args.lengths.split(","))
-            for s in shard_counts for d in args.dtypes.split(",")
-            for f in map(int, args.pool_factors.split(","))]
-    rows = [_measure(model, params, length=length, shards=s, dtype=d, pool_factor=f, args=args)
-            for length, s, d, f in tqdm(grid, desc="throughput")]
+            for s in shard_counts for d in args.dtypes.split(",") for f in pool_factors]
+    rows = []
+    for length, s, d, f in tqdm(grid, desc="throughput", disable=args.no_progress):
+        row = _measure(model, params, length=length, shards=s, dtype=d, pool_factor=f,
+                       dense=f == pool_factors[0] and length <= dense_max, args=args)
+        rows.append(row | _roofline_fractions(row, model, roofs[s], args=args,
+                                              param_bytes=param_bytes))
     base = {(r["length"], r["shards"], r["dtype"]): r["decode_ms"] for r in rows
-            if r["pool_factor"] == 1}
+            if r["pool_factor"] == pool_factors[0]}
     for r in rows:
-        r["decode_vs_pool_1x"] = r["decode_ms"] / base.get((r["length"], r["shards"], r["dtype"]),
-                                                           float("nan"))
+        r["decode_vs_pool_1x"] = r["decode_ms"] / base[(r["length"], r["shards"], r["dtype"])]
+    info = machine()
+    print_table(list(roofs.values()), ["devices", "read_gb_per_s", "copy_gb_per_s",
+                                       "matmul_n", "matmul_gflop_per_s"],
+                title=f"roofline: {info['processor']}, {info['cpu_count']} cores, "
+                      f"backend {info['backend']}")
+    print()
     print_table(rows, ["length", "shards", "dtype", "pool_factor", "pool_pages_per_shard",
-                       "prefill_tok_per_s", "decode_ms", "decode_vs_pool_1x"],
-                title=f"{args.model} on {machine()['processor']}, {machine()['cpu_count']} cores, "
-                      f"backend {machine()['backend']}")
-    write_json(args.out, {"args": vars(args), "rows": rows})
+                       "prefill_tok_per_s", "prefill_compile_s", "decode_ms",
+                       "decode_vs_pool_1x", "dense_decode_ms", "dense_vs_sparse"],
+                title=f"{args.model}: prefill (compile excluded) and decode, backend "
+                      f"{resolve_backend(args.backend)}")
+    print()
+    print_table(rows, ["length", "shards", "dtype", "pool_factor", "prefill_gflop_per_s",
+                       "prefill_flop_%", "prefill_bw_%", "decode_gb_per_s", "decode_bw_%",
+                       "decode_flop_%"],
+                title="achieved fraction of the measured roofline (%)")
+    out = pathlib.Path(args.out)
+    write_json(out, {"args": vars(args), "backend": resolve_backend(args.backend),
+                     "roofline": roofs, "rows": rows})
+    pngs = _plots(rows, out, args.model)
+    print(f"wrote {out}, {', '.join(map(str, pngs))}")
     return 0
 
 

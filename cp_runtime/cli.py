@@ -18,7 +18,8 @@ from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = ["main", "build_parser"]
 
-BENCHMARKS = ("niah", "capacity", "kernel_error", "selection", "throughput", "kernels", "all")
+BENCHMARKS = ("niah", "capacity", "kernel_error", "selection", "throughput", "kernels", "merge",
+              "roofline", "million", "all")
 
 
 def _add_capacity(sub) -> None:

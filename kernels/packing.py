@@ -14,10 +14,23 @@ and, for fp8, of 4-packed rows; a page DMA then never splits a tile.
 Page ring. `page_ring` drives a loop over a dynamic number of items (pages, or blocks of pages)
 whose data reach VMEM through `num_buffers` scratch buffers: while item j is computed, the DMAs of
 items j + 1 .. j + num_buffers - 1 are in flight.
+
+Interpret mode on a multi-device CPU mesh. XLA:CPU runs each device of a multi-device program on
+a thread of one client pool of `max(nproc, CPU devices)` threads (nproc: $PJRT_NPROC, else $NPROC,
+else the schedulable cores) and runs host -> device copies over 100 KiB on that same pool. TPU
+interpret mode keeps every device inside a kernel until all have reached a `threading.Barrier`,
+and each of its host callbacks first copies its operands (whole kernel inputs, for buffer
+allocation) onto a CPU device. When the mesh takes every pool thread (S = 16 on 16 CPU devices
+with nproc <= 16), a device blocked on a large copy waits for a pool thread that never frees: a
+deadlock with the process idle (jax 0.10.2, 2 cores: S = 2 on 2 devices and S = 16 on 16 devices
+both hang once an operand passes 100 KiB; PJRT_NPROC = S + 1 runs them). `interpret_params`
+refuses such a mesh instead of hanging; the fix is a larger pool, set before JAX creates its CPU
+client (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,6 +48,7 @@ __all__ = [
     "unpack_pages",
     "unpack_page",
     "interpret_params",
+    "cpu_client_threads",
     "page_ring",
 ]
 
@@ -75,9 +89,37 @@ def unpack_page(page: jax.Array) -> jax.Array:
     return page.reshape(*lead, groups * pk, d)
 
 
+def cpu_client_threads() -> int:
+    """Threads of XLA's CPU client pool, as it sizes them (module docstring); read at trace time,
+    so it assumes the environment has not changed since the client was created."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            nproc = int(value)
+            break
+    else:
+        affinity = getattr(os, "sched_getaffinity", None)     # Linux; XLA counts the same cores
+        nproc = len(affinity(0)) if affinity else os.cpu_count()
+    return max(nproc or 1, len(jax.devices("cpu")))
+
+
 def interpret_params(interpret: bool):
-    """The `interpret=` argument of `pl.pallas_call`: TPU interpret mode (runs on CPU) or off."""
-    return pltpu.InterpretParams() if interpret else False
+    """The `interpret=` argument of `pl.pallas_call`: TPU interpret mode (runs on CPU) or off.
+
+    Called while tracing the kernel; inside a `shard_map` over S CPU devices it raises
+    RuntimeError unless XLA's CPU client pool has a thread to spare beyond S (module docstring).
+    """
+    if not interpret:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1 and jax.default_backend() == "cpu":
+        threads = cpu_client_threads()
+        if threads <= mesh.size:
+            raise RuntimeError(
+                f"TPU interpret mode on {mesh.size} CPU devices at once can deadlock: XLA's CPU "
+                f"client has {threads} threads and needs more than {mesh.size}; set "
+                f"PJRT_NPROC={mesh.size + 1} (or more) before JAX creates its CPU client")
+    return pltpu.InterpretParams()
 
 
 def page_ring(count: jax.Array, num_buffers: int,

@@ -1,8 +1,14 @@
 """Test setup: 16 virtual CPU devices (configured before JAX is first used) and shared fixtures."""
 
+import os
+
 import jax
 
-jax.config.update("jax_num_cpu_devices", 16)
+CPU_DEVICES = 16
+# One more thread than devices in XLA's CPU client pool: TPU interpret-mode kernels running on
+# all 16 devices at once otherwise deadlock (see kernels/packing.py).
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, CPU_DEVICES + 1)))
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

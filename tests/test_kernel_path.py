@@ -1,8 +1,10 @@
 """The tiny model through the Pallas kernels (TPU interpret mode) equals the reference path
-within the kernels' bounds.
+within the kernels' bounds, on one shard and on 16.
 
-Only S = 1 runs here: the interpret-mode kernels inside a 16-device shard_map did not finish in
-15 minutes on this 2-core machine (the process sat idle, not computing); see the kernels issue."""
+At S = 16 every CPU device runs the interpreted kernels at once; TPU interpret mode then needs a
+spare thread in XLA's CPU client pool (kernels/packing.py, "Interpret mode on a multi-device CPU
+mesh"); tests/conftest.py sizes the pool before JAX creates its CPU client.
+"""
 
 import numpy as np
 import pytest
@@ -10,12 +12,15 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 
 # Kernel vs reference differ by f32 summation order only (tests/test_kernels.py measures ~1e-7
-# per kernel); through 4 layers and the lm head the logits' rel-L2 measured 2e-7 (S = 1).
+# per kernel); through 4 layers and the lm head the logits' rel-L2 measured 4.1e-7 at both S = 1
+# and S = 16.
 KERNEL_PATH_BOUND = 1e-5
 
 
-@pytest.mark.parametrize("shards", [1])
+@pytest.mark.parametrize("shards", [1, 16])
 def test_kernel_path_matches_reference(tiny, tiny_params, shards):
+    # 40 tokens on 16-token pages in 32-token chunks: the first chunk spans pages 0-1 (shards 0
+    # and 1 at S = 16), the second page 2 (shard 2); then one decode step.
     outs = {}
     for backend in ("reference", "pallas_interpret"):
         engine = make_engine(tiny, tiny_params, kv_cache_dtype="fp8_e4m3", num_shards=shards,
@@ -25,4 +30,4 @@ def test_kernel_path_matches_reference(tiny, tiny_params, shards):
         prefill = engine.extend(s.id, random_tokens(tiny, 40, 0), all_logits=True)
         decode = engine.decode([s.id], [3])
         outs[backend] = np.concatenate([prefill, decode])
-    assert 0 <= rel_l2(outs["pallas_interpret"], outs["reference"]) <= KERNEL_PATH_BOUND
+    assert 0 < rel_l2(outs["pallas_interpret"], outs["reference"]) <= KERNEL_PATH_BOUND

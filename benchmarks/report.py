@@ -1,0 +1,282 @@
+"""The whole benchmark suite in one run, written up as DIR/report.md with its PNGs.
+
+    cp-runtime bench all --quick                  # every benchmark small: a few minutes on a CPU
+    python -m benchmarks.report --quick --out out/report
+    python -m benchmarks.report --only capacity,kernel_error --out out/report
+
+Sections, in order: niah, capacity, kernel_error, selection, throughput (with the roofline),
+merge, kernels. Each benchmark's `main(argv)` runs in this process with its `--out` inside DIR;
+its console output is echoed and kept, and the report renders its JSON as markdown tables next to
+its PNGs. Without `--quick` each benchmark runs with its own defaults (hours for the needle sweep).
+
+JAX is given `--shards` virtual CPU devices once, here, before anything uses it; the benchmarks
+that ask for devices themselves ask for that same count, which JAX accepts after start-up (a
+different count would raise). A benchmark that fails is reported in its section, the others still
+run, and the exit status is 1.
+
+Measured on the development machine (2 shared x86 cores, 16 virtual devices): `--quick` takes
+5.3 min, of which niah 2.6 min, throughput 1.4 min, selection 38 s, kernels 20 s, the rest 16 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import pathlib
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from benchmarks.common import machine
+from benchmarks.roofline import ensure_devices
+
+__all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "main"]
+
+
+# -- markdown -------------------------------------------------------------------------------
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "x".join(map(str, v))
+    return "" if v is None else str(v).replace("|", "\\|")
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A GitHub markdown table of `rows` (columns: the given ones, else every key in order)."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _load(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _image(out: pathlib.Path, path: pathlib.Path, caption: str) -> str:
+    return f"![{caption}]({path.relative_to(out).as_posix()})" if path.exists() else ""
+
+
+# -- sections -------------------------------------------------------------------------------
+# Each renderer turns a benchmark's outputs under DIR into markdown blocks.
+def _niah(out: pathlib.Path) -> list[str]:
+    d = _load(out / "niah" / "niah.json")
+    rows = d["summary"]
+    head, tail = ["variant", "dtype", "shards"], ["recall", "no_needle", "uplift_nats"]
+    lengths = [k for k in rows[0] if k not in head + tail]
+    return [f"Model `{d['model']}`, depths {d['depths']}, page size {d['page_size']}, index_topk "
+            f"{d['index_topk']}; recall as correct/trials per length, uplift in nats.",
+            markdown_table(rows, head + lengths + tail),
+            "Prefill time per engine (compiles included):",
+            markdown_table(d["timings"]),
+            _image(out, out / "niah" / "niah_heatmap.png", "niah heatmap")]
+
+
+def _capacity(out: pathlib.Path) -> list[str]:
+    d = _load(out / "capacity" / "capacity.json")
+    return [f"Slice: {d['devices']} devices x {d['hbm_gib']:g} GiB, {d['weights_gib']:g} GiB "
+            "each for weights.",
+            markdown_table(d["rows"], ["model", "dtype", "latent", "indexer", "bytes_per_token",
+                                       "tokens_per_gib", "ratio_vs_bf16", "slice_tokens_M"]),
+            _image(out, out / "capacity" / "capacity.png", "capacity")]
+
+
+def _kernel_error(out: pathlib.Path) -> list[str]:
+    d = _load(out / "kernel_error.json")
+    return [f"fp8 vs bf16 latent cache, `{d['model']}` shapes, backend `{d['backend']}`.",
+            markdown_table(d["rows"])]
+
+
+def _selection(out: pathlib.Path) -> list[str]:
+    d = _load(out / "selection" / "selection.json")
+    return ["Top-K changes against a bf16 indexer cache:",
+            markdown_table(d["selection"], ["model", "index_topk", "scheme", "changed",
+                                            "changed_pct", "swapped_pct"]),
+            f"Recall model ({d['recall_trials']} contexts of {d['recall_length']} tokens, "
+            f"{d['siblings']} siblings):",
+            markdown_table(d["recall"])]
+
+
+def _throughput(out: pathlib.Path) -> list[str]:
+    d = _load(out / "throughput.json")
+    rows = d["rows"]
+    return ["Roofline measured in the same run (aggregate over the devices):",
+            markdown_table(list(d["roofline"].values()),
+                           ["devices", "read_gb_per_s", "copy_gb_per_s", "matmul_n",
+                            "matmul_gflop_per_s"]),
+            f"Prefill (compile excluded) and decode, model `{d['args']['model']}`, backend "
+            f"`{d['backend']}`; dense = index_topk covering every page:",
+            markdown_table(rows, ["length", "shards", "dtype", "pool_factor",
+                                  "prefill_tok_per_s", "prefill_compile_s", "decode_ms",
+                                  "decode_vs_pool_1x", "dense_decode_ms", "dense_vs_sparse"]),
+            "Achieved fraction of the measured roofline (%):",
+            markdown_table(rows, ["length", "shards", "dtype", "pool_factor",
+                                  "prefill_gflop_per_s", "prefill_flop_%", "prefill_bw_%",
+                                  "decode_gb_per_s", "decode_bw_%", "decode_flop_%"]),
+            _image(out, out / "throughput_decode.png", "decode ms vs length"),
+            _image(out, out / "throughput_prefill.png", "prefill tokens/s vs length")]
+
+
+def _merge(out: pathlib.Path) -> list[str]:
+    return [markdown_table(_load(out / "merge.json")["rows"])]
+
+
+def _kernels(out: pathlib.Path) -> list[str]:
+    d = _load(out / "kernels.json")
+    return [f"Mode `{d['mode']}`, size `{d['size']}` (interpret-mode ms time the CPU "
+            "simulation, not the kernel).",
+            markdown_table(d["results"], ["kernel", "cache_dtype", "grid", "vmem_bytes", "bytes",
+                                          "flops", "max_abs_err", "rel_l2", "call_ms"])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One benchmark: its module under benchmarks/, its `--out` inside DIR, the extra arguments
+    of a quick run, and the renderer of its outputs."""
+
+    name: str
+    title: str
+    out: str
+    quick: tuple[str, ...]
+    render: Callable[[pathlib.Path], list[str]]
+    takes_shards: bool = False
+
+    def argv(self, out: pathlib.Path, *, quick: bool, shards: int) -> list[str]:
+        return [*(self.quick if quick else ()),
+                *(("--shards", str(shards)) if self.takes_shards else ()),
+                "--out", str(out / self.out)]
+
+
+SECTIONS = (
+    Section("niah", "Needle in a haystack (recall per cache dtype)", "niah", ("--quick",), _niah,
+            takes_shards=True),
+    Section("capacity", "Capacity", "capacity", (), _capacity),
+    Section("kernel_error", "fp8 cache error", "kernel_error.json", ("--seeds", "1"),
+            _kernel_error),
+    Section("selection", "Indexer cache dtype and selection", "selection", ("--quick",),
+            _selection),
+    Section("throughput", "Throughput and roofline", "throughput.json",
+            ("--lengths", "2k,8k", "--dtypes", "bf16,fp8_e4m3", "--pool-factors", "1",
+             "--decode-steps", "5", "--no-progress"), _throughput, takes_shards=True),
+    Section("merge", "Merge collectives", "merge.json", ("--repeats", "5"), _merge,
+            takes_shards=True),
+    Section("kernels", "Pallas kernels vs references", "kernels.json", ("--size", "small"),
+            _kernels),
+)
+
+
+# -- running --------------------------------------------------------------------------------
+class _Tee(io.TextIOBase):
+    """Writes to a stream and keeps a copy."""
+
+    def __init__(self, stream):
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        return self.copy.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _run(section: Section, out: pathlib.Path, *, quick: bool, shards: int, label: str) -> dict:
+    """Run one benchmark's main; returns its argv, seconds, console text and error (or None)."""
+    argv = section.argv(out, quick=quick, shards=shards)
+    print(f"\n== [{label}] {section.name}: python -m benchmarks.{section.name} "
+          f"{' '.join(argv)}", flush=True)
+    tee = _Tee(sys.stdout)
+    error = None
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(tee):
+        try:
+            status = importlib.import_module(f"benchmarks.{section.name}").main(argv)
+            if status:
+                error = f"exit status {status}"
+        except SystemExit as e:                 # argparse and some mains exit instead of raising
+            if e.code:
+                error = f"exit: {e.code}"
+        except Exception:                       # reported in the section; the suite goes on
+            error = traceback.format_exc()
+    return {"argv": argv, "seconds": time.perf_counter() - t0, "console": tee.copy.getvalue(),
+            "error": error}
+
+
+def _section_md(section: Section, run: dict, out: pathlib.Path) -> list[str]:
+    md = [f"## {section.title}", "",
+          f"`python -m benchmarks.{section.name} {' '.join(run['argv'])}`: "
+          f"{run['seconds']:.1f} s", ""]
+    blocks = []
+    if run["error"] is None:
+        try:
+            blocks = section.render(out)
+        except (OSError, KeyError, ValueError) as e:
+            blocks = [f"(could not render the outputs: {e!r})"]
+    else:
+        blocks = ["**failed:**", "```text\n" + run["error"].rstrip() + "\n```"]
+    md += [b for block in blocks if block for b in (block, "")]
+    md += ["<details><summary>console output</summary>", "", "```text",
+           run["console"].rstrip(), "```", "</details>", ""]
+    return md
+
+
+def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool,
+                 total_s: float) -> pathlib.Path:
+    info = machine()
+    md = ["# cp-runtime benchmark report", "",
+          f"{'Quick run' if quick else 'Full run'} of {len(runs)} benchmarks in {total_s:.0f} s "
+          f"({time.strftime('%Y-%m-%d %H:%M')}).", "",
+          markdown_table([info]), ""]
+    md += [f"- {s.name}: {'failed' if runs[s.name]['error'] else 'ok'}, "
+           f"{runs[s.name]['seconds']:.1f} s" for s in SECTIONS if s.name in runs]
+    md.append("")
+    for section in SECTIONS:
+        if section.name in runs:
+            md += _section_md(section, runs[section.name], out)
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                description="Run every benchmark and write DIR/report.md.")
+    p.add_argument("--quick", action="store_true", help="every benchmark small (minutes on a CPU)")
+    p.add_argument("--out", default="out/report", help="output directory DIR")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated subset of {', '.join(s.name for s in SECTIONS)}")
+    p.add_argument("--shards", type=int, default=16,
+                   help="virtual CPU devices, and the shard count of niah, throughput and merge")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = [s.name for s in SECTIONS]
+    only = names if args.only is None else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ValueError(f"unknown benchmark {unknown[0]!r}; choices: {', '.join(names)}")
+    ensure_devices(args.shards)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    chosen = [s for s in SECTIONS if s.name in only]
+    runs = {s.name: _run(s, out, quick=args.quick, shards=args.shards,
+                         label=f"{i}/{len(chosen)}") for i, s in enumerate(chosen, 1)}
+    path = write_report(out, runs, quick=args.quick, total_s=time.perf_counter() - t0)
+    failed = [n for n, r in runs.items() if r["error"]]
+    print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s"
+          + (f"; failed: {', '.join(failed)})" if failed else ")"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The benchmark suite's own arithmetic and plumbing: capacity figures, the roofline measurement,
+the throughput work accounting on hand-worked cases, and the report writer."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import capacity, report, throughput
+from benchmarks.roofline import measure_roofline
+from cp_runtime.config import ModelConfig, load_model_config
+from cp_runtime.weights import param_shapes
+
+GIB = 1 << 30
+
+
+# -- capacity -------------------------------------------------------------------------------
+def test_capacity_glm_figures():
+    rows = capacity.capacity_rows(["glm-5.2"], ["bf16", "fp8_e4m3", "fp8_e5m2", "f32"],
+                                  devices=16, hbm_gib=192.0, weights_gib=0.0)
+    by = {r["dtype"]: r for r in rows}
+    assert by["bf16"]["bytes_per_token"] == 105216
+    assert by["fp8_e4m3"]["bytes_per_token"] == by["fp8_e5m2"]["bytes_per_token"] == 55296
+    assert by["f32"]["bytes_per_token"] == 2 * 105216
+    assert by["fp8_e4m3"]["ratio_vs_bf16"] == "1.90x"
+    assert by["bf16"]["ratio_vs_bf16"] == "1.00x"
+    assert by["fp8_e4m3"]["tokens_per_gib"] == GIB // 55296
+    assert by["fp8_e4m3"]["slice_tokens"] == 16 * 192 * GIB // 55296
+    assert by["fp8_e4m3"]["indexer"] == "bfloat16"
+
+
+def test_capacity_weights_reduce_slice(tmp_path):
+    assert capacity.main(["--models", "glm-5.2", "--weights-gib", "32",
+                          "--out", str(tmp_path)]) == 0
+    rows = {r["dtype"]: r for r in json.loads((tmp_path / "capacity.json").read_text())["rows"]}
+    assert rows["fp8_e4m3"]["slice_tokens"] == 16 * 160 * GIB // 55296
+    assert (tmp_path / "capacity.png").stat().st_size > 0
+
+
+# -- roofline -------------------------------------------------------------------------------
+def test_roofline_positive():
+    roof = measure_roofline(jax.devices()[:2], mem_mib=8, matmul_n=64, repeats=1)
+    assert roof["devices"] == 2 and roof["mem_bytes"] == 8 << 20
+    for key in ("read_gb_per_s", "copy_gb_per_s", "memory_gb_per_s", "matmul_gflop_per_s"):
+        assert roof[key] > 0, key
+
+
+# -- work accounting ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hand() -> ModelConfig:
+    """Small enough to count by hand: hid 4, 1 head, ranks 2, 2 layers (full, shared), dense MLP.
+    latent_dim 256 (128 + 128 lanes), K = index_topk / ps = 1 page at ps 16."""
+    return ModelConfig(name="hand", vocab_size=10, hidden_size=4, num_hidden_layers=2,
+                       num_attention_heads=1, q_lora_rank=2, kv_lora_rank=2, qk_nope_head_dim=2,
+                       qk_rope_head_dim=2, v_head_dim=2, index_n_heads=1, index_head_dim=2,
+                       index_topk=16, indexer_types=("full", "shared"), first_k_dense_replace=2,
+                       intermediate_size=3, moe_intermediate_size=0, n_routed_experts=0,
+                       num_experts_per_tok=0, n_shared_experts=0)
+
+
+def test_matmul_weights_by_hand(hand):
+    # attention 8 + 8 + 16 + 8 + 8 = 48; indexer 4 + 8 + 4 = 16; MLP 3 * 3 * 4 = 36
+    assert throughput.matmul_weights(hand) == (48 + 16 + 36) + (48 + 36)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "glm-5.2"])
+def test_matmul_weights_match_param_shapes(name):
+    """With every routed expert counted, the formula is every 2-D tensor but the embeddings."""
+    model = load_model_config(name)
+    shapes = param_shapes(model)
+    total = sum(s[0] * s[1] for k, s in shapes.items() if len(s) == 2
+                and k not in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert throughput.matmul_weights(model, experts=model.n_routed_experts) == total
+
+
+def test_projection_work_by_hand(hand):
+    w = throughput.projection_work(hand, 3, logit_rows=1, param_bytes=4, replicas=2)
+    # per token 2 * 184 + Hadamard 2 * 2^2 * (1 + 1) = 384; lm_head 2 * 10 * 4 = 80
+    assert w.flops == 2 * (3 * 384 + 80)
+    # weights 184 + lm_head 40 + 3 embedding rows of 4, f32
+    assert w.bytes == 2 * 4 * (184 + 40 + 12)
+
+
+def test_indexer_attention_write_by_hand(hand):
+    w = throughput.indexer_work(hand, 10, 6, kv_cache_dtype="fp8_e4m3")
+    assert (w.flops, w.bytes) == (10 * (2 * 2 + 3), 6 * 2 * 2)          # bf16 indexer keys
+    assert throughput.indexer_work(hand, 10, 6, kv_cache_dtype="f32").bytes == 6 * 2 * 4
+    w = throughput.attention_work(hand, 10, 3, page_size=16, kv_cache_dtype="fp8_e4m3")
+    assert (w.flops, w.bytes) == (2 * 10 * 2 * (256 + 2), 2 * 3 * 16 * 256)
+    w = throughput.cache_write_work(hand, 5, kv_cache_dtype="fp8_e4m3")
+    assert (w.flops, w.bytes) == (0, 5 * (2 * 256 + 2 * 2))
+
+
+def test_decode_step_work_by_hand(hand):
+    # t = 40 on page 2: indexer 32 keys; attention 1 selected page + own page, 16 + 9 keys
+    w = throughput.decode_step_work(hand, context=40, page_size=16, kv_cache_dtype="fp8_e4m3",
+                                    shards=2, param_bytes=4)
+    assert w.flops == 2 * (384 + 80) + 32 * 7 + 2 * 25 * 2 * 258
+    assert w.bytes == 2 * 4 * (184 + 40 + 4) + 32 * 2 * 2 + 2 * 2 * 16 * 256 + 516
+
+
+def test_prefill_work_by_hand(hand):
+    # 40 tokens in chunks [0, 32) and [32, 40); pages of 16; K = 1
+    w = throughput.prefill_work(hand, length=40, chunk=32, page_size=16,
+                                kv_cache_dtype="fp8_e4m3", shards=1, param_bytes=4)
+    index_pairs = 16 * 16 + 8 * 32                                       # 512
+    attend_pairs = 136 + (16 * 16 + 136) + (8 * 16 + 36)                 # 692
+    projections = (32 * 384 + 80) + (8 * 384 + 80)
+    assert w.flops == projections + index_pairs * 7 + 2 * attend_pairs * 2 * 258
+    keys_read, pages_read = 16 + 32, 2 + 3
+    weights = 4 * (184 + 40 + 32 * 4) + 4 * (184 + 40 + 8 * 4)
+    assert w.bytes == weights + keys_read * 4 + 2 * pages_read * 16 * 256 + 40 * 516
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_prefill_in_single_tokens_is_a_sum_of_decode_steps(name):
+    model = load_model_config(name)
+    kw = dict(page_size=16, kv_cache_dtype="bf16", shards=4, param_bytes=2)
+    prefill = throughput.prefill_work(model, length=100, chunk=1, **kw)
+    steps = [throughput.decode_step_work(model, context=t, **kw) for t in range(100)]
+    assert prefill.flops == sum(s.flops for s in steps)
+    assert prefill.bytes == sum(s.bytes for s in steps)
+
+
+def test_dense_model_selects_every_page(hand):
+    dense = throughput.dense_model(hand, tokens=40, page_size=16)
+    assert dense.index_topk == 48 and dense.index_topk // 16 >= 40 // 16
+    assert dense.latent_dim == hand.latent_dim
+
+
+# -- report ---------------------------------------------------------------------------------
+def test_markdown_table():
+    text = report.markdown_table([{"a": 1, "b": 0.123456}, {"a": "x|y"}])
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.1235 |", "| x\\|y |  |"]
+
+
+def test_report_writes_markdown(tmp_path):
+    assert report.main(["--quick", "--only", "capacity,kernel_error", "--out",
+                        str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Capacity" in text and "## fp8 cache error" in text
+    assert "| glm-5.2 | fp8_e4m3 |" in text and "55296" in text and "1.90x" in text
+    assert "![capacity](capacity/capacity.png)" in text
+    assert "failed" not in text
+
+
+def test_report_records_a_failure(tmp_path, monkeypatch):
+    def broken(argv):
+        raise RuntimeError("deliberately broken")
+
+    monkeypatch.setattr(capacity, "main", broken)
+    assert report.main(["--only", "capacity", "--out", str(tmp_path)]) == 1
+    text = (tmp_path / "report.md").read_text()
+    assert "**failed:**" in text and "deliberately broken" in text
+
+
+def test_report_rejects_unknown_benchmark(tmp_path):
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        report.main(["--only", "nope", "--out", str(tmp_path)])
+
+
+# -- throughput, end to end -----------------------------------------------------------------
+def test_throughput_tiny_run(tmp_path):
+    out = tmp_path / "throughput.json"
+    assert throughput.main(["--lengths", "256", "--shards", "2", "--dtypes", "fp8_e4m3",
+                            "--pool-factors", "1", "--decode-steps", "2", "--base-pages", "16",
+                            "--page-size", "16", "--chunk", "128", "--roofline-mib", "8",
+                            "--matmul-n", "64", "--no-progress", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    (row,) = d["rows"]
+    assert row["prefill_tok_per_s"] > 0 and row["decode_ms"] > 0 and row["dense_decode_ms"] > 0
+    assert 0 < row["decode_bw_%"] and 0 < row["prefill_flop_%"]
+    assert d["roofline"]["2"]["matmul_gflop_per_s"] > 0
+    assert (tmp_path / "throughput_decode.png").exists()
+    assert (tmp_path / "throughput_prefill.png").exists()
