@@ -13,11 +13,18 @@ __all__ = ["machine", "write_json", "print_table", "init_cpu_devices"]
 
 
 def init_cpu_devices(count: int = 16) -> None:
-    """Give the CPU backend `count` virtual devices; must run before JAX is first used. Sizes
-    XLA's CPU thread pool one past the device count (interpret-mode kernels on every device at
-    once deadlock otherwise: kernels/packing.py)."""
+    """Ask for `count` virtual CPU devices; call before JAX is first used. If JAX has already
+    started (inside the report, or a test session), keep what it has and refuse if that is
+    fewer than `count`. Sizes XLA's CPU thread pool one past the device count (interpret-mode
+    kernels on every device at once deadlock otherwise: kernels/packing.py)."""
     os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, count + 1)))
-    jax.config.update("jax_num_cpu_devices", count)
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:              # JAX refuses a different count once it has started
+        pass
+    if jax.device_count() < count:
+        raise ValueError(f"{count} devices needed, JAX has {jax.device_count()} (on CPU, set "
+                         "the count before any other JAX use)")
 
 
 def machine() -> dict:

@@ -43,7 +43,6 @@ import re
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -610,20 +609,9 @@ def _workload(args) -> Workload:
                     lambda v, n, d, rng: text_context(tokenizer, v, n, d, rng))
 
 
-def _init_devices(count: int) -> None:
-    """Ask for `count` virtual CPU devices; if JAX already started, use what it has."""
-    try:
-        init_cpu_devices(count)
-    except RuntimeError:
-        pass
-    if jax.device_count() < count:
-        raise ValueError(f"--shards {count} needs {count} devices, JAX has "
-                         f"{jax.device_count()} (on CPU, run before any other JAX use)")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    _init_devices(max(args.shards))
+    init_cpu_devices(max(args.shards))
     work = _workload(args)
     report = run_sweep(args, work)
     info = machine()

@@ -32,8 +32,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from benchmarks.common import machine
-from benchmarks.roofline import ensure_devices
+from benchmarks.common import init_cpu_devices, machine
 
 __all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "main"]
 
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in only if n not in names]
     if unknown:
         raise ValueError(f"unknown benchmark {unknown[0]!r}; choices: {', '.join(names)}")
-    ensure_devices(args.shards)
+    init_cpu_devices(args.shards)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.common import init_cpu_devices, machine, print_table, write_json
 
-__all__ = ["measure_roofline", "default_sizes", "ensure_devices", "build_parser", "main"]
+__all__ = ["measure_roofline", "default_sizes", "build_parser", "main"]
 
 _AXIS = "roofline"
 
@@ -40,18 +40,6 @@ def default_sizes(backend: str, devices: int) -> tuple[int, int]:
     if backend == "cpu":
         return 256, 1024
     return 1024 * devices, 8192
-
-
-def ensure_devices(count: int) -> None:
-    """Ask for `count` virtual CPU devices; if JAX has already started (inside the report, or a
-    test session), keep what it has, and refuse if that is fewer than `count`."""
-    try:
-        init_cpu_devices(count)
-    except RuntimeError:              # JAX refuses a different count once it has started
-        pass
-    if jax.device_count() < count:
-        raise ValueError(f"{count} devices needed, JAX has {jax.device_count()} (on CPU, set "
-                         "the count before any other JAX use)")
 
 
 def _best_seconds(fn: Callable, *args, repeats: int) -> float:
@@ -110,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ensure_devices(args.shards)
+    init_cpu_devices(args.shards)
     result = measure_roofline(jax.devices()[: args.shards], mem_mib=args.mem_mib,
                               matmul_n=args.matmul_n, repeats=args.repeats)
     print_table([result], ["devices", "mem_bytes", "read_gb_per_s", "copy_gb_per_s",

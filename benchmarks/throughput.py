@@ -48,9 +48,9 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import init_cpu_devices, machine, print_table, write_json
 from benchmarks.plots import line_chart
-from benchmarks.roofline import ensure_devices, measure_roofline
+from benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shard_counts = [int(s) for s in args.shards.split(",")]
-    ensure_devices(max(shard_counts))
+    init_cpu_devices(max(shard_counts))
     model = load_model_config(args.model)
     params = init_params(model, seed=0)
     param_bytes = params["model.embed_tokens.weight"].dtype.itemsize
