@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import re
 import time
@@ -48,12 +47,13 @@ from tqdm import tqdm
 
 from benchmarks.common import init_cpu_devices, machine, print_table, write_json
 from benchmarks.recall_model import RecallModel, build_recall_model
+from cp_runtime.checkpoint import HFTokenizer, load_checkpoint
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 from cp_runtime.engine import Engine
 from cp_runtime.executor import LocalExecutor
 from cp_runtime.layout import cdiv
-from cp_runtime.weights import Params, load_params
+from cp_runtime.weights import Params
 
 __all__ = ["Variant", "VARIANTS", "Probe", "Case", "Context", "parse_length", "recall_context",
            "score_probes", "run_context", "run_sweep", "build_parser", "main"]
@@ -448,7 +448,6 @@ def print_report(report: dict, info: dict) -> None:
 
 
 # -- a real checkpoint --------------------------------------------------------------------
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 _SUBJECTS = ("The old ferry", "A tired courier", "The village choir", "Our night porter",
              "The river pilot", "A patient gardener", "The station clock", "Every bookbinder")
 _VERBS = ("waited beside", "walked past", "sang about", "looked over", "talked about",
@@ -460,56 +459,14 @@ _KEY_WORDS = ("amber", "cobalt", "falcon", "granite", "harbor", "juniper", "lant
               "nectar", "orchid", "pepper", "quartz", "saffron", "timber", "velvet", "willow")
 
 
-def hf_model_config(hf: dict, name: str) -> ModelConfig:
-    """A ModelConfig from a Hugging Face DeepSeek-V3.2-style config.json dict."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "indexer_types"}
-    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in hf.items() if k in fields}
-    if hf.get("rope_scaling"):
-        raise ValueError(f"{name}: rope_scaling {hf['rope_scaling']} is not implemented by "
-                         "cp_runtime.model.rope (plain RoPE only)")
-    layers = hf.get("num_hidden_layers", 0)
-    values["indexer_types"] = tuple(hf.get("indexer_types") or ["full"] * layers)
-    for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts"):
-        if values.get(key) is None:
-            values[key] = 0
-    required = {f.name for f in dataclasses.fields(ModelConfig)
-                if f.default is dataclasses.MISSING} - {"name"}
-    missing = sorted(required - set(values))
-    if missing:
-        raise ValueError(f"{name}: config.json lacks {missing}")
-    return ModelConfig(name=name, **values)
-
-
-def load_checkpoint(model_dir: str | pathlib.Path) -> tuple[ModelConfig, Params, object]:
-    """Config, weights and tokenizer of a checkpoint directory (config.json, one
-    model.safetensors, tokenizer files). Raises ValueError naming what is missing."""
-    d = pathlib.Path(model_dir)
-    if not d.is_dir():
-        raise ValueError(f"--model {d}: not a directory")
-    missing = [f for f in ("config.json", "model.safetensors") if not (d / f).exists()]
-    if not any((d / f).exists() for f in _TOKENIZER_FILES):
-        missing.append(" or ".join(_TOKENIZER_FILES))
-    if "model.safetensors" in missing and (d / "model.safetensors.index.json").exists():
-        raise ValueError(f"--model {d}: sharded checkpoints (model.safetensors.index.json) are "
-                         "not supported: cp_runtime.weights.load_params reads one file")
-    if missing:
-        raise ValueError(f"--model {d}: missing {', '.join(missing)}")
-    try:
-        from transformers import AutoTokenizer     # only this path needs transformers
-    except ImportError:
-        raise ValueError("--model needs the `transformers` package for the tokenizer") from None
-    cfg = hf_model_config(json.loads((d / "config.json").read_text()), d.name)
-    params = load_params(d / "model.safetensors", cfg)
-    return cfg, params, AutoTokenizer.from_pretrained(str(d))
-
-
-def text_context(tokenizer, variant: Variant, length: int, depths: tuple[float, ...],
-                 rng: np.random.Generator) -> Context:
+def text_context(tokenizer: HFTokenizer, variant: Variant, length: int,
+                 depths: tuple[float, ...], rng: np.random.Generator) -> Context:
     """RULER-style: `length` tokens of filler sentences, key-value needle sentences inserted at
     sentence boundaries (they add their own tokens), and a question whose answer is the value.
-    Siblings: needle sentences whose key shares the first word, with other values."""
+    Siblings: needle sentences whose key shares the first word, with other values. The context
+    starts with the tokenizer's BOS token when it has one."""
     def enc(text: str) -> np.ndarray:
-        return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+        return np.asarray(tokenizer.encode(text), np.int32)
 
     def sentence(key: str, value: str) -> str:
         return f" The registered code for the {key} account is {value}."
@@ -539,7 +496,7 @@ def text_context(tokenizer, variant: Variant, length: int, depths: tuple[float, 
         probes.append(qs)
     for s in siblings:
         hay.insert(int(rng.integers(len(hay) + 1)), s)
-    bos = getattr(tokenizer, "bos_token_id", None)
+    bos = tokenizer.bos_token_id
     head = [np.asarray([bos], np.int32)] if bos is not None else []
     haystack = np.concatenate(head + hay)[:length]
     bounds = np.concatenate([[0], np.cumsum([len(h) for h in head + hay])])
@@ -565,8 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default=",".join(DTYPES), help="latent cache dtypes")
     p.add_argument("--shards", default="16", help="shard counts, e.g. 1,16")
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="a Hugging Face checkpoint directory (config.json, model.safetensors, "
-                        "tokenizer) to run with text needles instead of the recall model")
+                   help="a Hugging Face DeepSeek-V3.2-format checkpoint directory (config.json, "
+                        "model.safetensors or sharded files with model.safetensors.index.json, "
+                        "fp8 block-quantised or not, tokenizer.json) to run with text needles "
+                        "instead of the recall model; needs pip install 'cp-runtime[hf]'")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens per step)")
     p.add_argument("--query-block", type=int, default=16, help="sparse prefill query block")

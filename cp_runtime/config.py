@@ -8,6 +8,7 @@ field, or a value of the wrong kind raises `ConfigError` naming the file and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import tomllib
 import typing
@@ -16,13 +17,15 @@ from typing import Any
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
+    "CONFIG_DIR",
     "ConfigError",
     "ModelConfig",
+    "RopeScaling",
     "RuntimeConfig",
-    "CONFIG_DIR",
     "load_model_config",
     "load_runtime_config",
     "model_names",
+    "yarn_mscale",
 ]
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -38,6 +41,53 @@ class ConfigError(ValueError):
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 m ln(factor) + 1,
+    and exactly 1 when nothing is stretched (factor <= 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rope scaling (the HF `rope_scaling` of type "yarn"; DeepSeek-V3's defaults).
+
+    Rotary dims that turn fewer than `beta_slow` times over `original_max_position_embeddings`
+    tokens get their frequency divided by `factor`, dims turning more than `beta_fast` times
+    keep it, and a linear ramp blends the ones between (cp_runtime.model.rope_frequencies).
+    The softmax scale gains yarn_mscale(factor, mscale_all_dim)**2; cos and sin are multiplied
+    by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), which is 1 whenever
+    the two are equal (every public DeepSeek config).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ConfigError(f"rope_scaling.factor={self.factor} must be at least 1")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings="
+                              f"{self.original_max_position_embeddings} must be positive")
+        if not 0 < self.beta_slow <= self.beta_fast:
+            raise ConfigError(f"rope_scaling: need 0 < beta_slow={self.beta_slow} <= "
+                              f"beta_fast={self.beta_fast}")
+
+    @property
+    def attention_mscale(self) -> float:
+        """Factor on the softmax scale: yarn_mscale(factor, mscale_all_dim) squared."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+    @property
+    def rope_mscale(self) -> float:
+        """Factor on the rotated rope part (cos and sin) of queries and keys."""
+        return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                   self.mscale_all_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +121,12 @@ class ModelConfig:
     index_hadamard: bool = True
     routed_scaling_factor: float = 1.0
     tie_word_embeddings: bool = False
+    # Group-limited routing (DeepSeek-V3 noaux_tc): keep the topk_group of n_group expert groups
+    # with the highest sum of their two best biased scores, then the top-k experts among them.
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if len(self.indexer_types) != self.num_hidden_layers:
@@ -92,6 +148,19 @@ class ModelConfig:
                               "even and at most index_head_dim")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(f"{self.name}: num_experts_per_tok > n_routed_experts")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"{self.name}: need n_group={self.n_group} >= 1 and "
+                              f"1 <= topk_group={self.topk_group} <= n_group")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(f"{self.name}: n_routed_experts={self.n_routed_experts} is not "
+                              f"a multiple of n_group={self.n_group}")
+        reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+        if self.num_experts_per_tok > reachable:
+            raise ConfigError(f"{self.name}: num_experts_per_tok={self.num_experts_per_tok} > "
+                              f"{reachable} experts in topk_group={self.topk_group} groups")
 
     # Derived sizes (one place each).
     @property
@@ -124,7 +193,10 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        """qk_head_dim^-0.5, times YaRN's attention factor when rope is scaled."""
+        if self.rope_scaling is None:
+            return self.qk_head_dim ** -0.5
+        return self.qk_head_dim ** -0.5 * self.rope_scaling.attention_mscale
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and self.n_routed_experts > 0
@@ -167,8 +239,21 @@ class RuntimeConfig:
                               f"{tuple(KV_CACHE_DTYPES)}")
 
 
+def _nested_dataclass(hint: Any) -> type | None:
+    """The dataclass in a field type such as `RopeScaling | None`, if any."""
+    for t in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
 def _check_type(path: pathlib.Path, name: str, value: Any, hint: Any) -> Any:
     """Coerce/validate one TOML value against a dataclass field type."""
+    nested = _nested_dataclass(hint)
+    if nested is not None:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: field {name!r} must be a table, got {value!r}")
+        return _from_toml(nested, path, value, prefix=f"{name}.")
     origin = typing.get_origin(hint)
     if origin is tuple:
         if not isinstance(value, list):
@@ -183,17 +268,18 @@ def _check_type(path: pathlib.Path, name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _from_toml(cls: type, path: pathlib.Path, data: dict[str, Any]) -> Any:
+def _from_toml(cls: type, path: pathlib.Path, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build `cls` from a TOML table; `prefix` names a nested table in messages."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{path}: unknown field {unknown[0]!r}")
+        raise ConfigError(f"{path}: unknown field {prefix + unknown[0]!r}")
     missing = [n for n, f in fields.items() if n not in data
                and f.default is dataclasses.MISSING]
     if missing:
-        raise ConfigError(f"{path}: missing field {missing[0]!r}")
-    values = {n: _check_type(path, n, v, hints[n]) for n, v in data.items()}
+        raise ConfigError(f"{path}: missing field {prefix + missing[0]!r}")
+    values = {n: _check_type(path, prefix + n, v, hints[n]) for n, v in data.items()}
     try:
         return cls(**values)
     except ConfigError as e:

@@ -7,6 +7,11 @@ Per layer (shapes for T tokens, any leading dims `...`):
          so one dot gives q_lat.c + q_pe.k_pe.  o = W_o (W_uv o_lat).
   DSA    q_i = Hadamard(RoPE(W_iq q_lora));  k_i = Hadamard(RoPE(LayerNorm(W_ik x)))
          w = W_w x * Hi^-0.5 * Di^-0.5;  I(t, s) = sum_h w_h(t) ReLU(q_i,h(t) . k_i(s))
+  RoPE   both use the same frequencies: theta^(-2i/d), or their YaRN correction when the config
+         has `rope_scaling` (as DeepSeek-V3.2, whose MLA and indexer share one table).
+  MoE    sigmoid scores s, biased b = s + e_score_correction_bias; groups limit the choice
+         (keep topk_group of n_group groups by the sum of their two best b), top-k of b among
+         them; weights s over the chosen, normalised (norm_topk_prob), times routed_scaling.
 
 `forward` runs the layer stack with an attention callback, so the dense oracle and the paged,
 context-parallel path share every line except attention itself.
@@ -15,7 +20,8 @@ context-parallel path share every line except attention itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +32,18 @@ from cp_runtime.weights import Params, layer_params
 
 __all__ = [
     "IndexerInputs",
-    "rms_norm",
-    "layer_norm",
-    "rope",
+    "forward",
     "hadamard",
-    "mla_inputs",
     "indexer_inputs",
+    "layer_norm",
+    "logits",
+    "mla_inputs",
     "mla_output",
     "mlp",
-    "forward",
-    "logits",
+    "rms_norm",
+    "rope",
+    "rope_frequencies",
+    "route",
 ]
 
 
@@ -62,17 +70,63 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (x - mu) * jax.lax.rsqrt(var + eps) * weight + bias
 
 
-def rope(x: jax.Array, pos: jax.Array, theta: float, *, interleaved: bool) -> jax.Array:
-    """Rotary embedding of x[..., d] at integer positions pos[...] (x has extra head dims between).
+def _yarn_ramp(cfg: ModelConfig) -> np.ndarray:
+    """f32[d/2]: 0 for the pairs that keep their frequency, 1 for those divided by the factor.
+
+    Pair i turns L theta^(-2i/d) / 2pi times over the original context of L tokens, so it turns
+    r times at i = d ln(L / (2 pi r)) / (2 ln theta). Pairs up to the one for beta_fast turns
+    (floored) keep their frequency, pairs from the one for beta_slow turns (ceiled) on are
+    divided by the factor, and a linear ramp blends those between (DeepSeek-V3's reference)."""
+    rs, d = cfg.rope_scaling, cfg.qk_rope_head_dim
+
+    def correction_dim(turns: float) -> float:
+        return (d * np.log(rs.original_max_position_embeddings / (turns * 2 * np.pi))
+                / (2 * np.log(cfg.rope_theta)))
+
+    low = max(int(np.floor(correction_dim(rs.beta_fast))), 0)
+    high = min(int(np.ceil(correction_dim(rs.beta_slow))), d - 1)
+    if low == high:
+        high += 0.001            # a step, not a division by zero
+    ramp = (np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    return np.clip(ramp, 0, 1).astype(np.float32)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies f32[d/2] (d = qk_rope_head_dim) of the MLA and indexer rope.
+
+    Plain: theta^(-2i/d). YaRN (factor > 1): freq * (1 - ramp) + freq / factor * ramp, so the
+    high-frequency dims (ramp 0) keep theta^(-2i/d) exactly and the lowest (ramp 1) are that
+    divided by the factor. A factor of 1 returns the plain table, bit for bit."""
+    d = cfg.qk_rope_head_dim
+    inv_freq = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float32) / d)     # [d/2]
+    rs = cfg.rope_scaling
+    if rs is None or rs.factor == 1:
+        return inv_freq
+    keep = 1 - _yarn_ramp(cfg)          # blended as DeepSeek's reference does, to the last ulp
+    return (inv_freq / np.float32(rs.factor) * (1 - keep) + inv_freq * keep).astype(np.float32)
+
+
+def _rope_mscale(cfg: ModelConfig) -> float:
+    return 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.rope_mscale
+
+
+def rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, *, interleaved: bool,
+         mscale: float = 1.0) -> jax.Array:
+    """Rotary embedding of x[..., d] at integer positions pos[...] (x has extra head dims between)
+    with inverse frequencies inv_freq f32[d/2] (`rope_frequencies`).
 
     interleaved: rotate pairs (x[2i], x[2i+1]) (MLA); otherwise the halves (x[i], x[i + d/2])
-    (neox style, the DSA indexer).
+    (neox style, the DSA indexer). mscale multiplies cos and sin (YaRN; skipped when 1).
     """
     d = x.shape[-1]
-    inv_freq = theta ** (-np.arange(0, d, 2, dtype=np.float32) / d)       # [d/2]
+    if inv_freq.shape != (d // 2,):
+        raise ValueError(f"inv_freq has shape {inv_freq.shape}, rope of {d} dims needs "
+                         f"({d // 2},)")
     ang = pos.astype(jnp.float32)[..., None] * inv_freq                  # [..., d/2]
     ang = ang.reshape(ang.shape[:pos.ndim] + (1,) * (x.ndim - pos.ndim - 1) + ang.shape[-1:])
     cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -110,12 +164,13 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array
     q = _linear(q_lora, p["self_attn.q_b_proj.weight"])
     q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)  # [..., H, nope+rope]
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-    q_pe = rope(q_pe, pos, cfg.rope_theta, interleaved=cfg.mla_rope_interleaved)
+    freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
+    q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
     a = _linear(h, p["self_attn.kv_a_proj_with_mqa.weight"])               # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
                  cfg.rms_norm_eps)
-    k_pe = rope(a[..., cfg.kv_lora_rank:], pos, cfg.rope_theta,
-                interleaved=cfg.mla_rope_interleaved)
+    k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
+                mscale=mscale)
     w_uk = _kv_b(p, cfg)[:, : cfg.qk_nope_head_dim]                       # [H, nope, kv_lora]
     q_lat = jnp.einsum("...hn,hnc->...hc", q_nope, w_uk)                  # [..., H, kv_lora]
     q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
@@ -132,12 +187,14 @@ def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Neox-style rope on the first (or last) qk_rope_head_dim dims of x f[..., Di]."""
     r = cfg.qk_rope_head_dim
+    freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     if cfg.index_rope_first:
-        return jnp.concatenate([rope(x[..., :r], pos, cfg.rope_theta, interleaved=False),
+        return jnp.concatenate([rope(x[..., :r], pos, freqs, interleaved=False, mscale=mscale),
                                 x[..., r:]], -1)
-    return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, cfg.rope_theta,
-                                              interleaved=False)], -1)
+    return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, freqs, interleaved=False,
+                                              mscale=mscale)], -1)
 
 
 def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
@@ -167,19 +224,41 @@ def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
     return _linear(jax.nn.silu(g) * u, p[f"{prefix}.down_proj.weight"])
 
 
+def _limit_groups(biased: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """biased f32[..., E] with the experts outside the topk_group best groups set to -inf.
+
+    A group's score is the sum of its two best biased scores (its best one if a group holds a
+    single expert). -inf, not 0, fills the dropped groups: biased scores can be negative."""
+    g = biased.reshape(*biased.shape[:-1], cfg.n_group, -1)                 # [..., G, E/G]
+    best = jax.lax.top_k(g, min(2, g.shape[-1]))[0].sum(-1)                 # [..., G]
+    _, keep = jax.lax.top_k(best, cfg.topk_group)                           # [..., topk_group]
+    kept = jax.nn.one_hot(keep, cfg.n_group, dtype=jnp.bool_).any(-2)       # [..., G]
+    return jnp.where(kept[..., None], g, -jnp.inf).reshape(biased.shape)
+
+
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
+    """Router logits f32[..., E] and correction bias f32[E] -> expert weights f32[..., E], zero
+    off the num_experts_per_tok chosen experts (noaux_tc: the bias picks, never weighs)."""
+    scores = jax.nn.sigmoid(logits)                                          # [..., E]
+    biased = scores + bias
+    if cfg.n_group > 1:
+        biased = _limit_groups(biased, cfg)
+    _, chosen = jax.lax.top_k(biased, cfg.num_experts_per_tok)              # [..., k]
+    mask = jax.nn.one_hot(chosen, cfg.n_routed_experts, dtype=scores.dtype).sum(-2)
+    gate = scores * mask
+    if cfg.norm_topk_prob:
+        gate = gate / gate.sum(-1, keepdims=True)
+    return gate * cfg.routed_scaling_factor
+
+
 def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array) -> jax.Array:
-    """Dense SwiGLU, or MoE: sigmoid router with a correction bias for choice (noaux_tc, no
-    group limit), normalised top-k weights times routed_scaling_factor, plus shared experts.
+    """Dense SwiGLU, or MoE: `route` weights over the routed experts plus shared experts.
     Experts run densely and are masked by the routing weights: simple and exact, for the small
     models this runs on the CPU (large models use expert parallelism, not this function)."""
     if not cfg.is_moe_layer(layer):
         return _swiglu(p, "mlp", x)
-    scores = jax.nn.sigmoid(_linear(x, p["mlp.gate.weight"]).astype(jnp.float32))   # [..., E]
-    _, chosen = jax.lax.top_k(scores + p["mlp.gate.e_score_correction_bias"],
-                              cfg.num_experts_per_tok)                             # [..., k]
-    mask = jax.nn.one_hot(chosen, cfg.n_routed_experts, dtype=scores.dtype).sum(-2)
-    gate = scores * mask
-    gate = gate / gate.sum(-1, keepdims=True) * cfg.routed_scaling_factor           # [..., E]
+    gate = route(cfg, _linear(x, p["mlp.gate.weight"]).astype(jnp.float32),
+                 p["mlp.gate.e_score_correction_bias"])                        # [..., E]
     out = sum(gate[..., e, None].astype(x.dtype) * _swiglu(p, f"mlp.experts.{e}", x)
               for e in range(cfg.n_routed_experts))
     if cfg.n_shared_experts:

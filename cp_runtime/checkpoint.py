@@ -1,0 +1,315 @@
+"""Read a Hugging Face DeepSeek-V3.2-format checkpoint directory: config, weights, tokenizer.
+
+    config.json                       -> ModelConfig           (`read_hf_config`)
+    model.safetensors, or shards listed by model.safetensors.index.json (`weight_map`)
+                                      -> Params, HF names      (`load_hf_params`)
+    tokenizer.json (+ tokenizer_config.json for the BOS token) -> HFTokenizer (`load_tokenizer`)
+
+fp8 block quantisation (config `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
+"weight_block_size": [bo, bi]}): a weight `X.weight` f8_e4m3[out, in] comes with
+`X.weight_scale_inv` f32[ceil(out / bo), ceil(in / bi)], and
+
+    W[o, i] = f32(X.weight[o, i]) * X.weight_scale_inv[o // bo, i // bi]
+
+(the last block of a row or column may be partial). Each weight is one f32 product, rounded
+once: the result is the same bit for bit however the blocks are walked. Scales stored in another
+float format (bf16, or e8m0 for the power-of-two `scale_fmt: ue8m0`) are widened to f32 first.
+
+Files are read tensor by tensor from a memory map of each file, and only the tensors the config
+needs (`cp_runtime.weights.param_shapes`): the multi-token-prediction layers a checkpoint stores
+as `model.layers.{num_hidden_layers + i}` are never read. The safetensors layout is parsed here
+(8-byte little-endian header length, JSON header, data) because the `safetensors` package's numpy
+and flax loaders (0.8) look for `numpy.float8_e4m3fn`, which numpy lacks; JAX's numpy dtypes
+(ml_dtypes) stand in for fp8 and bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import struct
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from cp_runtime.config import ConfigError, ModelConfig, RopeScaling
+from cp_runtime.weights import Params, param_shapes
+
+__all__ = [
+    "HFTokenizer",
+    "dequantize",
+    "load_checkpoint",
+    "load_hf_params",
+    "load_tokenizer",
+    "read_hf_config",
+]
+
+MODEL_TYPES = ("deepseek_v32",)
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_BLOCK = (128, 128)
+
+# Fields copied as they are from config.json (same names in ModelConfig).
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "index_n_heads", "index_head_dim", "index_topk", "first_k_dense_replace",
+             "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+             "num_experts_per_tok", "n_shared_experts")
+_OPTIONAL = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "tie_word_embeddings",
+             "n_group", "topk_group", "norm_topk_prob")
+# Settings the model implements one way only: (field, value when absent, the supported value).
+_FIXED = (("scoring_func", "sigmoid", "sigmoid"), ("topk_method", "noaux_tc", "noaux_tc"),
+          ("hidden_act", "silu", "silu"), ("moe_layer_freq", 1, 1),
+          ("attention_bias", False, False))
+_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_YARN_FLOATS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+# safetensors dtype names -> numpy dtypes (JAX's for those numpy lacks); little-endian.
+_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+           "BF16": np.dtype(jnp.bfloat16), "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
+           "F8_E5M2": np.dtype(jnp.float8_e5m2), "F8_E8M0": np.dtype(jnp.float8_e8m0fnu),
+           "I64": np.dtype("<i8"),
+           "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+           "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+_QUANTIZED = ("F8_E4M3", "F8_E5M2")      # weights that come with a block scale
+
+
+# -- config -------------------------------------------------------------------------------
+def _rope_scaling(hf: dict, where: str) -> RopeScaling | None:
+    rs = hf.get("rope_scaling")
+    if not rs:
+        return None
+    kind = rs.get("type", rs.get("rope_type"))
+    if kind != "yarn":
+        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (only 'yarn')")
+    if "factor" not in rs or "original_max_position_embeddings" not in rs:
+        raise ValueError(f"{where}: rope_scaling lacks 'factor' or "
+                         "'original_max_position_embeddings'")
+    values = {k: float(rs[k]) for k in _YARN_FLOATS if rs.get(k) is not None}
+    return RopeScaling(original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                       **values)
+
+
+def read_hf_config(model_dir: str | pathlib.Path) -> ModelConfig:
+    """ModelConfig of a DeepSeek-V3.2 checkpoint directory's config.json; named after the
+    directory. Raises ValueError naming a missing field or an unsupported setting."""
+    d = pathlib.Path(model_dir)
+    path = d / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return _model_config(hf, d.name, where=str(path))
+
+
+def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
+    """ModelConfig from a config.json dict; `where` prefixes error messages."""
+    if hf.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {hf.get('model_type')!r} is not supported "
+                         f"(expected one of {MODEL_TYPES})")
+    missing = [k for k in _REQUIRED if hf.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: lacks required field {missing[0]!r}"
+                         + (f" (and {missing[1:]})" if missing[1:] else ""))
+    for field, default, supported in _FIXED:
+        if hf.get(field, default) != supported:
+            raise ValueError(f"{where}: {field}={hf[field]!r} is not supported "
+                             f"(only {supported!r})")
+    values = {k: hf[k] for k in _REQUIRED}
+    values |= {k: hf[k] for k in _OPTIONAL if hf.get(k) is not None}
+    values |= {k: float(values[k]) for k in _FLOATS if k in values}     # JSON may write 10000
+    layers = hf["num_hidden_layers"]
+    # DeepSeek-V3.2 gives every layer an indexer; a config may list them (IndexShare models).
+    values["indexer_types"] = tuple(hf.get("indexer_types") or ["full"] * layers)
+    try:
+        return ModelConfig(name=name, rope_scaling=_rope_scaling(hf, where), **values)
+    except ConfigError as e:                 # an inconsistent combination of fields
+        raise ValueError(f"{where}: {e}") from None
+
+
+# -- weights ------------------------------------------------------------------------------
+class _SafetensorsFile:
+    """One .safetensors file: its header, and tensors read one at a time from a memory map."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.header: dict[str, dict] = header
+        self._map = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+
+    def dtype_name(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor `name` as a fresh array of its stored dtype and shape."""
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has dtype {info['dtype']}, "
+                             f"not one of {sorted(_DTYPES)}")
+        start, end = info["data_offsets"]
+        raw = np.array(self._map[start:end])                     # copy: one tensor in memory
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _weight_map(d: pathlib.Path) -> tuple[dict[str, str], str]:
+    """({tensor name: file name}, where the map came from): the index, or the single file."""
+    if (d / INDEX_FILE).exists():
+        index = json.loads((d / INDEX_FILE).read_text())
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{d / INDEX_FILE}: no 'weight_map' table")
+        return index["weight_map"], INDEX_FILE
+    if (d / SINGLE_FILE).exists():
+        return dict.fromkeys(_SafetensorsFile(d / SINGLE_FILE).header, SINGLE_FILE), SINGLE_FILE
+    raise ValueError(f"{d}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _block_size(d: pathlib.Path) -> tuple[int, int]:
+    """fp8 weight block [out, in] from config.json's quantization_config."""
+    q = json.loads((d / "config.json").read_text()).get("quantization_config") or {}
+    if q and (q.get("quant_method"), q.get("fmt", "e4m3")) != ("fp8", "e4m3"):
+        raise ValueError(f"{d / 'config.json'}: quantization_config {q} is not supported "
+                         "(only quant_method 'fp8' with fmt 'e4m3')")
+    bo, bi = q.get("weight_block_size", DEFAULT_BLOCK)
+    return int(bo), int(bi)
+
+
+def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """w f8[out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)] -> f32[out, in]."""
+    bo, bi = block
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, 0), bi, 1)   # [>=out, >=in]
+    return w.astype(np.float32) * s[: w.shape[0], : w.shape[1]]
+
+
+class _Reader:
+    """Reads tensors by HF name across the checkpoint's files, opening each file once."""
+
+    def __init__(self, d: pathlib.Path):
+        self.dir = d
+        self.weight_map, self.source = _weight_map(d)
+        self.block = _block_size(d)
+        self._files: dict[str, _SafetensorsFile] = {}
+
+    def _file_of(self, name: str, needed_by: str) -> _SafetensorsFile:
+        fname = self.weight_map.get(name)
+        if fname is None:
+            raise ValueError(f"{self.dir / self.source}: missing tensor {name!r}" + (
+                f" (the scale of {needed_by!r})" if needed_by != name else ""))
+        if fname not in self._files:
+            if not (self.dir / fname).exists():
+                raise ValueError(f"{self.dir}: shard file {fname!r} (holding {name!r}) is "
+                                 "missing")
+            self._files[fname] = _SafetensorsFile(self.dir / fname)
+        f = self._files[fname]
+        if name not in f.header:
+            raise ValueError(f"{f.path}: tensor {name!r} is listed for this file but absent")
+        return f
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` in f32 (fp8 weights dequantised with their block scales)."""
+        f = self._file_of(name, name)
+        if f.dtype_name(name) not in _QUANTIZED:
+            return f.read(name).astype(np.float32)
+        w = f.read(name)
+        if w.ndim != 2:
+            raise ValueError(f"{f.path}: fp8 tensor {name!r} has shape {w.shape}; block "
+                             "scales need a 2-D weight")
+        scale_name = name + SCALE_SUFFIX
+        sf = self._file_of(scale_name, name)
+        scale = sf.read(scale_name)
+        want = tuple(math.ceil(n / b) for n, b in zip(w.shape, self.block))
+        if scale.shape != want:
+            raise ValueError(f"{sf.path}: {scale_name!r} has shape {scale.shape}; weight "
+                             f"{w.shape} in blocks of {list(self.block)} needs {want}")
+        return dequantize(w, scale, self.block)
+
+
+def load_hf_params(model_dir: str | pathlib.Path, cfg: ModelConfig,
+                   dtype=jnp.float32) -> Params:
+    """The tensors `cfg` needs, by HF name, dequantised and cast to `dtype`. Raises ValueError
+    naming the tensor and file for a missing tensor, shard file or scale, or a wrong shape."""
+    reader = _Reader(pathlib.Path(model_dir))
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        x = reader.read(name)
+        if x.shape != shape:
+            fname = reader.weight_map[name]
+            raise ValueError(f"{reader.dir / fname}: tensor {name!r} has shape {x.shape}, "
+                             f"config {cfg.name} needs {shape}")
+        params[name] = jnp.asarray(x, dtype)
+    return params
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` and the BOS id to put before a document (None: no BOS)."""
+
+    tokenizer: Any
+    bos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _bos_token(d: pathlib.Path) -> str | None:
+    """The BOS token text from tokenizer_config.json (a string or an AddedToken dict)."""
+    path = d / "tokenizer_config.json"
+    if not path.exists():
+        return None
+    tc = json.loads(path.read_text())
+    bos = tc.get("bos_token")
+    if not tc.get("add_bos_token", True) or bos is None:
+        return None
+    return bos["content"] if isinstance(bos, dict) else bos
+
+
+def load_tokenizer(model_dir: str | pathlib.Path) -> HFTokenizer:
+    """The checkpoint's tokenizer.json, with the BOS token of tokenizer_config.json."""
+    try:
+        # Imported here: only checkpoint runs need the optional `hf` extra.
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("reading a checkpoint's tokenizer needs the `tokenizers` package: "
+                         "pip install 'cp-runtime[hf]'") from None
+    d = pathlib.Path(model_dir)
+    if not (d / "tokenizer.json").exists():
+        raise ValueError(f"{d}: no tokenizer.json (a fast-tokenizer file is required; "
+                         "tokenizer.model alone is not supported)")
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    bos = _bos_token(d)
+    bos_id = None if bos is None else tok.token_to_id(bos)
+    if bos is not None and bos_id is None:
+        raise ValueError(f"{d / 'tokenizer_config.json'}: bos_token {bos!r} is not in "
+                         "tokenizer.json's vocabulary")
+    return HFTokenizer(tok, bos_id)
+
+
+def load_checkpoint(model_dir: str | pathlib.Path, dtype=jnp.float32
+                    ) -> tuple[ModelConfig, Params, HFTokenizer]:
+    """Config, weights and tokenizer of a checkpoint directory."""
+    d = pathlib.Path(model_dir)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory")
+    cfg = read_hf_config(d)
+    tokenizer = load_tokenizer(d)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"{d}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
+                         f"vocab_size is {cfg.vocab_size}")
+    return cfg, load_hf_params(d, cfg, dtype), tokenizer
