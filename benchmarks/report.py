@@ -106,21 +106,27 @@ def _selection(out: pathlib.Path) -> list[str]:
 def _throughput(out: pathlib.Path) -> list[str]:
     d = _load(out / "throughput.json")
     rows = d["rows"]
-    return ["Roofline measured in the same run (aggregate over the devices):",
-            markdown_table(list(d["roofline"].values()),
-                           ["devices", "read_gb_per_s", "copy_gb_per_s", "matmul_n",
-                            "matmul_gflop_per_s"]),
-            f"Prefill (compile excluded) and decode, model `{d['args']['model']}`, backend "
-            f"`{d['backend']}`; dense = index_topk covering every page:",
-            markdown_table(rows, ["length", "shards", "dtype", "pool_factor",
-                                  "prefill_tok_per_s", "prefill_compile_s", "decode_ms",
-                                  "decode_vs_pool_1x", "dense_decode_ms", "dense_vs_sparse"]),
-            "Achieved fraction of the measured roofline (%):",
-            markdown_table(rows, ["length", "shards", "dtype", "pool_factor",
-                                  "prefill_gflop_per_s", "prefill_flop_%", "prefill_bw_%",
-                                  "decode_gb_per_s", "decode_bw_%", "decode_flop_%"]),
-            _image(out, out / "throughput_decode.png", "decode ms vs length"),
-            _image(out, out / "throughput_prefill.png", "prefill tokens/s vs length")]
+    parts = ["Roofline measured in the same run (aggregate over the devices):",
+             markdown_table(list(d["roofline"].values()),
+                            ["devices", "read_gb_per_s", "copy_gb_per_s", "matmul_n",
+                             "matmul_gflop_per_s"]),
+             f"Model `{d['args']['model']}`, backend `{d['backend']}`: one session grows "
+             "through the lengths; prefill of each segment (compile excluded) and decode at its "
+             "end; dense = index_topk covering every page:",
+             markdown_table(rows, ["length", "shards", "dtype", "prefill_tok_per_s",
+                                   "prefill_compile_s", "prefill_total_tok_per_s", "decode_ms",
+                                   "dense_decode_ms", "dense_vs_sparse"]),
+             "Achieved fraction of the measured roofline (%):",
+             markdown_table(rows, ["length", "shards", "dtype", "prefill_gflop_per_s",
+                                   "prefill_flop_%", "prefill_bw_%", "decode_gb_per_s",
+                                   "decode_bw_%", "decode_flop_%"])]
+    if d.get("pool_rows"):
+        parts += ["Decode at a fixed context vs pool size:",
+                  markdown_table(d["pool_rows"], ["length", "shards", "dtype", "pool_factor",
+                                                  "pool_pages_per_shard", "decode_ms",
+                                                  "decode_vs_smallest_pool"])]
+    return parts + [_image(out, out / "throughput_decode.png", "decode ms vs length"),
+                    _image(out, out / "throughput_prefill.png", "prefill tokens/s vs length")]
 
 
 def _merge(out: pathlib.Path) -> list[str]:

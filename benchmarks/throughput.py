@@ -4,17 +4,23 @@ and the decode time of DSA's sparse selection against a dense equivalent.
 
     python -m benchmarks.throughput --lengths 2k,8k --shards 16 --dtypes bf16,fp8_e4m3 \
         --pool-factors 1,4
-    python -m benchmarks.throughput --lengths 8k,64k,1m --pool-factors 1      # long contexts
+    python -m benchmarks.throughput --lengths 8k,16k,32k,64k,128k,256k,512k,1m \
+        --dtypes fp8_e4m3 --chunk 4096 --pool-factors 1                    # 8K to 1M, one sweep
 
-Measured per (length, shards, dtype, pool factor): a fresh engine prefills `length` random tokens
-in `--chunk` steps, then decodes `--decode-steps` single tokens (median step after a warm-up).
-`prefill_s` is the wall time including the step compile; `prefill_tok_per_s` excludes the compile
-time, which JAX reports through `jax.monitoring` (trace, lowering and backend compile).
+Per (shards, dtype), one session grows through the lengths on one engine whose pool is sized for
+the longest: at each length it has prefilled the segment since the previous length in `--chunk`
+steps of random tokens, then `--decode-steps` single tokens are decoded on a fork (median step
+after a warm-up). `prefill_tok_per_s` is the segment's rate with compile time excluded (JAX
+reports it through `jax.monitoring`: trace, lowering and backend compile); `prefill_total_s` is
+the wall time from an empty session to that length, and `prefill_total_tok_per_s` its rate with
+compile excluded, i.e. a single prefill of that length. Growing one session costs the longest
+length's prefill once, instead of the sum of all lengths.
 
-Decode time at a fixed context must not depend on the pool size (pool 4x larger: within 10%):
-the step updates pool buffers in place and reads only selected pages.
+Decode time at a fixed context (`--pool-length`) must not depend on the pool size (a fresh engine
+per `--pool-factors` entry; 4x larger: within 10%): the step updates pool buffers in place and
+reads only selected pages.
 
-Sparse vs dense (`dense_vs_sparse` = dense ms / sparse ms, at the first pool factor): the same
+Sparse vs dense (`dense_vs_sparse` = dense ms / sparse ms): the same
 model with `index_topk` raised to cover every page of the context, so each decode step selects
 and reads all pages, on the same pool and page table as the sparse run (the cache contents are the
 sparse run's: only time is measured). Its indexer top-K, page gathers and attention all grow with
@@ -245,72 +251,143 @@ def parse_length(text: str) -> int:
 
 
 def _decode_ms(engine: Engine, session_id: int, steps: int, vocab: int) -> float:
-    engine.decode([session_id], [1])                                   # compile
-    samples = []
-    for step in range(steps):
-        t0 = time.perf_counter()
-        engine.decode([session_id], [step % vocab])
-        samples.append(time.perf_counter() - t0)
+    """Median wall ms of `steps` single-token decode steps on a fork of the session (after one
+    warm-up step, which compiles); the session itself is left as it was."""
+    fork = engine.fork(session_id)
+    try:
+        engine.decode([fork.id], [1])
+        samples = []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            engine.decode([fork.id], [step % vocab])
+            samples.append(time.perf_counter() - t0)
+    finally:
+        engine.close_session(fork.id)
     return 1000 * statistics.median(samples)
 
 
-def _measure(model, params, *, length, shards, dtype, pool_factor, dense, args) -> dict:
-    """One grid point; with `dense`, also the dense-selection decode on the same pool."""
-    need = cdiv(cdiv(length + 2 * args.decode_steps + 2, args.page_size), shards)
-    rt = RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
-                       pages_per_shard=max(need, args.base_pages) * pool_factor,
-                       page_size=args.page_size, chunk_size=args.chunk, backend=args.backend)
+def _runtime(model: ModelConfig, *, context: int, shards: int, dtype: str, pool_factor: int,
+             args) -> RuntimeConfig:
+    """A pool of `pool_factor` x what `context` tokens plus the decode forks need per shard
+    (at least --base-pages)."""
+    slack = cdiv(2 * args.decode_steps + 2, args.page_size) + 2      # a decode fork's pages
+    need = cdiv(cdiv(context, args.page_size), shards) + slack
+    return RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
+                         pages_per_shard=max(need, args.base_pages) * pool_factor,
+                         page_size=args.page_size, chunk_size=args.chunk, backend=args.backend)
+
+
+@contextlib.contextmanager
+def _dense_selection(engine: Engine, params, context: int, page_size: int):
+    """The engine runs the dense model (index_topk covering `context` tokens) on the same pool
+    and page tables inside the block (the cache contents stay the sparse model's: only time is
+    measured), and its own executor again after it."""
+    sparse = engine.executor
+    dense = LocalExecutor(dense_model(sparse.model, tokens=context, page_size=page_size),
+                          engine.runtime, params)
+    dense.pool, sparse.pool = sparse.pool, None                          # same cache, no copy
+    engine.executor = dense
+    try:
+        yield
+    finally:
+        sparse.pool, dense.pool = dense.pool, None
+        engine.executor = sparse
+
+
+def _grow(model, params, *, lengths: list[int], shards: int, dtype: str, dense_max: int,
+          args) -> list[dict]:
+    """One session grows through `lengths` (ascending) on one engine sized for the longest.
+    Per length: the prefill of the segment since the previous length (tokens/s with compile
+    excluded, and the running total), then decode ms/step at that context, and, up to
+    `dense_max`, the same decode with dense selection."""
+    rt = _runtime(model, context=lengths[-1], shards=shards, dtype=dtype, pool_factor=1,
+                  args=args)
     engine = Engine(model, rt, LocalExecutor(model, rt, params))
     session = engine.create_session()
+    tokens = np.random.default_rng(0).integers(0, model.vocab_size, lengths[-1]).tolist()
+    rows, done, total_s, total_compile = [], 0, 0.0, 0.0
+    with tqdm(total=lengths[-1], desc=f"prefill {dtype} S={shards}", unit="tok",
+              unit_scale=True, leave=False, disable=args.no_progress) as bar:
+        for length in lengths:
+            with compile_seconds() as compile_s:
+                t0 = time.perf_counter()
+                engine.extend(session.id, tokens[done:length], progress=bar.update)
+                seconds = time.perf_counter() - t0
+            total_s, total_compile = total_s + seconds, total_compile + compile_s[0]
+            row = {"length": length, "shards": shards, "dtype": dtype,
+                   "pool_pages_per_shard": rt.pages_per_shard, "segment_start": done,
+                   "prefill_s": seconds, "prefill_compile_s": compile_s[0],
+                   "prefill_tok_per_s": (length - done) / max(seconds - compile_s[0], 1e-9),
+                   "prefill_total_s": total_s,
+                   "prefill_total_tok_per_s": length / max(total_s - total_compile, 1e-9),
+                   "decode_ms": _decode_ms(engine, session.id, args.decode_steps,
+                                           model.vocab_size)}
+            if length <= dense_max:
+                with _dense_selection(engine, params, length + 2 * args.decode_steps + 2,
+                                      args.page_size):
+                    row["dense_decode_ms"] = _decode_ms(engine, session.id, args.decode_steps,
+                                                        model.vocab_size)
+                row["dense_vs_sparse"] = row["dense_decode_ms"] / row["decode_ms"]
+            rows.append(row)
+            done = length
+    engine.executor.close()
+    return rows
+
+
+def _pool_rows(model, params, *, length: int, shards: int, dtype: str, factors: list[int],
+               args) -> list[dict]:
+    """Decode ms/step at a fixed context with pools of each factor x what it needs (a fresh
+    engine each): the step's cost must not grow with the pool."""
+    rows = []
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, length).tolist()
-    with tqdm(total=length, desc="prefill", unit="tok", leave=False,
-              disable=args.no_progress) as bar, compile_seconds() as compile_s:
-        t0 = time.perf_counter()
-        engine.extend(session.id, tokens, progress=bar.update)
-        prefill_s = time.perf_counter() - t0
-    row = {"length": length, "shards": shards, "dtype": dtype, "pool_factor": pool_factor,
-           "pool_pages_per_shard": rt.pages_per_shard, "prefill_s": prefill_s,
-           "prefill_compile_s": compile_s[0],
-           "prefill_tok_per_s": length / max(prefill_s - compile_s[0], 1e-9),
-           "decode_ms": _decode_ms(engine, session.id, args.decode_steps, model.vocab_size)}
-    if dense:
-        full = dense_model(model, tokens=length + 2 * args.decode_steps + 2,
-                           page_size=args.page_size)
-        dense_exec = LocalExecutor(full, rt, params)
-        dense_exec.pool, engine.executor.pool = engine.executor.pool, None  # same cache, no copy
-        engine.executor = dense_exec
-        row["dense_decode_ms"] = _decode_ms(engine, session.id, args.decode_steps,
-                                            model.vocab_size)
-        row["dense_vs_sparse"] = row["dense_decode_ms"] / row["decode_ms"]
-    return row
+    for factor in factors:
+        rt = _runtime(model, context=length, shards=shards, dtype=dtype, pool_factor=factor,
+                      args=args)
+        engine = Engine(model, rt, LocalExecutor(model, rt, params))
+        session = engine.create_session()
+        engine.extend(session.id, tokens)
+        rows.append({"length": length, "shards": shards, "dtype": dtype, "pool_factor": factor,
+                     "pool_pages_per_shard": rt.pages_per_shard,
+                     "decode_ms": _decode_ms(engine, session.id, args.decode_steps,
+                                             model.vocab_size)})
+        engine.executor.close()
+        del engine                                       # free this pool before the next
+    for row in rows:
+        row["decode_vs_smallest_pool"] = row["decode_ms"] / rows[0]["decode_ms"]
+    return rows
+
+
+def _fractions(name: str, work: Work, seconds: float, roof: dict) -> dict:
+    """Achieved GB/s and GFLOP/s of `work` done in `seconds`, and their fractions of `roof`."""
+    gbs, gflops = work.bytes / seconds / 1e9, work.flops / seconds / 1e9
+    return {f"{name}_gb_per_s": gbs, f"{name}_gflop_per_s": gflops,
+            f"{name}_bw_%": 100 * gbs / roof["memory_gb_per_s"],
+            f"{name}_flop_%": 100 * gflops / roof["matmul_gflop_per_s"],
+            f"{name}_flop_per_byte": work.flops / work.bytes}
 
 
 def _roofline_fractions(row: dict, model: ModelConfig, roof: dict, *, args,
                         param_bytes: int) -> dict:
-    """Achieved GB/s and GFLOP/s of the row's prefill and decode, and their fractions of `roof`."""
+    """Roofline fractions of the row's prefill segment and decode step. The segment's work is
+    prefill_work(length) - prefill_work(segment_start): exact when the segment starts on a
+    chunk boundary, as the engine chunks from the session's length."""
     common = dict(page_size=args.page_size, kv_cache_dtype=row["dtype"], shards=row["shards"],
-                  param_bytes=param_bytes)
-    prefill = prefill_work(model, length=row["length"], chunk=args.chunk, **common)
+                  param_bytes=param_bytes, chunk=args.chunk)
+    whole = prefill_work(model, length=row["length"], **common)
+    before = prefill_work(model, length=row["segment_start"], **common)
+    segment = Work(whole.flops - before.flops, whole.bytes - before.bytes)
+    del common["chunk"]
     decode = decode_step_work(model, context=row["length"] + args.decode_steps // 2, **common)
-    out = {}
-    for name, work, seconds in (
-            ("prefill", prefill, row["length"] / row["prefill_tok_per_s"]),
-            ("decode", decode, row["decode_ms"] / 1000)):
-        gbs, gflops = work.bytes / seconds / 1e9, work.flops / seconds / 1e9
-        out |= {f"{name}_gb_per_s": gbs, f"{name}_gflop_per_s": gflops,
-                f"{name}_bw_%": 100 * gbs / roof["memory_gb_per_s"],
-                f"{name}_flop_%": 100 * gflops / roof["matmul_gflop_per_s"],
-                f"{name}_flop_per_byte": work.flops / work.bytes}
-    return out
+    tokens = row["length"] - row["segment_start"]
+    return (_fractions("prefill", segment, tokens / row["prefill_tok_per_s"], roof)
+            | _fractions("decode", decode, row["decode_ms"] / 1000, roof))
 
 
 def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path]:
-    first = min(r["pool_factor"] for r in rows)
     series = sorted({(r["dtype"], r["shards"]) for r in rows})
     decode, prefill, groups = {}, {}, {}
     for dtype, shards in series:
-        pts = sorted((r["length"], r) for r in rows
-                     if (r["dtype"], r["shards"], r["pool_factor"]) == (dtype, shards, first))
+        pts = sorted((r["length"], r) for r in rows if (r["dtype"], r["shards"]) == (dtype, shards))
         label = f"{dtype} S={shards}"
         decode[f"sparse {label}"] = ([n for n, _ in pts], [r["decode_ms"] for _, r in pts])
         groups[f"sparse {label}"] = groups[f"dense {label}"] = label
@@ -319,12 +396,13 @@ def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path
             decode[f"dense {label}"] = ([n for n, _ in dense], [ms for _, ms in dense])
         prefill[label] = ([n for n, _ in pts], [r["prefill_tok_per_s"] for _, r in pts])
     return [line_chart(out.with_name(out.stem + "_decode.png"), decode, xlabel="context tokens",
-                       ylabel="decode ms / step", title=f"{model}: decode step (pool {first}x)",
+                       ylabel="decode ms / step", title=f"{model}: decode step",
                        dashed=[label for label in decode if label.startswith("dense")],
                        groups=groups),
             line_chart(out.with_name(out.stem + "_prefill.png"), prefill,
                        xlabel="context tokens", ylabel="prefill tokens / s",
-                       title=f"{model}: prefill, compile excluded (pool {first}x)")]
+                       title=f"{model}: prefill of the segment ending at each length "
+                             "(compile excluded)")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,11 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Prefill tokens/s and decode ms/step on the CPU mesh, "
                                             "roofline fractions, sparse vs dense decode.")
     p.add_argument("--model", default="small")
-    p.add_argument("--lengths", default="2k,8k", help="context lengths, e.g. 8k,64k,1m")
+    p.add_argument("--lengths", default="2k,8k",
+                   help="context lengths one session grows through, e.g. 8k,64k,1m")
     p.add_argument("--shards", default="16", help="comma-separated shard counts")
     p.add_argument("--dtypes", default="bf16,fp8_e4m3")
     p.add_argument("--pool-factors", default="1,4",
-                   help="pool size as a multiple of what the context needs")
+                   help="pool sizes, as multiples of what the context needs, for the decode vs "
+                        "pool size table (1: no such table)")
+    p.add_argument("--pool-length", default="2k",
+                   help="the fixed context of the pool size table")
     p.add_argument("--base-pages", type=int, default=256,
                    help="pages per shard of the 1x pool (at least what the context needs)")
     p.add_argument("--page-size", type=int, default=64)
@@ -355,6 +437,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _print(rows: list[dict], pool_rows: list[dict], roofs: dict, args) -> None:
+    info = machine()
+    print_table(list(roofs.values()), ["devices", "read_gb_per_s", "copy_gb_per_s",
+                                       "matmul_n", "matmul_gflop_per_s"],
+                title=f"roofline: {info['processor']}, {info['cpu_count']} cores, "
+                      f"backend {info['backend']}")
+    print()
+    print_table(rows, ["length", "shards", "dtype", "segment_start", "prefill_tok_per_s",
+                       "prefill_compile_s", "prefill_total_s", "prefill_total_tok_per_s",
+                       "decode_ms", "dense_decode_ms", "dense_vs_sparse"],
+                title=f"{args.model}: one session per (shards, dtype) grows through the lengths; "
+                      f"prefill of each segment (compile excluded), decode at its end; backend "
+                      f"{resolve_backend(args.backend)}")
+    print()
+    print_table(rows, ["length", "shards", "dtype", "prefill_gflop_per_s", "prefill_flop_%",
+                       "prefill_bw_%", "decode_gb_per_s", "decode_bw_%", "decode_flop_%"],
+                title="achieved fraction of the measured roofline (%)")
+    if pool_rows:
+        print()
+        print_table(pool_rows, ["length", "shards", "dtype", "pool_factor",
+                                "pool_pages_per_shard", "decode_ms", "decode_vs_smallest_pool"],
+                    title="decode at a fixed context vs pool size")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shard_counts = [int(s) for s in args.shards.split(",")]
@@ -364,39 +470,23 @@ def main(argv: list[str] | None = None) -> int:
     param_bytes = params["model.embed_tokens.weight"].dtype.itemsize
     roofs = {s: measure_roofline(jax.devices()[:s], mem_mib=args.roofline_mib,
                                  matmul_n=args.matmul_n) for s in shard_counts}
-    pool_factors = [int(f) for f in args.pool_factors.split(",")]
-    dense_max = parse_length(args.dense_max_length)
-    grid = [(length, s, d, f) for length in map(parse_length, args.lengths.split(","))
-            for s in shard_counts for d in args.dtypes.split(",") for f in pool_factors]
-    rows = []
-    for length, s, d, f in tqdm(grid, desc="throughput", disable=args.no_progress):
-        row = _measure(model, params, length=length, shards=s, dtype=d, pool_factor=f,
-                       dense=f == pool_factors[0] and length <= dense_max, args=args)
-        rows.append(row | _roofline_fractions(row, model, roofs[s], args=args,
-                                              param_bytes=param_bytes))
-    base = {(r["length"], r["shards"], r["dtype"]): r["decode_ms"] for r in rows
-            if r["pool_factor"] == pool_factors[0]}
-    for r in rows:
-        r["decode_vs_pool_1x"] = r["decode_ms"] / base[(r["length"], r["shards"], r["dtype"])]
-    info = machine()
-    print_table(list(roofs.values()), ["devices", "read_gb_per_s", "copy_gb_per_s",
-                                       "matmul_n", "matmul_gflop_per_s"],
-                title=f"roofline: {info['processor']}, {info['cpu_count']} cores, "
-                      f"backend {info['backend']}")
-    print()
-    print_table(rows, ["length", "shards", "dtype", "pool_factor", "pool_pages_per_shard",
-                       "prefill_tok_per_s", "prefill_compile_s", "decode_ms",
-                       "decode_vs_pool_1x", "dense_decode_ms", "dense_vs_sparse"],
-                title=f"{args.model}: prefill (compile excluded) and decode, backend "
-                      f"{resolve_backend(args.backend)}")
-    print()
-    print_table(rows, ["length", "shards", "dtype", "pool_factor", "prefill_gflop_per_s",
-                       "prefill_flop_%", "prefill_bw_%", "decode_gb_per_s", "decode_bw_%",
-                       "decode_flop_%"],
-                title="achieved fraction of the measured roofline (%)")
+    lengths = sorted(set(map(parse_length, args.lengths.split(","))))
+    pool_factors = sorted({int(f) for f in args.pool_factors.split(",")})
+    settings = [(s, d) for s in shard_counts for d in args.dtypes.split(",")]
+    rows, pool_rows = [], []
+    for s, d in tqdm(settings, desc="throughput", disable=args.no_progress):
+        for row in _grow(model, params, lengths=lengths, shards=s, dtype=d,
+                         dense_max=parse_length(args.dense_max_length), args=args):
+            rows.append(row | _roofline_fractions(row, model, roofs[s], args=args,
+                                                  param_bytes=param_bytes))
+        if len(pool_factors) > 1:
+            pool_rows += _pool_rows(model, params, length=parse_length(args.pool_length),
+                                    shards=s, dtype=d, factors=pool_factors, args=args)
+    _print(rows, pool_rows, roofs, args)
     out = pathlib.Path(args.out)
     write_json(out, {"args": vars(args), "backend": resolve_backend(args.backend),
-                     "roofline": roofs, "rows": rows})
+                     "roofline": roofs, "rows": rows,
+                     "pool_rows": pool_rows})
     pngs = _plots(rows, out, args.model)
     print(f"wrote {out}, {', '.join(map(str, pngs))}")
     return 0

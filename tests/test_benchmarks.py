@@ -162,14 +162,22 @@ def test_report_rejects_unknown_benchmark(tmp_path):
 # -- throughput, end to end -----------------------------------------------------------------
 def test_throughput_tiny_run(tmp_path):
     out = tmp_path / "throughput.json"
-    assert throughput.main(["--lengths", "256", "--shards", "2", "--dtypes", "fp8_e4m3",
-                            "--pool-factors", "1", "--decode-steps", "2", "--base-pages", "16",
-                            "--page-size", "16", "--chunk", "128", "--roofline-mib", "8",
+    assert throughput.main(["--lengths", "128,256", "--shards", "2", "--dtypes", "fp8_e4m3",
+                            "--pool-factors", "1,2", "--pool-length", "128",
+                            "--decode-steps", "2", "--base-pages", "16", "--page-size", "16",
+                            "--chunk", "64", "--dense-max-length", "128", "--roofline-mib", "8",
                             "--matmul-n", "64", "--no-progress", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
-    (row,) = d["rows"]
-    assert row["prefill_tok_per_s"] > 0 and row["decode_ms"] > 0 and row["dense_decode_ms"] > 0
-    assert 0 < row["decode_bw_%"] and 0 < row["prefill_flop_%"]
+    short, long = d["rows"]
+    assert (short["segment_start"], long["segment_start"]) == (0, 128)
+    assert long["prefill_total_s"] == pytest.approx(short["prefill_s"] + long["prefill_s"])
+    for row in d["rows"]:
+        assert row["prefill_tok_per_s"] > 0 and row["decode_ms"] > 0
+        assert 0 < row["decode_bw_%"] and 0 < row["prefill_flop_%"]
+    assert short["dense_decode_ms"] > 0 and "dense_decode_ms" not in long
+    small, big = d["pool_rows"]
+    assert big["pool_pages_per_shard"] == 2 * small["pool_pages_per_shard"]
+    assert small["decode_vs_smallest_pool"] == 1.0 and big["decode_vs_smallest_pool"] > 0
     assert d["roofline"]["2"]["matmul_gflop_per_s"] > 0
     assert (tmp_path / "throughput_decode.png").exists()
     assert (tmp_path / "throughput_prefill.png").exists()
