@@ -1,6 +1,7 @@
 """Read a Hugging Face DeepSeek-V3.2-format checkpoint directory: config, weights, tokenizer.
 
-    config.json                       -> ModelConfig           (`read_hf_config`)
+    config.json                       -> ModelConfig           (`read_hf_config`; rope as
+                                         `rope_theta` + `rope_scaling`, or `rope_parameters`)
     model.safetensors, or shards listed by model.safetensors.index.json (`weight_map`)
                                       -> Params, HF names      (`load_hf_params`)
     tokenizer.json (+ tokenizer_config.json for the BOS token) -> HFTokenizer (`load_tokenizer`)
@@ -59,7 +60,7 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "index_n_heads", "index_head_dim", "index_topk", "first_k_dense_replace",
              "intermediate_size", "moe_intermediate_size", "n_routed_experts",
              "num_experts_per_tok", "n_shared_experts")
-_OPTIONAL = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "tie_word_embeddings",
+_OPTIONAL = ("rms_norm_eps", "routed_scaling_factor", "tie_word_embeddings",
              "n_group", "topk_group", "norm_topk_prob")
 # Settings the model implements one way only: (field, value when absent, the supported value).
 _FIXED = (("scoring_func", "sigmoid", "sigmoid"), ("topk_method", "noaux_tc", "noaux_tc"),
@@ -79,8 +80,18 @@ _QUANTIZED = ("F8_E4M3", "F8_E5M2")      # weights that come with a block scale
 
 
 # -- config -------------------------------------------------------------------------------
-def _rope_scaling(hf: dict, where: str) -> RopeScaling | None:
-    rs = hf.get("rope_scaling")
+def _rope_settings(hf: dict) -> tuple[float | None, dict | None]:
+    """(rope_theta, the YaRN table or None) from either config format: the classic top-level
+    `rope_theta` and `rope_scaling`, or the newer `rope_parameters` table that holds both (type
+    "default" for plain rope)."""
+    rp = hf.get("rope_parameters")
+    if not rp:
+        return hf.get("rope_theta"), hf.get("rope_scaling") or None
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    return rp.get("rope_theta", hf.get("rope_theta")), (None if kind == "default" else rp)
+
+
+def _rope_scaling(rs: dict | None, where: str) -> RopeScaling | None:
     if not rs:
         return None
     kind = rs.get("type", rs.get("rope_type"))
@@ -121,14 +132,17 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
         if hf.get(field, default) != supported:
             raise ValueError(f"{where}: {field}={hf[field]!r} is not supported "
                              f"(only {supported!r})")
+    theta, scaling = _rope_settings(hf)
     values = {k: hf[k] for k in _REQUIRED}
     values |= {k: hf[k] for k in _OPTIONAL if hf.get(k) is not None}
+    if theta is not None:
+        values["rope_theta"] = theta
     values |= {k: float(values[k]) for k in _FLOATS if k in values}     # JSON may write 10000
     layers = hf["num_hidden_layers"]
     # DeepSeek-V3.2 gives every layer an indexer; a config may list them (IndexShare models).
     values["indexer_types"] = tuple(hf.get("indexer_types") or ["full"] * layers)
     try:
-        return ModelConfig(name=name, rope_scaling=_rope_scaling(hf, where), **values)
+        return ModelConfig(name=name, rope_scaling=_rope_scaling(scaling, where), **values)
     except ConfigError as e:                 # an inconsistent combination of fields
         raise ValueError(f"{where}: {e}") from None
 

@@ -220,6 +220,20 @@ def test_bad_config_named(ckpt, tmp_path, change, match):
         read_hf_config(d)
 
 
+def test_rope_parameters_format(ckpt, tmp_path):
+    """The newer HF format: rope_theta and the YaRN table together in `rope_parameters`."""
+    d = copy_of(ckpt, tmp_path)
+    classic = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0,
+            **{k: v for k, v in YARN.items() if k != "type"}}
+    (d / "config.json").write_text(json.dumps(classic | {"rope_parameters": yarn}))
+    assert read_hf_config(d) == ckpt.cfg
+    plain = {"rope_type": "default", "rope_theta": 50000.0}
+    (d / "config.json").write_text(json.dumps(classic | {"rope_parameters": plain}))
+    cfg = read_hf_config(d)
+    assert cfg.rope_scaling is None and cfg.rope_theta == 50000.0
+
+
 def test_toml_rope_scaling(tmp_path):
     ds = load_model_config("deepseek-v3.2")
     assert ds.rope_scaling == RopeScaling(40.0, 4096, 32.0, 1.0, 1.0, 1.0)
