@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import print_table, write_json
-from benchmarks.niah import Variant, recall_context
+from benchmarks.needles import Variant, recall_context
 from benchmarks.recall_model import build_recall_model
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype

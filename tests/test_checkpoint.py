@@ -22,7 +22,7 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from safetensors.numpy import save_file
 
-from benchmarks import niah
+from benchmarks import needles, niah
 from cp_runtime.checkpoint import (
     load_checkpoint,
     load_hf_params,
@@ -148,7 +148,7 @@ def write_shards(d, shards: dict[str, dict]) -> None:
 
 
 def niah_corpus() -> list[str]:
-    words = [*niah._SUBJECTS, *niah._VERBS, *niah._OBJECTS, *niah._KEY_WORDS]
+    words = [*needles.SUBJECTS, *needles.VERBS, *needles.OBJECTS, *needles.KEY_WORDS]
     lines = [f" {w}." for w in words] + [" ".join(words)]
     lines += [" The registered code for the amber-cobalt account is 1234567.",
               ("\nQuestion: what is the registered code for the amber-cobalt account?\n"
@@ -491,7 +491,7 @@ def test_loaded_model_paged_matches_oracle(ckpt):
 # -- the needle benchmark -------------------------------------------------------------------
 def test_text_needles_decode(ckpt):
     tok = load_tokenizer(ckpt.dir)
-    ctx = niah.text_context(tok, niah.VARIANTS["single"], 512, (0.0, 1.0),
+    ctx = needles.text_context(tok, needles.VARIANTS["single"], 512, (0.0, 1.0),
                             np.random.default_rng(0))
     assert ctx.haystack[0] == tok.bos_token_id and len(ctx.haystack) == 512
     for case in ctx.cases:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.niah import (Probe, Variant, parse_length, recall_context, run_context,
-                             score_probes)
+from benchmarks.needles import Probe, Variant, recall_context
+from benchmarks.niah import parse_length, run_context, score_probes
 from benchmarks.recall_model import build_recall_model
 from benchmarks.selection import round_keys, selection_change, top_pages
 from conftest import make_engine
