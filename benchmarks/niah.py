@@ -28,10 +28,11 @@ the rest of its context, forks once per question, and closes everything. The roo
 gives the needle-absent baseline. That is L + sum_d (L - p_d) prefill tokens per (variant,
 length) instead of L * depths (3.5 L instead of 5 L at 5 depths).
 
-Cost on the development machine (2 shared x86 cores, 16 virtual CPU devices, S = 16; other jobs
-kept the load average at 5-20, so these are upper-end figures): `--quick` 2.3 min; the default
-sweep about 2.4 h, measured per (variant, dtype) as 31 s at 8K, 49 s at 16K, 102 s at 32K,
-149 s at 64K and 645 s at 128K (0.7-1.5 K prefill tokens/s, compiles included), 9 of them.
+Cost on the development machine (2 x86 cores, 16 virtual CPU devices, S = 16): `--quick` about
+1.5 min. The default sweep prefills 8.15M tokens; measured per dtype (3 variants, 8K-128K,
+compiles included) as 21 min for fp8_e4m3 (2.1 K tokens/s) and 25 min for fp8_e5m2 (1.8 K), with
+a test run sharing the cores for part of each, so about 1 h 10 min for the three dtypes on a quiet
+machine. The 128K contexts take over half of it (the indexer scores every earlier key).
 """
 
 from __future__ import annotations
