@@ -6,10 +6,11 @@ import json
 import os
 import pathlib
 import platform
+import re
 
 import jax
 
-__all__ = ["machine", "write_json", "print_table", "init_cpu_devices"]
+__all__ = ["init_cpu_devices", "machine", "parse_length", "print_table", "write_json"]
 
 
 def init_cpu_devices(count: int = 16) -> None:
@@ -61,3 +62,12 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+def parse_length(text: str) -> int:
+    """'8k' -> 8192, '1m' -> 1048576, '5000' -> 5000."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"bad length {text!r}: use a number with an optional k or m suffix")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+    return int(m.group(1)) * scale

@@ -40,14 +40,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import re
 import time
 from collections.abc import Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
 from benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe, recall_context,
                                 text_context)
 from benchmarks.recall_model import build_recall_model
@@ -59,7 +58,7 @@ from cp_runtime.executor import LocalExecutor
 from cp_runtime.layout import cdiv
 from cp_runtime.weights import Params
 
-__all__ = ["Score", "Workload", "build_parser", "main", "parse_length", "run_context",
+__all__ = ["Score", "Workload", "build_parser", "main", "run_context",
            "run_sweep", "score_probes", "write_heatmap"]
 
 DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
@@ -68,15 +67,6 @@ QUICK_LENGTHS = "2k,4k"
 DEFAULT_DEPTHS = 5
 QUICK_DEPTHS = 3
 PROBE_SLACK = 1024  # tokens a context may hold beyond its length (needle sentences, question)
-
-
-def parse_length(text: str) -> int:
-    """'8k' -> 8192, '1m' -> 1048576, '5000' -> 5000."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ValueError(f"bad length {text!r}: use a number with an optional k or m suffix")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
-    return int(m.group(1)) * scale
 
 
 def _depths(text: str) -> tuple[float, ...]:

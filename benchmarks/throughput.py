@@ -60,7 +60,7 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
 from benchmarks.plots import line_chart
 from benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
@@ -74,7 +74,7 @@ from cp_runtime.weights import init_params
 
 __all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
            "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
-           "compile_seconds", "parse_length", "build_parser", "main"]
+           "compile_seconds", "build_parser", "main"]
 
 
 # -- work accounting ------------------------------------------------------------------------
@@ -248,12 +248,6 @@ def compile_seconds():
         yield total
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def parse_length(text: str) -> int:
-    text = text.strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1], 1)
-    return int(text.rstrip("km")) * scale
 
 
 def _decode_ms(engine: Engine, session_id: int, steps: int, vocab: int) -> float:
@@ -499,4 +493,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ValueError as e:
+        build_parser().exit(2, f"throughput: error: {e}\n")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from benchmarks.needles import Probe, Variant, recall_context
-from benchmarks.niah import parse_length, run_context, score_probes
+from benchmarks.common import parse_length
+from benchmarks.niah import run_context, score_probes
 from benchmarks.recall_model import build_recall_model
 from benchmarks.selection import round_keys, selection_change, top_pages
 from conftest import make_engine
