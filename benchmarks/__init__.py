@@ -1,1 +1,1 @@
-"""The long-context benchmark suite: each module is runnable as `python -m benchmarks.NAME`."""
+"""The long-context benchmark suite: each module is runnable as `cp-runtime bench NAME`."""

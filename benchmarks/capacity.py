@@ -1,8 +1,8 @@
 """Cache capacity per model config and cache dtype: bytes per token, tokens per GiB, the ratio to
 bf16, and the tokens that fit on a TPU slice after weights.
 
-    python -m benchmarks.capacity                          # 16 x v7x (192 GiB), no weights
-    python -m benchmarks.capacity --weights-gib 48 --models glm-5.2
+    cp-runtime bench capacity                          # 16 x v7x (192 GiB), no weights
+    cp-runtime bench capacity --weights-gib 48 --models glm-5.2
 
 Every figure comes from `cp_runtime.capacity` (the single source the scheduler and the pool also
 use): `bytes_per_token` = latent rows of every layer + indexer keys of every `full` layer, and
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from benchmarks.common import print_table, write_json
-from benchmarks.plots import bar_chart
+from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks.plots import bar_chart
 from cp_runtime.capacity import capacity_report
 from cp_runtime.config import load_model_config, model_names
 from cp_runtime.dtypes import KV_CACHE_DTYPES, indexer_cache_dtype, latent_cache_dtype
@@ -51,7 +51,7 @@ def capacity_rows(models: list[str], dtypes: list[str], *, devices: int, hbm_gib
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.capacity",
+    p = argparse.ArgumentParser(prog="cp-runtime bench capacity",
                                 description="Cache bytes per token, tokens per GiB and tokens "
                                             "that fit on a slice, per model config and dtype.")
     p.add_argument("--models", default=",".join(model_names()),

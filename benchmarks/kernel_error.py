@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.kernels_dispatch import select_kernels
@@ -26,7 +26,7 @@ from cp_runtime.kernels_dispatch import select_kernels
 __all__ = ["cache_error", "CACHE_ERROR_BOUNDS", "main", "build_parser"]
 
 # (dtype, path) -> (rel_l2 bound, peak bound): about 1.4x the worst of 3 seeds measured on this
-# CPU with `python -m benchmarks.kernel_error` (rel_l2 / peak, %): e4m3 prefill 4.18 / 8.27,
+# CPU with `cp-runtime bench kernel_error` (rel_l2 / peak, %): e4m3 prefill 4.18 / 8.27,
 # decode 4.25 / 5.70; e5m2 prefill 8.32 / 17.5, decode 8.55 / 12.5. The gate's upper side.
 CACHE_ERROR_BOUNDS = {
     ("fp8_e4m3", "prefill"): (0.060, 0.12),
@@ -94,7 +94,7 @@ def cache_error(kv_cache_dtype: str, path: str, *, seed: int = 0, model: str = "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_error",
+    p = argparse.ArgumentParser(prog="cp-runtime bench kernel_error",
                                 description="rel-L2 and peak error of fp8 latent caches against "
                                             "an identical bf16 cache, prefill and decode paths.")
     p.add_argument("--model", default="glm-5.2", help="model config giving the latent shapes")

@@ -1,9 +1,9 @@
 """Kernel sheet: per Pallas kernel and cache dtype, its launch shape and cost next to its measured
 agreement with the XLA reference.
 
-    python -m benchmarks.kernels                      # small shapes, interpret mode on CPU
-    python -m benchmarks.kernels --size full          # model-sized shapes (default on a TPU)
-    python -m benchmarks.kernels --kernels decode --dtypes fp8_e4m3 --out out/decode.json
+    cp-runtime bench kernels                      # small shapes, interpret mode on CPU
+    cp-runtime bench kernels --size full          # model-sized shapes (default on a TPU)
+    cp-runtime bench kernels --kernels decode --dtypes fp8_e4m3 --out out/decode.json
 
 Columns: grid, block shapes and VMEM footprint come from each kernel module's `cost()`, as do the
 HBM bytes and flops of one call (upper bounds: every selected page distinct and visible). The
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
+from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
 __all__ = ["Shapes", "SIZES", "run", "main"]
 
@@ -226,7 +226,7 @@ def run(kernels, dtypes, s: Shapes, *, interpret: bool, seed: int) -> list[dict]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.kernels", description=__doc__,
+        prog="cp-runtime bench kernels", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
                    help="kernels to run (default: all)")

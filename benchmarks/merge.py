@@ -1,7 +1,7 @@
 """Time the two merge collectives of cp_runtime/merge.py on S devices, decode- and prefill-like
 shapes, in one run (ratios are what matter on a noisy machine).
 
-    python -m benchmarks.merge
+    cp-runtime bench merge
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import functools
 import statistics
 import time
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
 
 __all__ = ["build_parser", "main"]
 
@@ -19,7 +19,7 @@ SHAPES = {"decode B=8 H=64": (8, 1, 64), "prefill Q=256 H=16": (1, 256, 16)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.merge",
+    p = argparse.ArgumentParser(prog="cp-runtime bench merge",
                                 description="gather_psum vs all_to_all merge of (o, lse) partials.")
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--value-dim", type=int, default=512, help="latent width (kv_lora)")

@@ -2,7 +2,7 @@
 decode steps. Reports prefill time and tokens/s, decode ms/step, and peak RSS against the pool's
 planned bytes (memory beyond the pool must stay bounded by the chunk, not the context).
 
-    python -m benchmarks.million --tokens 1048576
+    cp-runtime bench million --tokens 1048576
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import argparse
 import resource
 import time
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
 
 __all__ = ["build_parser", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.million",
+    p = argparse.ArgumentParser(prog="cp-runtime bench million",
                                 description="One very long session: prefill time, decode ms/step "
                                             "and peak RSS vs the pool's planned bytes.")
     p.add_argument("--tokens", type=int, default=1 << 20, help="context length (default 1M)")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.recall_model import RecallModel
+from cp_runtime.benchmarks.recall_model import RecallModel
 from cp_runtime.checkpoint import HFTokenizer
 
 __all__ = ["KEY_WORDS", "OBJECTS", "SUBJECTS", "VARIANTS", "VERBS", "Case", "Context",

@@ -46,10 +46,10 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
-from benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe, recall_context,
+from cp_runtime.benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
+from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe, recall_context,
                                 text_context)
-from benchmarks.recall_model import build_recall_model
+from cp_runtime.benchmarks.recall_model import build_recall_model
 from cp_runtime.checkpoint import load_checkpoint
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import KV_CACHE_DTYPES
@@ -320,7 +320,7 @@ def print_report(report: dict, info: dict) -> None:
 # -- command line -------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.niah",
+        prog="cp-runtime bench niah",
         description="Needle-in-a-haystack recall and log-prob uplift over context lengths x "
                     "depths, per needle variant, cache dtype and shard count.")
     p.add_argument("--quick", action="store_true",

@@ -1,8 +1,8 @@
 """The whole benchmark suite in one run, written up as DIR/report.md with its PNGs.
 
     cp-runtime bench all --quick                  # every benchmark small: a few minutes on a CPU
-    python -m benchmarks.report --quick --out out/report
-    python -m benchmarks.report --only capacity,kernel_error --out out/report
+    cp-runtime bench report --quick --out out/report
+    cp-runtime bench report --only capacity,kernel_error --out out/report
 
 Sections, in order: niah, capacity, kernel_error, selection, throughput (with the roofline),
 merge, kernels. Each benchmark's `main(argv)` runs in this process with its `--out` inside DIR;
@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from benchmarks.common import init_cpu_devices, machine
+from cp_runtime.benchmarks.common import init_cpu_devices, machine
 
 __all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "main"]
 
@@ -196,14 +196,14 @@ class _Tee(io.TextIOBase):
 def _run(section: Section, out: pathlib.Path, *, quick: bool, shards: int, label: str) -> dict:
     """Run one benchmark's main; returns its argv, seconds, console text and error (or None)."""
     argv = section.argv(out, quick=quick, shards=shards)
-    print(f"\n== [{label}] {section.name}: python -m benchmarks.{section.name} "
+    print(f"\n== [{label}] {section.name}: cp-runtime bench {section.name} "
           f"{' '.join(argv)}", flush=True)
     tee = _Tee(sys.stdout)
     error = None
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(tee):
         try:
-            status = importlib.import_module(f"benchmarks.{section.name}").main(argv)
+            status = importlib.import_module(f"cp_runtime.benchmarks.{section.name}").main(argv)
             if status:
                 error = f"exit status {status}"
         except SystemExit as e:                 # argparse and some mains exit instead of raising
@@ -217,7 +217,7 @@ def _run(section: Section, out: pathlib.Path, *, quick: bool, shards: int, label
 
 def _section_md(section: Section, run: dict, out: pathlib.Path) -> list[str]:
     md = [f"## {section.title}", "",
-          f"`python -m benchmarks.{section.name} {' '.join(run['argv'])}`: "
+          f"`cp-runtime bench {section.name} {' '.join(run['argv'])}`: "
           f"{run['seconds']:.1f} s", ""]
     blocks = []
     if run["error"] is None:
@@ -252,7 +252,7 @@ def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.report",
+    p = argparse.ArgumentParser(prog="cp-runtime bench report",
                                 description="Run every benchmark and write DIR/report.md.")
     p.add_argument("--quick", action="store_true", help="every benchmark small (minutes on a CPU)")
     p.add_argument("--out", default="out/report", help="output directory DIR")

@@ -13,7 +13,7 @@ slice it is the sum over the chips.
 Times are the best of `repeats` calls after a compile-and-warm call (a peak, not a mean: the
 denominators of "achieved fraction"). `memory_gb_per_s` is the larger of read and copy.
 
-    python -m benchmarks.roofline --shards 16
+    cp-runtime bench roofline --shards 16
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
 
 __all__ = ["measure_roofline", "default_sizes", "build_parser", "main"]
 
@@ -85,7 +85,7 @@ def measure_roofline(devices: list | None = None, *, mem_mib: int | None = None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.roofline",
+    p = argparse.ArgumentParser(prog="cp-runtime bench roofline",
                                 description="Measured memory bandwidth and f32 matmul FLOP/s.")
     p.add_argument("--shards", type=int, default=16, help="devices measured together")
     p.add_argument("--mem-mib", type=int, default=None,

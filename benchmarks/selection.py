@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import print_table, write_json
-from benchmarks.needles import Variant, recall_context
-from benchmarks.recall_model import build_recall_model
+from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks.needles import Variant, recall_context
+from cp_runtime.benchmarks.recall_model import build_recall_model
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
@@ -253,7 +253,7 @@ def recall_study(args) -> tuple[list[dict], list[dict]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.selection",
+        prog="cp-runtime bench selection",
         description="How often an fp8 indexer key cache changes the DSA top-K pages compared "
                     "with bf16, and what that does to recall.")
     p.add_argument("--tiny-model", default="tiny", help="random-weight model config")

@@ -2,9 +2,9 @@
 the fraction of this machine's measured memory bandwidth and matmul FLOP/s that each achieves;
 and the decode time of DSA's sparse selection against a dense equivalent.
 
-    python -m benchmarks.throughput --lengths 2k,8k --shards 16 --dtypes bf16,fp8_e4m3 \
+    cp-runtime bench throughput --lengths 2k,8k --shards 16 --dtypes bf16,fp8_e4m3 \
         --pool-factors 1,4
-    python -m benchmarks.throughput --lengths 8k,16k,32k,64k,128k,256k,512k,1m \
+    cp-runtime bench throughput --lengths 8k,16k,32k,64k,128k,256k,512k,1m \
         --dtypes fp8_e4m3 --chunk 4096 --pool-factors 1                    # 8K to 1M, one sweep
 
 Per (shards, dtype), one session grows through the lengths on one engine whose pool is sized for
@@ -60,9 +60,9 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
-from benchmarks.plots import line_chart
-from benchmarks.roofline import measure_roofline
+from cp_runtime.benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
+from cp_runtime.benchmarks.plots import line_chart
+from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
@@ -406,7 +406,7 @@ def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput",
+    p = argparse.ArgumentParser(prog="cp-runtime bench throughput",
                                 description="Prefill tokens/s and decode ms/step on the CPU mesh, "
                                             "roofline fractions, sparse vs dense decode.")
     p.add_argument("--model", default="small")

@@ -67,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark of the long-context suite")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark "
-                       "(see python -m benchmarks.NAME --help)")
+                       "(see cp-runtime bench NAME --help)")
     return parser
 
 
 def _run_benchmark(name: str, argv: list[str]) -> int:
-    module = __import__(f"benchmarks.{name}", fromlist=["main"])  # benchmarks load on demand
+    module = __import__(f"cp_runtime.benchmarks.{name}", fromlist=["main"])  # benchmarks load on demand
     return int(module.main(argv) or 0)
 
 

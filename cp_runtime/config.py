@@ -8,6 +8,7 @@ field, or a value of the wrong kind raises `ConfigError` naming the file and the
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import pathlib
 import tomllib
@@ -28,7 +29,8 @@ __all__ = [
     "yarn_mscale",
 ]
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# The repository's configs/ folder, installed as the package data of `cp_runtime.configs`.
+CONFIG_DIR = pathlib.Path(str(importlib.resources.files("cp_runtime.configs")))
 LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
 INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")

@@ -15,8 +15,8 @@ from typing import Callable
 
 import jax
 
-from kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill, xla_sparse
-from kernels.storage import from_storage, storage_dtype
+from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill, xla_sparse
+from cp_runtime.kernels.storage import from_storage, storage_dtype
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 

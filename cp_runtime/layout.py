@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.storage import cdiv
+from cp_runtime.kernels.storage import cdiv
 
 __all__ = [
     "cdiv",

@@ -5,7 +5,7 @@
 in the latent space (before W_uv). A shard that saw no key gives o_r = 0, lse_r = -inf and
 contributes nothing; a query no shard saw gets o = 0, lse = -inf (no NaN).
 
-Two collective variants; `python -m benchmarks.merge` times them in one run:
+Two collective variants; `cp-runtime bench merge` times them in one run:
   gather_psum:  all-gather the lse (small), rescale locally, psum the outputs. The default:
                 2.7x faster than all_to_all for decode (B=8, H=64, Dv=512) and 3.3x for a
                 prefill block (Q=256, H=16), S = 16 virtual CPU devices on 2 cores.

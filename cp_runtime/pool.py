@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from kernels.storage import storage_dtype
+from cp_runtime.kernels.storage import storage_dtype
 
 __all__ = ["KVPool", "PoolSpec", "CP_AXIS"]
 

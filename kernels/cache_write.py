@@ -28,8 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.storage import cdiv
-from kernels.packing import interpret_params
+from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.packing import interpret_params
 
 __all__ = ["ROWS_PER_STEP", "write_kv", "cost"]
 

@@ -41,10 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.storage import cdiv
-from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
-from kernels.reference import NEG_INF
+from cp_runtime.kernels.reference import NEG_INF
 
 __all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.storage import from_storage, to_storage
+from cp_runtime.kernels.storage import from_storage, to_storage
 
 __all__ = [
     "NEG_INF",

@@ -35,10 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
-from kernels.reference import NEG_INF, check_attention_args
-from kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
+from cp_runtime.kernels.reference import NEG_INF, check_attention_args
+from cp_runtime.kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
 
 __all__ = ["NUM_BUFFERS", "sparse_decode", "cost"]
 

@@ -43,10 +43,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.storage import cdiv
-from kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
+from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
-from kernels.reference import NEG_INF, check_attention_args
+from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 
 __all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
            "finalize_softmax", "cost"]

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.reference import NEG_INF, check_attention_args, sparse_attention
-from kernels.storage import cdiv, from_storage
+from cp_runtime.kernels.reference import NEG_INF, check_attention_args, sparse_attention
+from cp_runtime.kernels.storage import cdiv, from_storage
 
 __all__ = ["sparse_attention_owned", "pair_capacity"]
 

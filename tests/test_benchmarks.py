@@ -6,8 +6,8 @@ import json
 import jax
 import pytest
 
-from benchmarks import capacity, report, throughput
-from benchmarks.roofline import measure_roofline
+from cp_runtime.benchmarks import capacity, report, throughput
+from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.weights import param_shapes
 

@@ -22,7 +22,7 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from safetensors.numpy import save_file
 
-from benchmarks import needles, niah
+from cp_runtime.benchmarks import needles, niah
 from cp_runtime.checkpoint import (
     load_checkpoint,
     load_hf_params,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.kernel_error import CACHE_ERROR_BOUNDS, cache_error
+from cp_runtime.benchmarks.kernel_error import CACHE_ERROR_BOUNDS, cache_error
 from conftest import make_engine, random_tokens
 from cp_runtime.pool import PoolSpec
 

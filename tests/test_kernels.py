@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from cp_runtime.layout import cdiv
-from kernels import reference
-from kernels.cache_write import write_kv
-from kernels.indexer import indexer_page_scores
-from kernels.packing import pack_pages, packing, unpack_pages
-from kernels.sparse_decode import sparse_decode
-from kernels.sparse_prefill import block_union, sparse_prefill
+from cp_runtime.kernels import reference
+from cp_runtime.kernels.cache_write import write_kv
+from cp_runtime.kernels.indexer import indexer_page_scores
+from cp_runtime.kernels.packing import pack_pages, packing, unpack_pages
+from cp_runtime.kernels.sparse_decode import sparse_decode
+from cp_runtime.kernels.sparse_prefill import block_union, sparse_prefill
 
 PS, D, H, V = 16, 256, 4, 192    # page size, cached row width, heads, value width
 HI, DI = 4, 128                  # indexer heads and head width

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.sparse_decode import sparse_decode
-from kernels.sparse_prefill import sparse_prefill
+from cp_runtime.kernels.sparse_decode import sparse_decode
+from cp_runtime.kernels.sparse_prefill import sparse_prefill
 
 # TPU-friendly shapes: H a multiple of 8, D and V multiples of 128 lanes, qb a multiple of 8.
 B, Q, H, D, V, PS, N, QB = 2, 16, 16, 256, 128, 16, 4, 8

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.reference import sparse_attention
-from kernels.xla_sparse import pair_capacity, sparse_attention_owned
+from cp_runtime.kernels.reference import sparse_attention
+from cp_runtime.kernels.xla_sparse import pair_capacity, sparse_attention_owned
 
 P, PS, D, H, DV = 12, 16, 256, 4, 32
 

@@ -1,0 +1,1 @@
+"""Model, runtime and cluster configurations (data files), installed as `cp_runtime.configs`."""
