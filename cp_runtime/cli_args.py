@@ -1,0 +1,236 @@
+"""Command-line flags shared by every entry point (`serve`, `demo`, `capacity`, each benchmark),
+so one flag means one thing everywhere:
+
+    --model NAME            a model config name (configs/models/NAME.toml)
+    --checkpoint DIR        a Hugging Face checkpoint directory instead of a config's random
+                            (or hand-built) weights
+    --kv-cache-dtype D      one latent cache dtype;  --kv-cache-dtypes D,D  a list of them
+    --shards N              context-parallel shard count (a list `1,16` where a benchmark sweeps)
+    --chunk-size N          prefill tokens per step
+    --page-size N, --pages-per-shard N
+    --out DIR               where JSON and PNG results go (checked before any work)
+    --no-progress           no progress bars
+
+Sizes take `k` and `m` suffixes (`8k` = 8192, `1m` = 1048576) wherever they count tokens. A bad
+value is an argparse usage error (exit 2, the flag named), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import re
+
+from cp_runtime.config import BACKENDS, model_names
+from cp_runtime.dtypes import KV_CACHE_DTYPES
+
+__all__ = [
+    "HelpFormatter",
+    "add_backend",
+    "add_checkpoint",
+    "add_chunk_size",
+    "add_kv_cache_dtype",
+    "add_kv_cache_dtypes",
+    "add_model",
+    "add_no_progress",
+    "add_out",
+    "add_page_size",
+    "add_pages_per_shard",
+    "add_shard_counts",
+    "add_shards",
+    "check_not_below_page",
+    "check_out_dir",
+    "check_page_size",
+    "comma_list",
+    "finite_nonnegative_float",
+    "finite_positive_float",
+    "length",
+    "length_list",
+    "nonnegative_length",
+    "parse_length",
+    "positive_int",
+    "positive_int_list",
+]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default and keeps the description's line breaks."""
+
+
+def parse_length(text: str) -> int:
+    """'8k' -> 8192, '1m' -> 1048576, '5000' -> 5000. Raises ValueError on anything else."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"bad length {text!r}: use a number with an optional k or m suffix")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+    return int(m.group(1)) * scale
+
+
+def length(text: str) -> int:
+    """argparse type: a positive token count with an optional k/m suffix."""
+    try:
+        n = parse_length(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return n
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return n
+
+
+def finite_positive_float(text: str) -> float:
+    """argparse type: a finite float > 0 (refuses inf and nan)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
+    return x
+
+
+def comma_list(item_type, *, choices=None):
+    """argparse type: a non-empty comma-separated list, each item through `item_type`."""
+
+    def parse(text: str) -> list:
+        parts = [p.strip() for p in str(text).split(",")]
+        if not text.strip() or any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list")
+        items = [item_type(p) for p in parts]
+        if choices is not None:
+            bad = [i for i in items if i not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"{bad[0]!r} is not one of {', '.join(map(str, choices))}")
+        return items
+
+    return parse
+
+
+length_list = comma_list(length)
+positive_int_list = comma_list(positive_int)
+
+
+def nonnegative_length(text: str) -> int:
+    """argparse type: a token count >= 0 with an optional k/m suffix (0 turns a feature off)."""
+    try:
+        return parse_length(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def finite_nonnegative_float(text: str) -> float:
+    """argparse type: a finite float >= 0 (refuses inf and nan)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number, 0 or more")
+    return x
+
+
+def add_model(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--model", default=default, choices=model_names(), metavar="NAME",
+                   help=f"model config name, one of: {', '.join(model_names())}")
+
+
+def add_checkpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="Hugging Face checkpoint directory (config.json, tokenizer.json, "
+                        "*.safetensors); its config replaces --model")
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3") -> None:
+    p.add_argument("--kv-cache-dtype", default=default, choices=list(KV_CACHE_DTYPES),
+                   help="latent cache dtype (the indexer cache stays bf16 under fp8)")
+
+
+def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--kv-cache-dtypes", default=comma_list(str, choices=KV_CACHE_DTYPES)(default),
+                   type=comma_list(str, choices=KV_CACHE_DTYPES), metavar="D[,D...]",
+                   help=f"latent cache dtypes to compare, from: {', '.join(KV_CACHE_DTYPES)}")
+
+
+def add_shards(p: argparse.ArgumentParser, default: int = 16) -> None:
+    p.add_argument("--shards", type=positive_int, default=default,
+                   help="context-parallel shards (devices holding the KV cache)")
+
+
+def add_chunk_size(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--chunk-size", type=length, default=default,
+                   help="prefill tokens per step (k/m suffixes allowed)")
+
+
+def add_page_size(p: argparse.ArgumentParser, default: int = 16) -> None:
+    p.add_argument("--page-size", type=positive_int, default=default,
+                   help="tokens per KV page (a multiple of 16)")
+
+
+def add_pages_per_shard(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument("--pages-per-shard", type=positive_int, default=default,
+                   help="KV pages per shard" + ("" if default else
+                                                " (default: sized for the longest context)"))
+
+
+def add_out(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--out", metavar="DIR", default=default,
+                   help="directory for the JSON (and PNG) results")
+
+
+def add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out: str | None) -> pathlib.Path | None:
+    """Create `out` if needed and check it is a writable directory, before any work is done;
+    a bad path is a usage error (parser.error exits 2)."""
+    if out is None:
+        return None
+    path = pathlib.Path(out)
+    if path.exists() and not path.is_dir():
+        parser.error(f"--out {out}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out}: cannot create it ({e.strerror})")
+    if not os.access(path, os.W_OK):
+        parser.error(f"--out {out}: not writable")
+    return path
+
+
+def add_shard_counts(p: argparse.ArgumentParser, default: str = "16") -> None:
+    """`--shards` for a benchmark that sweeps shard counts: a comma list like `1,16`."""
+    p.add_argument("--shards", type=positive_int_list, default=default, metavar="N[,N...]",
+                   help="context-parallel shard counts to sweep, e.g. 1,16")
+
+
+def add_backend(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--backend", default=default, choices=BACKENDS,
+                   help="kernel backend (auto: pallas on a TPU, xla elsewhere)")
+
+
+def check_page_size(parser: argparse.ArgumentParser, page_size: int) -> None:
+    """A page holds a multiple of 16 tokens (RuntimeConfig's rule); otherwise a usage error."""
+    if page_size % 16:
+        parser.error(f"--page-size {page_size}: must be a multiple of 16")
+
+
+def check_not_below_page(parser: argparse.ArgumentParser, flag: str, lengths,
+                         page_size: int) -> None:
+    """Each of `lengths` (an int or a list) is at least one page; otherwise a usage error."""
+    for n in [lengths] if isinstance(lengths, int) else lengths:
+        if n < page_size:
+            parser.error(f"{flag} {n}: below the page size {page_size}")
