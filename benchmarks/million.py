@@ -42,7 +42,7 @@ def run(args) -> dict:
 
     from cp_runtime.config import RuntimeConfig, load_model_config
     from cp_runtime.engine import Engine
-    from cp_runtime.executor import LocalExecutor
+    from cp_runtime.engine.executor import LocalExecutor
     from cp_runtime.layout import cdiv
     from cp_runtime.weights import init_params
 

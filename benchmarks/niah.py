@@ -54,7 +54,7 @@ from cp_runtime.checkpoint import load_checkpoint
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 from cp_runtime.engine import Engine
-from cp_runtime.executor import LocalExecutor
+from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.layout import cdiv
 from cp_runtime.weights import Params
 

@@ -67,7 +67,7 @@ from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.engine import Engine
-from cp_runtime.executor import LocalExecutor
+from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.kernels_dispatch import resolve_backend
 from cp_runtime.layout import cdiv
 from cp_runtime.weights import init_params

@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.executor import Executor
+from cp_runtime.engine.executor import Executor
 from cp_runtime.layout import cdiv
 from cp_runtime.pages import CapacityError, PageAllocator
 from cp_runtime.step import StepInputs
