@@ -1,7 +1,8 @@
-"""Read a Hugging Face DeepSeek-V3.2-format checkpoint directory: config, weights, tokenizer.
+"""Read a Hugging Face DeepSeek-V3.2 or GLM-5 checkpoint directory: config, weights, tokenizer.
 
-    config.json                       -> ModelConfig           (`read_hf_config`; rope as
-                                         `rope_theta` + `rope_scaling`, or `rope_parameters`)
+    config.json                       -> ModelConfig           (`read_hf_config`; model_type
+                                         `deepseek_v32` or `glm_moe_dsa`; rope as `rope_theta`
+                                         + `rope_scaling`, or `rope_parameters`)
     model.safetensors, or shards listed by model.safetensors.index.json (`weight_map`)
                                       -> Params, HF names      (`load_hf_params`)
     tokenizer.json (+ tokenizer_config.json for the BOS token) -> HFTokenizer (`load_tokenizer`)
@@ -48,20 +49,30 @@ __all__ = [
     "read_hf_config",
 ]
 
-MODEL_TYPES = ("deepseek_v32",)
+MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)
 
-# Fields copied as they are from config.json (same names in ModelConfig).
+# ModelConfig fields read from config.json; every family names them as ModelConfig does except
+# where _RENAMED says otherwise. `first_k_dense_replace` and `indexer_types` are derived
+# (`_first_k_dense`, `_indexer_types`).
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-             "index_n_heads", "index_head_dim", "index_topk", "first_k_dense_replace",
-             "intermediate_size", "moe_intermediate_size", "n_routed_experts",
-             "num_experts_per_tok", "n_shared_experts")
+             "index_n_heads", "index_head_dim", "index_topk", "intermediate_size",
+             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+             "n_shared_experts")
 _OPTIONAL = ("rms_norm_eps", "routed_scaling_factor", "tie_word_embeddings",
-             "n_group", "topk_group", "norm_topk_prob")
+             "n_group", "topk_group", "norm_topk_prob", "mla_rope_interleaved",
+             "index_rope_interleaved")
+# The one table of names that differ: {model_type: {ModelConfig field: config.json key}}.
+# DeepSeek-V3.2 fixes both rope layouts (MLA pairs, indexer halves) and names neither.
+_RENAMED = {
+    "deepseek_v32": {"mla_rope_interleaved": None, "index_rope_interleaved": None},
+    "glm_moe_dsa": {"mla_rope_interleaved": "rope_interleave",
+                    "index_rope_interleaved": "indexer_rope_interleave"},
+}
 # Settings the model implements one way only: (field, value when absent, the supported value).
 _FIXED = (("scoring_func", "sigmoid", "sigmoid"), ("topk_method", "noaux_tc", "noaux_tc"),
           ("hidden_act", "silu", "silu"), ("moe_layer_freq", 1, 1),
@@ -105,9 +116,65 @@ def _rope_scaling(rs: dict | None, where: str) -> RopeScaling | None:
                        **values)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _indexer_types(hf: dict, layers: int, where: str) -> tuple[str, ...]:
+    """Which layers carry an indexer. The rule, first match wins:
+
+    1. an explicit `indexer_types` list ("full" / "shared" per layer);
+    2. GLM-5's schedule `index_topk_freq` f with `index_skip_topk_offset` o: layer i is full
+       iff max(i - o + 1, 0) % f == 0 (o = 3, f = 4 over 78 layers: 0, 1, 2, 6, 10, ..., 74);
+    3. neither: every layer full (DeepSeek-V3.2).
+    Without a list, an `index_topk_pattern` (a schedule this reader does not know) is refused.
+    """
+    if hf.get("indexer_types") is not None:
+        return tuple(hf["indexer_types"])
+    if hf.get("index_topk_pattern") is not None:
+        raise ValueError(f"{where}: index_topk_pattern={hf['index_topk_pattern']!r} is not "
+                         "supported (give indexer_types, or index_topk_freq and "
+                         "index_skip_topk_offset)")
+    freq = hf.get("index_topk_freq")
+    if freq is None:
+        return ("full",) * layers
+    offset = hf.get("index_skip_topk_offset")
+    if offset is None:
+        raise ValueError(f"{where}: index_topk_freq={freq!r} needs index_skip_topk_offset")
+    if not _is_int(freq) or freq < 1:
+        raise ValueError(f"{where}: index_topk_freq={freq!r} must be an integer >= 1")
+    if not _is_int(offset) or offset < 0:
+        raise ValueError(f"{where}: index_skip_topk_offset={offset!r} must be an integer >= 0")
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                 for i in range(layers))
+
+
+def _first_k_dense(hf: dict, layers: int, where: str) -> int:
+    """Leading dense-MLP layers: `first_k_dense_replace`, or the "dense" prefix of GLM-5's
+    `mlp_layer_types` (which must be dense layers then sparse ones; both given must agree)."""
+    given = hf.get("first_k_dense_replace")
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        if given is None:
+            raise ValueError(f"{where}: lacks required field 'first_k_dense_replace' "
+                             "(or 'mlp_layer_types')")
+        return given
+    k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if len(types) != layers or any(t != "sparse" for t in types[k:]):
+        raise ValueError(f"{where}: mlp_layer_types must be {layers} entries, 'dense' ones then "
+                         f"'sparse' ones; got {types!r}")
+    if given is not None and given != k:
+        raise ValueError(f"{where}: first_k_dense_replace={given} but mlp_layer_types has {k} "
+                         "dense layers")
+    return k
+
+
 def read_hf_config(model_dir: str | pathlib.Path) -> ModelConfig:
-    """ModelConfig of a DeepSeek-V3.2 checkpoint directory's config.json; named after the
-    directory. Raises ValueError naming a missing field or an unsupported setting."""
+    """ModelConfig of a DeepSeek-V3.2 (`deepseek_v32`) or GLM-5 (`glm_moe_dsa`) checkpoint
+    directory's config.json; named after the directory. GLM-5's names that differ from
+    DeepSeek's are mapped by `_RENAMED`; its indexer schedule and dense layers are derived by
+    `_indexer_types` and `_first_k_dense`. Raises ValueError naming a missing field or an
+    unsupported setting."""
     d = pathlib.Path(model_dir)
     path = d / "config.json"
     try:
@@ -121,8 +188,9 @@ def read_hf_config(model_dir: str | pathlib.Path) -> ModelConfig:
 
 def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
     """ModelConfig from a config.json dict; `where` prefixes error messages."""
-    if hf.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {hf.get('model_type')!r} is not supported "
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {kind!r} is not supported "
                          f"(expected one of {MODEL_TYPES})")
     missing = [k for k in _REQUIRED if hf.get(k) is None]
     if missing:
@@ -134,13 +202,14 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
                              f"(only {supported!r})")
     theta, scaling = _rope_settings(hf)
     values = {k: hf[k] for k in _REQUIRED}
-    values |= {k: hf[k] for k in _OPTIONAL if hf.get(k) is not None}
+    keys = {k: _RENAMED[kind].get(k, k) for k in _OPTIONAL}
+    values |= {k: hf[key] for k, key in keys.items() if key and hf.get(key) is not None}
     if theta is not None:
         values["rope_theta"] = theta
     values |= {k: float(values[k]) for k in _FLOATS if k in values}     # JSON may write 10000
     layers = hf["num_hidden_layers"]
-    # DeepSeek-V3.2 gives every layer an indexer; a config may list them (IndexShare models).
-    values["indexer_types"] = tuple(hf.get("indexer_types") or ["full"] * layers)
+    values["indexer_types"] = _indexer_types(hf, layers, where)
+    values["first_k_dense_replace"] = _first_k_dense(hf, layers, where)
     try:
         return ModelConfig(name=name, rope_scaling=_rope_scaling(scaling, where), **values)
     except ConfigError as e:                 # an inconsistent combination of fields

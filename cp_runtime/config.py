@@ -120,6 +120,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     mla_rope_interleaved: bool = True
     index_rope_first: bool = True
+    index_rope_interleaved: bool = False   # indexer rope on pairs (GLM-5) or halves
     index_hadamard: bool = True
     routed_scaling_factor: float = 1.0
     tie_word_embeddings: bool = False

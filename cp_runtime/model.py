@@ -187,14 +187,14 @@ def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Neox-style rope on the first (or last) qk_rope_head_dim dims of x f[..., Di]."""
+    """Rope on the first (or last) qk_rope_head_dim dims of x f[..., Di]: neox-style halves, or
+    interleaved pairs when cfg.index_rope_interleaved (GLM-5's `indexer_rope_interleave`)."""
     r = cfg.qk_rope_head_dim
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
+    kw = dict(interleaved=cfg.index_rope_interleaved, mscale=mscale)
     if cfg.index_rope_first:
-        return jnp.concatenate([rope(x[..., :r], pos, freqs, interleaved=False, mscale=mscale),
-                                x[..., r:]], -1)
-    return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, freqs, interleaved=False,
-                                              mscale=mscale)], -1)
+        return jnp.concatenate([rope(x[..., :r], pos, freqs, **kw), x[..., r:]], -1)
+    return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, freqs, **kw)], -1)
 
 
 def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,

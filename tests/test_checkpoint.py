@@ -70,9 +70,9 @@ def expected_config(name: str) -> ModelConfig:
 
 
 # -- writing a checkpoint ---------------------------------------------------------------------
-def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f32[out, in] -> (f8_e4m3[out, in], scale_inv f32[ceil(out/16), ceil(in/32)])."""
-    bo, bi = BLOCK
+def quantize(w: np.ndarray, block=BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """f32[out, in] -> (f8_e4m3[out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)])."""
+    bo, bi = block
     scale = np.zeros((-(-w.shape[0] // bo), -(-w.shape[1] // bi)), np.float32)
     q = np.zeros(w.shape, jnp.float8_e4m3fn)
     for r in range(scale.shape[0]):
@@ -83,9 +83,9 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def dequantize_by_blocks(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def dequantize_by_blocks(q: np.ndarray, scale: np.ndarray, block=BLOCK) -> np.ndarray:
     """The test's own dequantisation: a loop over blocks."""
-    bo, bi = BLOCK
+    bo, bi = block
     out = np.zeros(q.shape, np.float32)
     for r in range(scale.shape[0]):
         for c in range(scale.shape[1]):
@@ -101,15 +101,15 @@ def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and not any(p in name for p in plain)
 
 
-def checkpoint_tensors(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
+def checkpoint_tensors(cfg: ModelConfig, seed: int, block=BLOCK) -> tuple[dict, dict]:
     """({stored name: array as stored}, {HF name: f32 weight the loader must return})."""
     stored, expected = {}, {}
     for name, w in init_params(cfg, seed).items():
         w = np.asarray(w, np.float32)
         if is_quantized(name, w.shape):
-            q, s = quantize(w)
+            q, s = quantize(w, block)
             stored[name], stored[name + "_scale_inv"] = q, s
-            expected[name] = dequantize_by_blocks(q, s)
+            expected[name] = dequantize_by_blocks(q, s, block)
         elif name.endswith("e_score_correction_bias"):
             stored[name] = expected[name] = w + np.linspace(-0.5, 0.5, w.size, dtype=np.float32)
         else:
@@ -117,7 +117,7 @@ def checkpoint_tensors(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
             expected[name] = stored[name].astype(np.float32)
     # The MTP layer (model.layers.{num_hidden_layers}): present, never read.
     mtp = f"model.layers.{cfg.num_hidden_layers}."
-    q, s = quantize(np.ones((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))
+    q, s = quantize(np.ones((cfg.hidden_size, 2 * cfg.hidden_size), np.float32), block)
     stored |= {mtp + "eh_proj.weight": q, mtp + "eh_proj.weight_scale_inv": s,
                mtp + "enorm.weight": np.ones(cfg.hidden_size, jnp.bfloat16)}
     last = cfg.num_hidden_layers - 1
@@ -486,6 +486,130 @@ def test_loaded_model_paged_matches_oracle(ckpt):
     assert rel_l2(plain_rope, ref) > 1e-3
     freqs_only = RopeScaling(40.0, 4096, mscale=0.0, mscale_all_dim=0.0)
     assert rel_l2(logits_of(rope_scaling=freqs_only), plain_rope) > 1e-3
+
+
+# -- GLM-5 (glm_moe_dsa) ----------------------------------------------------------------------
+# GLM-5's config.json names: rope in `rope_parameters`, rope layouts `rope_interleave` and
+# `indexer_rope_interleave`, dense layers as `mlp_layer_types`, the indexer schedule as
+# `index_topk_freq` / `index_skip_topk_offset` (freq 2, offset 2 over 4 layers: full, full,
+# shared, full). Sizes above 128 so the 128x128 fp8 blocks are several per weight, some partial.
+GLM_BLOCK = (128, 128)
+GLM_CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+    "vocab_size": 512, "hidden_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 136, "kv_lora_rank": 48, "qk_nope_head_dim": 24,
+    "qk_rope_head_dim": 16, "v_head_dim": 32, "index_n_heads": 4, "index_head_dim": 32,
+    "index_topk": 64, "index_topk_freq": 2, "index_skip_topk_offset": 2,
+    "index_topk_pattern": None, "index_share_for_mtp_iteration": True,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "intermediate_size": 144,
+    "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "hidden_act": "silu", "moe_layer_freq": 1, "attention_bias": False, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
+    "rope_interleave": True, "indexer_rope_interleave": True, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1, "max_position_embeddings": 202752,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": list(GLM_BLOCK)},
+}
+
+
+def glm_expected_config(name: str) -> ModelConfig:
+    return ModelConfig(
+        name=name, vocab_size=512, hidden_size=160, num_hidden_layers=4, num_attention_heads=4,
+        q_lora_rank=136, kv_lora_rank=48, qk_nope_head_dim=24, qk_rope_head_dim=16,
+        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=64,
+        indexer_types=("full", "full", "shared", "full"), first_k_dense_replace=1,
+        intermediate_size=144, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, rms_norm_eps=1e-5, rope_theta=8e6,
+        routed_scaling_factor=2.5, mla_rope_interleaved=True, index_rope_interleaved=True)
+
+
+@pytest.fixture(scope="module")
+def glm_ckpt(tmp_path_factory) -> Checkpoint:
+    """A single-file GLM-5-format checkpoint with 128x128 fp8 blocks (no tokenizer)."""
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-glm5"
+    d.mkdir()
+    cfg = glm_expected_config(d.name)
+    stored, expected = checkpoint_tensors(cfg, seed=4, block=GLM_BLOCK)
+    (d / "config.json").write_text(json.dumps(GLM_CONFIG))
+    save_file(stored, str(d / "model.safetensors"))
+    return Checkpoint(d, cfg, {"model.safetensors": stored}, expected)
+
+
+def write_config(tmp_path, hf: dict):
+    d = tmp_path / "glm"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
+    return d
+
+
+def test_read_glm_config(glm_ckpt):
+    assert read_hf_config(glm_ckpt.dir) == glm_ckpt.cfg
+
+
+def test_glm_indexer_schedule_of_glm5():
+    """offset 3, freq 4 over 78 layers: the first three, then every fourth from 6 (21 full)."""
+    hf = GLM_CONFIG | {"num_hidden_layers": 78, "index_topk_freq": 4,
+                       "index_skip_topk_offset": 3, "mlp_layer_types": None,
+                       "first_k_dense_replace": 3}
+    cfg = read_hf_config.__globals__["_model_config"](
+        {k: v for k, v in hf.items() if v is not None}, "glm5", where="glm5/config.json")
+    assert cfg.full_layers == (0, 1, 2, *range(6, 78, 4)) and cfg.num_full_layers == 21
+    assert cfg.first_k_dense_replace == 3
+
+
+def test_glm_explicit_indexer_types_win(tmp_path):
+    types = ["full", "shared", "shared", "shared"]
+    d = write_config(tmp_path, GLM_CONFIG | {"indexer_types": types,
+                                             "index_topk_pattern": "unknown"})
+    assert read_hf_config(d).indexer_types == tuple(types)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"kv_lora_rank": None}, r"config\.json: lacks required field 'kv_lora_rank'"),
+    ({"index_skip_topk_offset": None}, r"index_topk_freq=2 needs index_skip_topk_offset"),
+    ({"index_topk_freq": 0}, r"index_topk_freq=0 must be an integer >= 1"),
+    ({"index_topk_pattern": [1, 0]}, r"index_topk_pattern=\[1, 0\] is not supported"),
+    ({"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, r"mlp_layer_types must be 4"),
+    ({"mlp_layer_types": ["dense", "sparse"]}, r"mlp_layer_types must be 4"),
+    ({"first_k_dense_replace": 2}, r"first_k_dense_replace=2 but mlp_layer_types has 1"),
+    ({"mlp_layer_types": None}, r"lacks required field 'first_k_dense_replace'"),
+    ({"topk_method": "greedy"}, r"topk_method='greedy' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling type"),
+    ({"indexer_types": ["shared"] * 4}, r"indexer_types\[0\] must be 'full'"),
+])
+def test_bad_glm_config_named(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        read_hf_config(write_config(tmp_path, GLM_CONFIG | change))
+
+
+def test_glm_fp8_blocks_dequantize_exactly(glm_ckpt):
+    params = load_hf_params(glm_ckpt.dir, glm_ckpt.cfg)
+    assert set(params) == set(param_shapes(glm_ckpt.cfg))
+    for name, want in glm_ckpt.expected.items():
+        np.testing.assert_array_equal(np.asarray(params[name]), want, err_msg=name)
+    # No indexer on the shared layer 2; q_b_proj [160, 136] spans 2 x 2 blocks of 128.
+    assert "model.layers.2.self_attn.indexer.wk.weight" not in params
+    scale = glm_ckpt.shards["model.safetensors"]["model.layers.0.self_attn.q_b_proj.weight"
+                                                 "_scale_inv"]
+    assert scale.shape == (2, 2) and len(np.unique(scale)) == 4
+
+
+def test_glm_model_paged_matches_oracle(glm_ckpt):
+    cfg = read_hf_config(glm_ckpt.dir)
+    params = load_hf_params(glm_ckpt.dir, cfg)
+    engine = make_engine(cfg, params, kv_cache_dtype="f32", num_shards=16, pages_per_shard=2,
+                         page_size=16, chunk_size=32, max_batch=1)
+    s = engine.create_session()
+    toks = random_tokens(cfg, 90, 6)
+    out = [engine.extend(s.id, toks, all_logits=True)]
+    tok = random_tokens(cfg, 1, 60)[0]
+    out.append(engine.decode([s.id], [tok]))
+    toks.append(tok)
+    out = np.concatenate(out)
+    ref = oracle_logits(params, jnp.asarray(toks), cfg=cfg, page_size=16)
+    assert rel_l2(out, ref) <= 1e-5     # f32 cache: accumulation order only
 
 
 # -- the needle benchmark -------------------------------------------------------------------
