@@ -23,6 +23,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "RuntimeConfig",
+    "check_runtime_for_model",
     "load_model_config",
     "load_runtime_config",
     "model_names",
@@ -43,6 +44,23 @@ class ConfigError(ValueError):
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def _check_sizes(owner: str, obj: Any, positive: tuple[str, ...],
+                 non_negative: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError naming the first field of `obj` that is not an int > 0 (`positive`),
+    an int >= 0 (`non_negative`), or a finite float > 0 (`floats`); `owner` prefixes it."""
+    for names, low, what in ((positive, 1, "a positive integer"),
+                             (non_negative, 0, "an integer >= 0")):
+        for name in names:
+            v = getattr(obj, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"{owner}{name}={v!r} must be {what}")
+    for name in floats:
+        v = getattr(obj, name)
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or v <= 0):
+            raise ConfigError(f"{owner}{name}={v!r} must be a finite number above 0")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -92,6 +110,17 @@ class RopeScaling:
                                                                    self.mscale_all_dim)
 
 
+# ModelConfig's sizes: dimensions and counts that must be >= 1; MoE counts that may be 0 (a dense
+# model has no experts); floats that must be finite and above 0.
+_MODEL_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+                "intermediate_size", "moe_intermediate_size", "n_group", "topk_group")
+_MODEL_COUNTS = ("first_k_dense_replace", "n_routed_experts", "num_experts_per_tok",
+                 "n_shared_experts")
+_MODEL_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes of a DSA-MLA decoder (DeepSeek-V3.2 family). Names follow the HF config."""
@@ -132,6 +161,13 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
+        _check_sizes(f"{self.name}: ", self, _MODEL_SIZES, _MODEL_COUNTS, _MODEL_FLOATS)
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ConfigError(f"{self.name}: first_k_dense_replace={self.first_k_dense_replace} "
+                              f"> num_hidden_layers={self.num_hidden_layers}")
+        if self.n_routed_experts and not self.num_experts_per_tok:
+            raise ConfigError(f"{self.name}: num_experts_per_tok=0 with n_routed_experts="
+                              f"{self.n_routed_experts}; a MoE layer needs at least one")
         if len(self.indexer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"{self.name}: indexer_types has {len(self.indexer_types)} entries, "
@@ -227,12 +263,10 @@ class RuntimeConfig:
     query_block: int = 64
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.page_size % 16:
+        _check_sizes("", self, ("page_size", "num_shards", "pages_per_shard", "chunk_size",
+                                "max_batch", "key_block_pages", "query_block"))
+        if self.page_size % 16:
             raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
-        for field in ("num_shards", "pages_per_shard", "chunk_size", "max_batch",
-                      "key_block_pages", "query_block"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"{field}={getattr(self, field)} must be positive")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.merge not in MERGE_VARIANTS:
@@ -240,6 +274,20 @@ class RuntimeConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                               f"{tuple(KV_CACHE_DTYPES)}")
+
+
+def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,
+                            path: str | pathlib.Path | None = None) -> None:
+    """Raise ConfigError unless `runtime` can run `model`: runtime.model names it, and the
+    model's index_topk is a whole number of runtime pages (selection picks index_topk /
+    page_size pages). `path`, the runtime file if it came from one, prefixes the message."""
+    where = f"{path}: " if path is not None else ""
+    if runtime.model != model.name:
+        raise ConfigError(f"{where}field 'model'={runtime.model!r} but the model in use is "
+                          f"{model.name!r}")
+    if model.index_topk % runtime.page_size:
+        raise ConfigError(f"{where}field 'page_size'={runtime.page_size}: model {model.name}'s "
+                          f"index_topk={model.index_topk} is not a positive multiple of it")
 
 
 def _nested_dataclass(hint: Any) -> type | None:
@@ -305,8 +353,19 @@ def _expand_indexer_types(path: pathlib.Path, data: dict[str, Any]) -> dict[str,
     if "indexer_full_layers" in data:
         if "indexer_types" in data:
             raise ConfigError(f"{path}: give indexer_types or indexer_full_layers, not both")
-        full = set(data.pop("indexer_full_layers"))
+        ids = data.pop("indexer_full_layers")
         n = data.get("num_hidden_layers", 0)
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise ConfigError(f"{path}: field 'num_hidden_layers' must be int, got {n!r}")
+        if not isinstance(ids, list):
+            raise ConfigError(f"{path}: field 'indexer_full_layers' must be a list, got {ids!r}")
+        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool)
+               or not 0 <= i < n]
+        if bad or len(set(ids)) != len(ids):
+            raise ConfigError(f"{path}: field 'indexer_full_layers' must list distinct layer "
+                              f"ids in [0, num_hidden_layers={n}); got "
+                              f"{bad[0] if bad else 'a repeated id'!r}")
+        full = set(ids)
         data["indexer_types"] = ["full" if i in full else "shared" for i in range(n)]
     return data
 
@@ -327,8 +386,13 @@ def load_model_config(name_or_path: str | pathlib.Path) -> ModelConfig:
     return _from_toml(ModelConfig, path, data)
 
 
-def load_runtime_config(path: str | pathlib.Path, **overrides: Any) -> RuntimeConfig:
-    """Load a runtime TOML file; keyword overrides win over the file."""
+def load_runtime_config(path: str | pathlib.Path, model: ModelConfig | None = None,
+                        **overrides: Any) -> RuntimeConfig:
+    """Load a runtime TOML file; keyword overrides win over the file. Given the `model` it will
+    run, also `check_runtime_for_model` (errors name this file)."""
     path = pathlib.Path(path)
     data = {**_read_toml(path), **{k: v for k, v in overrides.items() if v is not None}}
-    return _from_toml(RuntimeConfig, path, data)
+    runtime = _from_toml(RuntimeConfig, path, data)
+    if model is not None:
+        check_runtime_for_model(model, runtime, path)
+    return runtime

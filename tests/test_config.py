@@ -1,6 +1,7 @@
 """Model configs, the dtype table and the capacity figures."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 from cp_runtime.capacity import bytes_per_token, capacity_report
-from cp_runtime.config import (ConfigError, RuntimeConfig, load_model_config,
-                               load_runtime_config, model_names)
+from cp_runtime.config import (ConfigError, RuntimeConfig, check_runtime_for_model,
+                               load_model_config, load_runtime_config, model_names)
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 
 
@@ -115,3 +116,92 @@ def test_capacity_cli_bad_dtype():
     proc = subprocess.run([sys.executable, "-m", "cp_runtime.cli", "capacity",
                            "--kv-cache-dtype", "fp4"], capture_output=True, text=True)
     assert proc.returncode == 2 and "fp8_e4m3" in proc.stderr
+
+
+# -- value checks -------------------------------------------------------------------------------
+def tiny_toml_with(tmp_path, field: str, value: str):
+    """tiny.toml with `field` set to the TOML text `value` (or dropped when value is '')."""
+    good = (load_model_config.__globals__["CONFIG_DIR"] / "models" / "tiny.toml").read_text()
+    lines = [ln for ln in good.splitlines() if not ln.startswith(f"{field} ")]
+    path = tmp_path / "bad.toml"
+    path.write_text("\n".join(lines) + (f"\n{field} = {value}\n" if value else "\n"))
+    return path
+
+
+SIZE_FIELDS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+               "intermediate_size", "moe_intermediate_size", "n_group", "topk_group"]
+
+
+@pytest.mark.parametrize("field", SIZE_FIELDS)
+@pytest.mark.parametrize("value", ["0", "-4"])
+def test_model_sizes_must_be_positive(tmp_path, field, value):
+    path = tiny_toml_with(tmp_path, field, value)
+    with pytest.raises(ConfigError, match=rf"bad\.toml: bad: {field}={value} must be a positive "
+                                          "integer"):
+        load_model_config(path)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("n_routed_experts", "-1", "n_routed_experts=-1 must be an integer >= 0"),
+    ("n_shared_experts", "-1", "n_shared_experts=-1 must be an integer >= 0"),
+    ("first_k_dense_replace", "-1", "first_k_dense_replace=-1 must be an integer >= 0"),
+    ("first_k_dense_replace", "5", "first_k_dense_replace=5 > num_hidden_layers=4"),
+    ("num_experts_per_tok", "0", "num_experts_per_tok=0 with n_routed_experts=4"),
+    ("rms_norm_eps", "0.0", "rms_norm_eps=0.0 must be a finite number above 0"),
+    ("rope_theta", "-1.0", "rope_theta=-1.0 must be a finite number above 0"),
+    ("rope_theta", "inf", "rope_theta=inf must be a finite number above 0"),
+    ("routed_scaling_factor", "0.0", "routed_scaling_factor=0.0 must be a finite number"),
+    ("indexer_types", '["full", "shared"]', "indexer_types has 2 entries, num_hidden_layers=4"),
+])
+def test_model_counts_and_floats_checked(tmp_path, field, value, match):
+    with pytest.raises(ConfigError, match=rf"bad\.toml: .*{re.escape(match)}"):
+        load_model_config(tiny_toml_with(tmp_path, field, value))
+
+
+@pytest.mark.parametrize("ids, match", [
+    ("[0, 4]", "got 4"), ("[0, -1]", "got -1"), ("[0, 2, 2]", "got 'a repeated id'"),
+    ('"0,2"', "must be a list"),
+])
+def test_indexer_full_layers_checked(tmp_path, ids, match):
+    path = tiny_toml_with(tmp_path, "indexer_types", "")
+    path.write_text(path.read_text() + f"indexer_full_layers = {ids}\n")
+    with pytest.raises(ConfigError, match=rf"bad\.toml: field 'indexer_full_layers'.*{match}"):
+        load_model_config(path)
+
+
+def test_dense_model_may_have_no_experts():
+    small = load_model_config("small")
+    assert (small.n_routed_experts, small.num_experts_per_tok) == (0, 0)
+
+
+@pytest.mark.parametrize("field", ["num_shards", "pages_per_shard", "chunk_size", "max_batch",
+                                   "key_block_pages", "query_block", "page_size"])
+@pytest.mark.parametrize("value", [0, -16])
+def test_runtime_sizes_must_be_positive(tmp_path, field, value):
+    with pytest.raises(ConfigError, match=rf"{field}={value} must be a positive integer"):
+        RuntimeConfig(**{field: value})
+    path = tmp_path / "rt.toml"
+    path.write_text(f"{field} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"rt\.toml: {field}={value} must be"):
+        load_runtime_config(path)
+
+
+def test_runtime_checked_against_model(tmp_path):
+    glm = load_model_config("glm-5.2")
+    check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=64))
+    with pytest.raises(ConfigError, match=r"field 'model'='tiny' but the model in use is "
+                                          r"'glm-5.2'"):
+        check_runtime_for_model(glm, RuntimeConfig(model="tiny"))
+    with pytest.raises(ConfigError, match=r"field 'page_size'=48: model glm-5.2's "
+                                          r"index_topk=2048 is not a positive multiple of it"):
+        check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48))
+    path = tmp_path / "rt.toml"
+    path.write_text('model = "glm-5.2"\npage_size = 48\n')
+    with pytest.raises(ConfigError, match=r"rt\.toml: field 'page_size'=48"):
+        load_runtime_config(path, model=glm)
+    path.write_text('model = "tiny"\n')
+    with pytest.raises(ConfigError, match=r"rt\.toml: field 'model'='tiny'"):
+        load_runtime_config(path, model=glm)
+    assert load_runtime_config(path, model=load_model_config("tiny")).model == "tiny"
