@@ -84,10 +84,12 @@ _YARN_FLOATS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
            "BF16": np.dtype(jnp.bfloat16), "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
            "F8_E5M2": np.dtype(jnp.float8_e5m2), "F8_E8M0": np.dtype(jnp.float8_e8m0fnu),
-           "I64": np.dtype("<i8"),
-           "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-           "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+           "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
+           "I8": np.dtype("i1"), "U64": np.dtype("<u8"), "U32": np.dtype("<u4"),
+           "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
 _QUANTIZED = ("F8_E4M3", "F8_E5M2")      # weights that come with a block scale
+# A header longer than this is refused before it is read (the safetensors library's own bound).
+MAX_HEADER_BYTES = 100 * 1000 * 1000
 
 
 # -- config -------------------------------------------------------------------------------
@@ -217,17 +219,91 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
 
 
 # -- weights ------------------------------------------------------------------------------
+def _read_header(path: pathlib.Path) -> tuple[dict[str, dict], int]:
+    """({tensor name: {"dtype", "shape", "data_offsets"}}, byte where the data starts) of a
+    .safetensors file, checked before anything in it is trusted: the 8-byte header length is at
+    most MAX_HEADER_BYTES and fits the file, the header is a JSON object, every entry is valid
+    (`_check_entry`) and the entries tile the data section exactly (`_check_layout`). Raises
+    ValueError naming the file (and the tensor)."""
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"{path}: {size} bytes, too short for the 8-byte header length")
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path}: header length {n} exceeds "
+                             + (f"the {MAX_HEADER_BYTES}-byte limit" if n > MAX_HEADER_BYTES
+                                else f"the {size - 8} bytes after it (truncated file?)"))
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is a JSON {type(header).__name__}, not an object")
+    if not isinstance(header.pop("__metadata__", {}), dict):
+        raise ValueError(f"{path}: header '__metadata__' is not an object")
+    for name, info in header.items():
+        _check_entry(path, name, info)
+    _check_layout(path, header, size - 8 - n)
+    return header, 8 + n
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_entry(path: pathlib.Path, name: str, info: Any) -> None:
+    """One header entry: a known dtype name, a shape of ints >= 0, data_offsets [begin, end]
+    with begin <= end, and end - begin = prod(shape) * itemsize."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise ValueError(f"{where}: header entry is {info!r}, not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{where}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    if not isinstance(shape, list) or not all(map(_is_index, shape)):
+        raise ValueError(f"{where}: shape {shape!r} is not a list of integers >= 0")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_index, offsets))
+            or offsets[0] > offsets[1]):
+        raise ValueError(f"{where}: data_offsets {offsets!r} is not [begin, end] with "
+                         "0 <= begin <= end")
+    want = math.prod(shape) * _DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != want:
+        raise ValueError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} "
+                         f"bytes; {dtype} {shape} needs {want}")
+
+
+def _check_layout(path: pathlib.Path, header: dict[str, dict], data_bytes: int) -> None:
+    """The entries, by begin offset, cover [0, data_bytes) with no gap and no overlap."""
+    end, last = 0, None
+    for name, info in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin, stop = info["data_offsets"]
+        if begin < end:
+            raise ValueError(f"{path}: tensor {name!r} at bytes [{begin}, {stop}) overlaps "
+                             f"tensor {last!r}, which ends at {end}")
+        if begin > end:
+            raise ValueError(f"{path}: tensor {name!r} starts at byte {begin}, leaving a gap "
+                             f"after byte {end}" + (f" (the end of {last!r})" if last else ""))
+        if stop > data_bytes:
+            raise ValueError(f"{path}: tensor {name!r} ends at byte {stop}, past the "
+                             f"{data_bytes}-byte data section (truncated file?)")
+        end, last = stop, name
+    if end != data_bytes:
+        raise ValueError(f"{path}: {data_bytes - end} bytes after the last tensor "
+                         f"{last!r} belong to no tensor")
+
+
 class _SafetensorsFile:
-    """One .safetensors file: its header, and tensors read one at a time from a memory map."""
+    """One .safetensors file: its checked header, and tensors read one at a time from a memory
+    map."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict] = header
-        self._map = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        self.header, start = _read_header(path)
+        empty = path.stat().st_size == start                   # mmap refuses zero bytes
+        self._map = (np.zeros(0, np.uint8) if empty
+                     else np.memmap(path, dtype=np.uint8, mode="r", offset=start))
 
     def dtype_name(self, name: str) -> str:
         return self.header[name]["dtype"]
@@ -235,9 +311,6 @@ class _SafetensorsFile:
     def read(self, name: str) -> np.ndarray:
         """The tensor `name` as a fresh array of its stored dtype and shape."""
         info = self.header[name]
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{self.path}: tensor {name!r} has dtype {info['dtype']}, "
-                             f"not one of {sorted(_DTYPES)}")
         start, end = info["data_offsets"]
         raw = np.array(self._map[start:end])                     # copy: one tensor in memory
         return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import struct
 import sys
 
 import jax
@@ -331,6 +332,82 @@ def test_wrong_shapes(ckpt, tmp_path):
     write_shards(d, shards)
     with pytest.raises(ValueError, match=rf"'{re.escape(WEIGHT)}_scale_inv' has shape \(2, 2\)"):
         load_hf_params(d, ckpt.cfg)
+
+
+# -- corrupted safetensors files --------------------------------------------------------------
+def raw_safetensors(path, header, data: bytes, length: int | None = None) -> None:
+    """Write a .safetensors file by hand: 8-byte header length (given, or the true one), the
+    header (JSON of `header`, or `header` itself when bytes), then `data`."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+GOOD_HEADER = {"__metadata__": {"format": "pt"}, "a": entry("F32", [2, 2], 0, 16),
+               "b": entry("BF16", [3], 16, 22)}
+
+
+@pytest.mark.parametrize("header, data, length, match", [
+    (GOOD_HEADER, bytes(22), 1 << 40, r"header length 1099511627776 exceeds the 100000000-byte"),
+    (GOOD_HEADER, bytes(22), 5000, r"header length 5000 exceeds the \d+ bytes after it"),
+    (b"[1, 2]", b"", None, r"header is a JSON list, not an object"),
+    (b"{not json", b"", None, r"header is not valid JSON"),
+    ({"a": [1]}, bytes(16), None, r"tensor 'a': header entry is \[1\], not an object"),
+    ({"a": entry("C64", [2], 0, 16)}, bytes(16), None, r"tensor 'a': dtype 'C64' is not one"),
+    ({"a": entry("F32", [2, -2], 0, 16)}, bytes(16), None, r"tensor 'a': shape \[2, -2\]"),
+    ({"a": entry("F32", "2x2", 0, 16)}, bytes(16), None, r"tensor 'a': shape '2x2'"),
+    ({"a": {"dtype": "F32", "shape": [4]}}, bytes(16), None, r"tensor 'a': data_offsets None"),
+    ({"a": entry("F32", [4], 16, 0)}, bytes(16), None, r"tensor 'a': data_offsets \[16, 0\]"),
+    ({"a": entry("F32", [2, 2], 0, 12)}, bytes(12), None,
+     r"tensor 'a': data_offsets \[0, 12\] hold 12 bytes; F32 \[2, 2\] needs 16"),
+    ({"a": entry("F32", [4], 0, 16), "b": entry("F32", [2], 8, 16)}, bytes(16), None,
+     r"tensor 'b' at bytes \[8, 16\) overlaps tensor 'a', which ends at 16"),
+    ({"a": entry("F32", [4], 0, 16), "b": entry("F32", [1], 20, 24)}, bytes(24), None,
+     r"tensor 'b' starts at byte 20, leaving a gap after byte 16 \(the end of 'a'\)"),
+    ({"a": entry("F32", [4], 4, 20)}, bytes(20), None, r"tensor 'a' starts at byte 4"),
+    ({"a": entry("F32", [4], 0, 16), "b": entry("F32", [4], 16, 32)}, bytes(24), None,
+     r"tensor 'b' ends at byte 32, past the 24-byte data section"),
+    ({"a": entry("F32", [4], 0, 16)}, bytes(20), None,
+     r"4 bytes after the last tensor 'a' belong to no tensor"),
+    ({"__metadata__": [1], "a": entry("F32", [4], 0, 16)}, bytes(16), None,
+     r"header .__metadata__. is not an object"),
+])
+def test_corrupt_safetensors_named(glm_ckpt, tmp_path, header, data, length, match):
+    d = tmp_path / "bad"
+    d.mkdir()
+    shutil.copy(glm_ckpt.dir / "config.json", d)
+    raw_safetensors(d / "model.safetensors", header, data, length)
+    with pytest.raises(ValueError, match=r"bad/model\.safetensors: " + match):
+        load_hf_params(d, glm_ckpt.cfg)
+
+
+def test_truncated_safetensors(glm_ckpt, tmp_path):
+    d = tmp_path / "cut"
+    d.mkdir()
+    shutil.copy(glm_ckpt.dir / "config.json", d)
+    whole = (glm_ckpt.dir / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(whole[:-10])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor '[\w.]+' ends at byte "
+                                         r"\d+, past the \d+-byte data section \(truncated"):
+        load_hf_params(d, glm_ckpt.cfg)
+    (d / "model.safetensors").write_bytes(whole[:5])
+    with pytest.raises(ValueError, match=r"5 bytes, too short for the 8-byte header length"):
+        load_hf_params(d, glm_ckpt.cfg)
+
+
+def test_hand_written_file_reads(tmp_path):
+    """The checked reader accepts a valid hand-written file (metadata, two dtypes)."""
+    from cp_runtime.checkpoint import _SafetensorsFile   # the reader the loader uses
+
+    a = np.arange(4, dtype=np.float32).reshape(2, 2)
+    b = np.asarray([1, 2, 3], jnp.bfloat16)
+    raw_safetensors(tmp_path / "x.safetensors", GOOD_HEADER, a.tobytes() + b.tobytes())
+    f = _SafetensorsFile(tmp_path / "x.safetensors")
+    np.testing.assert_array_equal(f.read("a"), a)
+    np.testing.assert_array_equal(f.read("b").astype(np.float32), [1, 2, 3])
 
 
 # -- tokenizer ------------------------------------------------------------------------------
