@@ -2,7 +2,7 @@
 bf16, and the tokens that fit on a TPU slice after weights.
 
     cp-runtime bench capacity                          # 16 x v7x (192 GiB), no weights
-    cp-runtime bench capacity --weights-gib 48 --models glm-5.2
+    cp-runtime bench capacity --weights-gib 48 --models glm-5.2 --kv-cache-dtypes bf16,fp8_e4m3
 
 Every figure comes from `cp_runtime.capacity` (the single source the scheduler and the pool also
 use): `bytes_per_token` = latent rows of every layer + indexer keys of every `full` layer, and
@@ -18,10 +18,13 @@ import pathlib
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.plots import bar_chart
 from cp_runtime.capacity import capacity_report
+from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtypes, add_out, check_out_dir,
+                                 comma_list, finite_nonnegative_float, finite_positive_float,
+                                 positive_int)
 from cp_runtime.config import load_model_config, model_names
-from cp_runtime.dtypes import KV_CACHE_DTYPES, indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 
-__all__ = ["DTYPES", "capacity_rows", "build_parser", "main"]
+__all__ = ["DTYPES", "capacity_rows", "build_parser", "parse_args", "main"]
 
 DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2", "f32")
 
@@ -51,28 +54,36 @@ def capacity_rows(models: list[str], dtypes: list[str], *, devices: int, hbm_gib
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench capacity",
+    p = argparse.ArgumentParser(prog="cp-runtime bench capacity", formatter_class=HelpFormatter,
                                 description="Cache bytes per token, tokens per GiB and tokens "
                                             "that fit on a slice, per model config and dtype.")
-    p.add_argument("--models", default=",".join(model_names()),
-                   help="comma-separated model configs (default: all in configs/models)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="cache dtypes")
-    p.add_argument("--devices", type=int, default=16, help="devices holding the cache")
-    p.add_argument("--hbm-gib", type=float, default=192.0, help="HBM per device (v7x: 192)")
-    p.add_argument("--weights-gib", type=float, default=0.0,
+    p.add_argument("--models", type=comma_list(str, choices=model_names()),
+                   default=",".join(model_names()), metavar="NAME[,NAME...]",
+                   help="model configs (configs/models/NAME.toml) to compare")
+    add_kv_cache_dtypes(p, ",".join(DTYPES))
+    p.add_argument("--devices", type=positive_int, default=16, help="devices holding the cache")
+    p.add_argument("--hbm-gib", type=finite_positive_float, default=192.0,
+                   help="HBM per device in GiB (TPU v7x: 192)")
+    p.add_argument("--weights-gib", type=finite_nonnegative_float, default=0.0,
                    help="GiB per device taken by weights and activations")
-    p.add_argument("--out", default="out/capacity", help="output directory (JSON and PNG)")
+    add_out(p, "out/capacity")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.weights_gib >= args.hbm_gib:
+        parser.error(f"--weights-gib {args.weights_gib:g}: leaves no room in --hbm-gib "
+                     f"{args.hbm_gib:g}")
+    check_out_dir(parser, args.out)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    models = [m.strip() for m in args.models.split(",")]
-    dtypes = [d.strip() for d in args.dtypes.split(",")]
-    unknown = [d for d in dtypes if d not in KV_CACHE_DTYPES]
-    if unknown:
-        raise ValueError(f"unknown cache dtype {unknown[0]!r}; choices: "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
+    args = parse_args(argv)
+    models, dtypes = args.models, args.kv_cache_dtypes
     rows = capacity_rows(models, dtypes, devices=args.devices, hbm_gib=args.hbm_gib,
                          weights_gib=args.weights_gib)
     where = (f"{args.devices} devices x {args.hbm_gib:g} GiB, {args.weights_gib:g} GiB each "

@@ -1,16 +1,20 @@
-"""Shared benchmark plumbing: the machine description, JSON output, table printing."""
+"""Shared benchmark plumbing: the machine description, JSON output, table printing. Command-line
+flags and their types (`parse_length` included) live in cp_runtime.cli_args."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
 import platform
-import re
 
 import jax
 
-__all__ = ["init_cpu_devices", "machine", "parse_length", "print_table", "write_json"]
+from cp_runtime.cli_args import parse_length  # re-exported; the one copy is in cli_args
+
+__all__ = ["init_cpu_devices", "init_shard_devices", "machine", "parse_length", "print_table",
+           "write_json"]
 
 
 def init_cpu_devices(count: int = 16) -> None:
@@ -26,6 +30,15 @@ def init_cpu_devices(count: int = 16) -> None:
     if jax.device_count() < count:
         raise ValueError(f"{count} devices needed, JAX has {jax.device_count()} (on CPU, set "
                          "the count before any other JAX use)")
+
+
+def init_shard_devices(parser: argparse.ArgumentParser, shards: int) -> None:
+    """init_cpu_devices(shards) for a benchmark's `--shards`; too few devices is a usage error
+    (parser.error exits 2) rather than a traceback."""
+    try:
+        init_cpu_devices(shards)
+    except ValueError as e:
+        parser.error(f"--shards {shards}: {e}")
 
 
 def machine() -> dict:
@@ -62,12 +75,3 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
-
-
-def parse_length(text: str) -> int:
-    """'8k' -> 8192, '1m' -> 1048576, '5000' -> 5000."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ValueError(f"bad length {text!r}: use a number with an optional k or m suffix")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
-    return int(m.group(1)) * scale

@@ -13,17 +13,20 @@ e5m2 6.86% / 6.32%.
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_model, add_out, check_out_dir,
+                                 positive_int)
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.kernels_dispatch import select_kernels
 
-__all__ = ["cache_error", "CACHE_ERROR_BOUNDS", "main", "build_parser"]
+__all__ = ["cache_error", "CACHE_ERROR_BOUNDS", "main", "build_parser", "parse_args"]
 
 # (dtype, path) -> (rel_l2 bound, peak bound): about 1.4x the worst of 3 seeds measured on this
 # CPU with `cp-runtime bench kernel_error` (rel_l2 / peak, %): e4m3 prefill 4.18 / 8.27,
@@ -95,18 +98,27 @@ def cache_error(kv_cache_dtype: str, path: str, *, seed: int = 0, model: str = "
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench kernel_error",
+                                formatter_class=HelpFormatter,
                                 description="rel-L2 and peak error of fp8 latent caches against "
                                             "an identical bf16 cache, prefill and decode paths.")
-    p.add_argument("--model", default="glm-5.2", help="model config giving the latent shapes")
-    p.add_argument("--backend", default="reference",
-                   help="kernel backend: reference, pallas, pallas_interpret")
-    p.add_argument("--seeds", type=int, default=3, help="problems per (dtype, path); max taken")
-    p.add_argument("--out", default="out/kernel_error.json", help="JSON output path")
+    add_model(p, "glm-5.2")
+    add_backend(p, "reference")
+    p.add_argument("--seeds", type=positive_int, default=3,
+                   help="problems per (dtype, path); the worst is reported")
+    add_out(p, "out")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_out_dir(parser, args.out)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     rows = []
     for dtype in ("fp8_e4m3", "fp8_e5m2"):
         for path in ("prefill", "decode"):
@@ -119,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["dtype", "path", "rel_l2_%", "peak_%", "bound_rel_l2_%"],
                 title=f"fp8 vs bf16 latent cache, {args.model} shapes, backend {args.backend}, "
                       f"{jax.default_backend()}")
-    write_json(args.out, {"model": args.model, "backend": args.backend, "rows": rows})
+    write_json(pathlib.Path(args.out) / "kernel_error.json",
+               {"model": args.model, "backend": args.backend, "rows": rows})
     return 0
 
 

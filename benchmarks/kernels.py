@@ -3,7 +3,7 @@ agreement with the XLA reference.
 
     cp-runtime bench kernels                      # small shapes, interpret mode on CPU
     cp-runtime bench kernels --size full          # model-sized shapes (default on a TPU)
-    cp-runtime bench kernels --kernels decode --dtypes fp8_e4m3 --out out/decode.json
+    cp-runtime bench kernels --kernels decode --kv-cache-dtypes fp8_e4m3 --out out/decode
 
 Columns: grid, block shapes and VMEM footprint come from each kernel module's `cost()`, as do the
 HBM bytes and flops of one call (upper bounds: every selected page distinct and visible). The
@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cp_runtime.cli_args import HelpFormatter, add_out, check_out_dir, comma_list
 from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
-__all__ = ["Shapes", "SIZES", "run", "main"]
+__all__ = ["Shapes", "SIZES", "run", "build_parser", "parse_args", "main"]
 
 CACHE_DTYPES = {
     "bf16": jnp.bfloat16,
@@ -224,47 +225,58 @@ def run(kernels, dtypes, s: Shapes, *, interpret: bool, seed: int) -> list[dict]
     return rows
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench kernels", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
-                   help="kernels to run (default: all)")
-    p.add_argument("--dtypes", nargs="+", choices=list(CACHE_DTYPES), default=list(CACHE_DTYPES),
-                   help="cache dtypes (default: all)")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cp-runtime bench kernels", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--kernels", type=comma_list(str, choices=KERNELS), default=",".join(KERNELS),
+                   metavar="K[,K...]", help=f"kernels to run, from: {', '.join(KERNELS)}")
+    # The shared --kv-cache-dtypes flag, limited to the dtypes these kernels store.
+    p.add_argument("--kv-cache-dtypes", type=comma_list(str, choices=list(CACHE_DTYPES)),
+                   default=",".join(CACHE_DTYPES), metavar="D[,D...]",
+                   help=f"cache dtypes, from: {', '.join(CACHE_DTYPES)}")
     p.add_argument("--size", choices=list(SIZES), default=None,
-                   help="shape preset (default: full on a TPU, small elsewhere); "
+                   help="shape preset (unset: full on a TPU, small elsewhere); "
                         + "; ".join(f"{k}: {v}" for k, v in SIZES.items()))
     p.add_argument("--mode", choices=("interpret", "compiled"), default=None,
                    help="run the kernels in TPU interpret mode or compiled (TPU only); "
-                        "default: compiled on a TPU, interpret elsewhere")
-    p.add_argument("--seed", type=int, default=0, help="input seed (default: 0)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/kernels.json"),
-                   help="JSON output path (default: out/kernels.json)")
+                        "unset: compiled on a TPU, interpret elsewhere")
+    p.add_argument("--seed", type=int, default=0, help="input seed")
+    add_out(p, "out")
     return p
 
 
-def main(argv=None) -> None:
-    args = _parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--out` created and `--mode` resolved
+    for this backend."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     on_tpu = jax.default_backend() == "tpu"
-    mode = args.mode or ("compiled" if on_tpu else "interpret")
-    if mode == "compiled" and not on_tpu:
-        raise SystemExit(f"--mode compiled needs a TPU backend; this one is "
-                         f"{jax.default_backend()!r}")
-    size = args.size or ("full" if on_tpu else "small")
+    args.mode = args.mode or ("compiled" if on_tpu else "interpret")
+    if args.mode == "compiled" and not on_tpu:
+        parser.error(f"--mode compiled: needs a TPU backend; this one is "
+                     f"{jax.default_backend()!r}")
+    args.size = args.size or ("full" if on_tpu else "small")
+    check_out_dir(parser, args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode, size = args.mode, args.size
     shapes = SIZES[size]
     info = machine()
     print(f"machine: {info['processor']} | {info['uname']}")
     print(f"jax {info['jax']} backend {info['backend']} ({', '.join(info['devices'])}); "
           f"{mode} mode, size {size}")
-    rows = run(args.kernels, args.dtypes, shapes, interpret=mode == "interpret", seed=args.seed)
+    rows = run(args.kernels, args.kv_cache_dtypes, shapes, interpret=mode == "interpret",
+               seed=args.seed)
     print_table(rows, mode)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "mode": mode, "size": size,
-                                    "shapes": dataclasses.asdict(shapes), "results": rows},
-                                   indent=2))
-    print(f"wrote {args.out}")
-
+    out = pathlib.Path(args.out) / "kernels.json"
+    out.write_text(json.dumps({"machine": info, "mode": mode, "size": size,
+                               "shapes": dataclasses.asdict(shapes), "results": rows},
+                              indent=2))
+    print(f"wrote {out}")
+    return 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

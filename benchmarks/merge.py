@@ -1,31 +1,44 @@
 """Time the two merge collectives of cp_runtime/merge.py on S devices, decode- and prefill-like
 shapes, in one run (ratios are what matter on a noisy machine).
 
-    cp-runtime bench merge
+    cp-runtime bench merge                   # writes out/merge.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, positive_int
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "parse_args", "main"]
 
 SHAPES = {"decode B=8 H=64": (8, 1, 64), "prefill Q=256 H=16": (1, 256, 16)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench merge",
+    p = argparse.ArgumentParser(prog="cp-runtime bench merge", formatter_class=HelpFormatter,
                                 description="gather_psum vs all_to_all merge of (o, lse) partials.")
-    p.add_argument("--shards", type=int, default=16)
-    p.add_argument("--value-dim", type=int, default=512, help="latent width (kv_lora)")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--out", default="out/merge.json")
+    add_shards(p, 16)
+    p.add_argument("--value-dim", type=positive_int, default=512, help="latent width (kv_lora)")
+    p.add_argument("--repeats", type=positive_int, default=30,
+                   help="timed calls per merge (the median is reported)")
+    add_out(p, "out")
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
+    `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    init_shard_devices(parser, args.shards)
+    check_out_dir(parser, args.out)
+    return args
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -39,8 +52,7 @@ def _time(fn, *args, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    init_cpu_devices(args.shards)
+    args = parse_args(argv)
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["shape", "gather_psum_ms", "all_to_all_ms", "all_to_all / gather_psum"],
                 title=f"merge collectives, S={args.shards}, Dv={args.value_dim}, "
                       f"{machine()['backend']} ({machine()['cpu_count']} cores)")
-    write_json(args.out, {"rows": rows})
+    write_json(pathlib.Path(args.out) / "merge.json", {"rows": rows})
     return 0
 
 

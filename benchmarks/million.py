@@ -2,33 +2,54 @@
 decode steps. Reports prefill time and tokens/s, decode ms/step, and peak RSS against the pool's
 planned bytes (memory beyond the pool must stay bounded by the chunk, not the context).
 
-    cp-runtime bench million --tokens 1048576
+    cp-runtime bench million --tokens 1m     # writes out/million.json
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import resource
 import time
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+                                 add_no_progress, add_out, add_page_size, add_shards,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, length, positive_int)
 
-__all__ = ["build_parser", "main", "run"]
+__all__ = ["build_parser", "parse_args", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench million",
+    p = argparse.ArgumentParser(prog="cp-runtime bench million", formatter_class=HelpFormatter,
                                 description="One very long session: prefill time, decode ms/step "
                                             "and peak RSS vs the pool's planned bytes.")
-    p.add_argument("--tokens", type=int, default=1 << 20, help="context length (default 1M)")
-    p.add_argument("--model", default="small", help="model config (default: small)")
-    p.add_argument("--shards", type=int, default=16, help="cp shards (virtual CPU devices)")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per step)")
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--out", default="out/million.json")
+    p.add_argument("--tokens", type=length, default="1m",
+                   help="context length (k/m suffixes allowed)")
+    add_model(p, "small")
+    add_shards(p, 16)
+    add_kv_cache_dtype(p, "fp8_e4m3")
+    add_page_size(p, 64)
+    add_chunk_size(p, 4096)
+    p.add_argument("--decode-steps", type=positive_int, default=8,
+                   help="decode steps timed after the prefill")
+    add_no_progress(p)
+    add_out(p, "out")
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
+    `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_page_size(parser, args.page_size)
+    check_page_size_for_model(parser, args.model, args.page_size)
+    check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
+    init_shard_devices(parser, args.shards)
+    check_out_dir(parser, args.out)
+    return args
 
 
 def _rss_bytes() -> int:
@@ -50,14 +71,15 @@ def run(args) -> dict:
     pages = cdiv(cdiv(args.tokens + args.decode_steps, args.page_size), args.shards) + 1
     rt = RuntimeConfig(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
                        num_shards=args.shards, pages_per_shard=pages, page_size=args.page_size,
-                       chunk_size=args.chunk, key_block_pages=64, query_block=256)
+                       chunk_size=args.chunk_size, key_block_pages=64, query_block=256)
     rss_start = _rss_bytes()
     executor = LocalExecutor(model, rt, init_params(model, seed=0))
     engine = Engine(model, rt, executor)
     planned = executor.pool_spec.planned_bytes
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, args.tokens).tolist()
     session = engine.create_session()
-    with tqdm(total=args.tokens, unit="tok", desc="prefill", mininterval=5) as bar:
+    with tqdm(total=args.tokens, unit="tok", desc="prefill", mininterval=5,
+              disable=args.no_progress) as bar:
         t0 = time.perf_counter()
         logits = engine.extend(session.id, tokens, progress=bar.update)
         prefill_s = time.perf_counter() - t0
@@ -69,7 +91,7 @@ def run(args) -> dict:
     decode_ms = 1000 * (time.perf_counter() - t0) / args.decode_steps
     peak = _rss_bytes()
     return {"tokens": args.tokens, "model": args.model, "shards": args.shards,
-            "kv_cache_dtype": args.kv_cache_dtype, "chunk": args.chunk,
+            "kv_cache_dtype": args.kv_cache_dtype, "chunk": args.chunk_size,
             "prefill_s": prefill_s, "prefill_tok_per_s": args.tokens / prefill_s,
             "decode_ms_per_step": decode_ms, "pool_planned_bytes": planned,
             "rss_start_bytes": rss_start, "peak_rss_bytes": peak,
@@ -77,13 +99,12 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    init_cpu_devices(args.shards)
+    args = parse_args(argv)
     result = run(args)
     print_table([result], ["tokens", "shards", "kv_cache_dtype", "prefill_s", "prefill_tok_per_s",
                            "decode_ms_per_step", "pool_planned_bytes", "peak_rss_bytes"],
                 title=f"long session on {machine()['processor']} ({machine()['backend']})")
-    write_json(args.out, {"result": result})
+    write_json(pathlib.Path(args.out) / "million.json", {"result": result})
     return 0
 
 

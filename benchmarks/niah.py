@@ -4,8 +4,8 @@ LocalExecutor -> paged, sharded, quantized cache).
 
 By default the model is the hand-built retrieval model (benchmarks/recall_model.py): it measures
 whether the runtime's retrieval path (indexer page selection, context-parallel top-K, sparse
-attention over the cache) finds a fact, not language ability. With `--model DIR` it runs a real
-checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
+attention over the cache) finds a fact, not language ability. With `--checkpoint DIR` it runs a
+real checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
 filler text, then a question). The contexts come from benchmarks/needles.py; this module runs
 them and reports.
 
@@ -46,19 +46,23 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
-from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe, recall_context,
-                                text_context)
-from cp_runtime.benchmarks.recall_model import build_recall_model
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
+                                           recall_context, text_context)
+from cp_runtime.benchmarks.recall_model import RecallLayout, build_recall_model
 from cp_runtime.checkpoint import load_checkpoint
-from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.dtypes import KV_CACHE_DTYPES
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+                                 add_kv_cache_dtypes, add_model, add_no_progress, add_out,
+                                 add_page_size, add_shard_counts, check_checkpoint_dir,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, comma_list, length_list, positive_int)
+from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.layout import cdiv
 from cp_runtime.weights import Params
 
-__all__ = ["Score", "Workload", "build_parser", "main", "run_context",
+__all__ = ["Score", "Workload", "build_parser", "parse_args", "main", "run_context",
            "run_sweep", "score_probes", "write_heatmap"]
 
 DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
@@ -70,15 +74,19 @@ PROBE_SLACK = 1024  # tokens a context may hold beyond its length (needle senten
 
 
 def _depths(text: str) -> tuple[float, ...]:
-    """'5' -> five evenly spaced depths in [0, 1]; '0,0.5,1' -> those."""
-    if "," not in text and "." not in text:
-        n = int(text)
-        if n < 1:
-            raise ValueError(f"--depths {text}: need at least one depth")
-        return tuple(float(x) for x in np.linspace(0.0, 1.0, n)) if n > 1 else (0.5,)
-    depths = tuple(float(x) for x in text.split(","))
+    """argparse type: '5' -> five evenly spaced depths in [0, 1]; '0,0.5,1' -> those."""
+    try:
+        if "," not in text and "." not in text:
+            n = int(text)
+            if n < 1:
+                raise argparse.ArgumentTypeError(f"{text!r}: need at least one depth")
+            return tuple(float(x) for x in np.linspace(0.0, 1.0, n)) if n > 1 else (0.5,)
+        depths = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor a list of "
+                                         "depths") from None
     if not all(0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"--depths {text}: depths lie in [0, 1]")
+        raise argparse.ArgumentTypeError(f"{text!r}: depths lie in [0, 1]")
     return depths
 
 
@@ -191,14 +199,14 @@ def run_sweep(args, work: Workload) -> dict:
             rng = np.random.default_rng([args.seed, list(VARIANTS).index(variant.name), length])
             contexts[variant.name, length] = work.make_context(variant, length, args.depths, rng)
     per_setting = sum(c.prefill_tokens for c in contexts.values())
-    total = per_setting * len(args.dtypes) * len(args.shards)
-    print(f"niah: {work.name}, {len(contexts)} contexts x {len(args.dtypes)} dtypes x "
+    total = per_setting * len(args.kv_cache_dtypes) * len(args.shards)
+    print(f"niah: {work.name}, {len(contexts)} contexts x {len(args.kv_cache_dtypes)} dtypes x "
           f"{len(args.shards)} shard counts, {total:,} prefill tokens")
     cells, timings = [], []
     bar = tqdm(total=total, unit="tok", unit_scale=True, disable=args.no_progress,
                dynamic_ncols=True, mininterval=1.0)
     for shards in args.shards:
-        for dtype in args.dtypes:
+        for dtype in args.kv_cache_dtypes:
             rt = _runtime(args, work.cfg, dtype, shards, max(args.lengths))
             t0 = time.perf_counter()
             engine = Engine(work.cfg, rt, LocalExecutor(work.cfg, rt, work.params))
@@ -316,75 +324,74 @@ def print_report(report: dict, info: dict) -> None:
               "compiles included)")
 
 
-# -- a real checkpoint --------------------------------------------------------------------
 # -- command line -------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="cp-runtime bench niah",
+        prog="cp-runtime bench niah", formatter_class=HelpFormatter,
         description="Needle-in-a-haystack recall and log-prob uplift over context lengths x "
                     "depths, per needle variant, cache dtype and shard count.")
     p.add_argument("--quick", action="store_true",
                    help=f"small sweep for a few minutes on a CPU: lengths {QUICK_LENGTHS}, "
                         f"{QUICK_DEPTHS} depths (explicit --lengths/--depths win)")
-    p.add_argument("--lengths", default=None,
-                   help=f"context lengths, e.g. 8k,16k,1m (default {DEFAULT_LENGTHS})")
-    p.add_argument("--depths", default=None,
+    p.add_argument("--lengths", type=length_list, default=None, metavar="N[,N...]",
+                   help=f"context lengths, e.g. 8k,16k,1m (unset: {DEFAULT_LENGTHS})")
+    p.add_argument("--depths", type=_depths, default=None,
                    help=f"a count of evenly spaced depths or a list like 0,0.5,1 "
-                        f"(default {DEFAULT_DEPTHS})")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"needle variants: {', '.join(VARIANTS)}")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="latent cache dtypes")
-    p.add_argument("--shards", default="16", help="shard counts, e.g. 1,16")
-    p.add_argument("--model", default=None, metavar="DIR",
-                   help="a Hugging Face DeepSeek-V3.2-format checkpoint directory (config.json, "
-                        "model.safetensors or sharded files with model.safetensors.index.json, "
-                        "fp8 block-quantised or not, tokenizer.json) to run with text needles "
-                        "instead of the recall model; needs pip install 'cp-runtime[hf]'")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (tokens per step)")
-    p.add_argument("--query-block", type=int, default=16, help="sparse prefill query block")
-    p.add_argument("--max-batch", type=int, default=8, help="questions per decode step")
-    p.add_argument("--backend", default="auto", help="kernel backend (auto, reference, pallas)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out/niah", help="output directory (JSON and PNG)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        f"(unset: {DEFAULT_DEPTHS})")
+    p.add_argument("--variants", type=comma_list(str, choices=list(VARIANTS)),
+                   default=",".join(VARIANTS), metavar="V[,V...]",
+                   help=f"needle variants, from: {', '.join(VARIANTS)}")
+    add_kv_cache_dtypes(p, ",".join(DTYPES))
+    add_shard_counts(p, "16")
+    add_model(p, "recall")
+    add_checkpoint(p)
+    add_page_size(p, 16)
+    add_chunk_size(p, 256)
+    p.add_argument("--query-block", type=positive_int, default=16,
+                   help="sparse prefill query block")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="questions per decode step")
+    add_backend(p, "auto")
+    p.add_argument("--seed", type=int, default=0, help="context seed")
+    add_out(p, "out/niah")
+    add_no_progress(p)
     return p
 
 
-def _parse(argv) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
-    args.lengths = sorted({parse_length(x) for x in lengths.split(",")})
-    depths = args.depths or str(QUICK_DEPTHS if args.quick else DEFAULT_DEPTHS)
-    args.depths = _depths(depths)
-    args.variants = [v.strip() for v in args.variants.split(",")]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant {unknown[0]!r}; choices: {', '.join(VARIANTS)}")
-    args.dtypes = [d.strip() for d in args.dtypes.split(",")]
-    unknown = [d for d in args.dtypes if d not in KV_CACHE_DTYPES]
-    if unknown:
-        raise ValueError(f"unknown cache dtype {unknown[0]!r}; choices: "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
-    args.shards = [int(s) for s in args.shards.split(",")]
-    if any(s < 1 for s in args.shards):
-        raise ValueError(f"--shards {args.shards}: shard counts must be positive")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--quick`'s lengths and depths filled in,
+    the devices for the largest of `--shards` set up, then `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.lengths = sorted(set(args.lengths or length_list(QUICK_LENGTHS if quick
+                                                          else DEFAULT_LENGTHS)))
+    args.depths = args.depths or _depths(str(QUICK_DEPTHS if quick else DEFAULT_DEPTHS))
+    check_page_size(parser, args.page_size)
+    check_not_below_page(parser, "--lengths", args.lengths, args.page_size)
+    if args.checkpoint is None:
+        try:
+            RecallLayout().check(load_model_config(args.model))
+        except ValueError as e:
+            parser.error(f"--model {args.model}: {e} (other models run with --checkpoint)")
+        check_page_size_for_model(parser, args.model, args.page_size)
+    check_checkpoint_dir(parser, args.checkpoint)
+    init_shard_devices(parser, max(args.shards))
+    check_out_dir(parser, args.out)
     return args
 
 
 def _workload(args) -> Workload:
-    if args.model is None:
-        model = build_recall_model()
-        return Workload("recall", model.cfg, model.params,
+    if args.checkpoint is None:
+        model = build_recall_model(load_model_config(args.model))
+        return Workload(args.model, model.cfg, model.params,
                         lambda v, n, d, rng: recall_context(model, v, n, d, rng))
-    cfg, params, tokenizer = load_checkpoint(args.model)
+    cfg, params, tokenizer = load_checkpoint(args.checkpoint)
     return Workload(cfg.name, cfg, params,
                     lambda v, n, d, rng: text_context(tokenizer, v, n, d, rng))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    init_cpu_devices(max(args.shards))
+    args = parse_args(argv)
     work = _workload(args)
     report = run_sweep(args, work)
     info = machine()
@@ -397,7 +404,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as e:
-        build_parser().exit(2, f"niah: error: {e}\n")
+    raise SystemExit(main())

@@ -32,9 +32,10 @@ import time
 import traceback
 from collections.abc import Callable
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine
+from cp_runtime.benchmarks.common import init_shard_devices, machine
+from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, comma_list
 
-__all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "main"]
+__all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "parse_args", "main"]
 
 
 # -- markdown -------------------------------------------------------------------------------
@@ -143,8 +144,8 @@ def _kernels(out: pathlib.Path) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """One benchmark: its module under benchmarks/, its `--out` inside DIR, the extra arguments
-    of a quick run, and the renderer of its outputs."""
+    """One benchmark: its module under benchmarks/, its `--out` directory inside DIR ("": DIR
+    itself), the extra arguments of a quick run, and the renderer of its outputs."""
 
     name: str
     title: str
@@ -163,18 +164,16 @@ SECTIONS = (
     Section("niah", "Needle in a haystack (recall per cache dtype)", "niah", ("--quick",), _niah,
             takes_shards=True),
     Section("capacity", "Capacity", "capacity", (), _capacity),
-    Section("kernel_error", "fp8 cache error", "kernel_error.json", ("--seeds", "1"),
+    Section("kernel_error", "fp8 cache error", "", ("--seeds", "1"),
             _kernel_error),
     Section("selection", "Indexer cache dtype and selection", "selection", ("--quick",),
             _selection),
-    Section("throughput", "Throughput and roofline", "throughput.json",
-            ("--lengths", "2k,8k", "--dtypes", "bf16,fp8_e4m3", "--pool-factors", "1,4",
+    Section("throughput", "Throughput and roofline", "",
+            ("--lengths", "2k,8k", "--kv-cache-dtypes", "bf16,fp8_e4m3", "--pool-factors", "1,4",
              "--pool-length", "2k", "--decode-steps", "5", "--no-progress"), _throughput,
             takes_shards=True),
-    Section("merge", "Merge collectives", "merge.json", ("--repeats", "5"), _merge,
-            takes_shards=True),
-    Section("kernels", "Pallas kernels vs references", "kernels.json", ("--size", "small"),
-            _kernels),
+    Section("merge", "Merge collectives", "", ("--repeats", "5"), _merge, takes_shards=True),
+    Section("kernels", "Pallas kernels vs references", "", ("--size", "small"), _kernels),
 )
 
 
@@ -252,27 +251,32 @@ def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench report",
-                                description="Run every benchmark and write DIR/report.md.")
+    names = [s.name for s in SECTIONS]
+    p = argparse.ArgumentParser(prog="cp-runtime bench report", formatter_class=HelpFormatter,
+                                description="Run every benchmark and write DIR/report.md. JAX gets "
+                                            "--shards virtual CPU devices, and niah, throughput "
+                                            "and merge run on that many shards.")
     p.add_argument("--quick", action="store_true", help="every benchmark small (minutes on a CPU)")
-    p.add_argument("--out", default="out/report", help="output directory DIR")
-    p.add_argument("--only", default=None,
-                   help=f"comma-separated subset of {', '.join(s.name for s in SECTIONS)}")
-    p.add_argument("--shards", type=int, default=16,
-                   help="virtual CPU devices, and the shard count of niah, throughput and merge")
+    add_out(p, "out/report")
+    p.add_argument("--only", type=comma_list(str, choices=names), default=None,
+                   metavar="NAME[,NAME...]", help=f"a subset of {', '.join(names)} (unset: all)")
+    add_shards(p, 16)
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the `--shards` devices set up, then `--out`
+    created (`args.out` a Path)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    init_shard_devices(parser, args.shards)
+    args.out = check_out_dir(parser, args.out)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    names = [s.name for s in SECTIONS]
-    only = names if args.only is None else [n.strip() for n in args.only.split(",")]
-    unknown = [n for n in only if n not in names]
-    if unknown:
-        raise ValueError(f"unknown benchmark {unknown[0]!r}; choices: {', '.join(names)}")
-    init_cpu_devices(args.shards)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args = parse_args(argv)
+    out, only = args.out, args.only or [s.name for s in SECTIONS]
     t0 = time.perf_counter()
     chosen = [s for s in SECTIONS if s.name in only]
     runs = {s.name: _run(s, out, quick=args.quick, shards=args.shards,

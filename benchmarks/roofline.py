@@ -13,12 +13,13 @@ slice it is the sum over the chips.
 Times are the best of `repeats` calls after a compile-and-warm call (a peak, not a mean: the
 denominators of "achieved fraction"). `memory_gb_per_s` is the larger of read and copy.
 
-    cp-runtime bench roofline --shards 16
+    cp-runtime bench roofline --shards 16    # writes out/roofline.json
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 from collections.abc import Callable
 
@@ -26,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, positive_int
 
-__all__ = ["measure_roofline", "default_sizes", "build_parser", "main"]
+__all__ = ["measure_roofline", "default_sizes", "build_parser", "parse_args", "main"]
 
 _AXIS = "roofline"
 
@@ -85,26 +87,37 @@ def measure_roofline(devices: list | None = None, *, mem_mib: int | None = None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench roofline",
+    p = argparse.ArgumentParser(prog="cp-runtime bench roofline", formatter_class=HelpFormatter,
                                 description="Measured memory bandwidth and f32 matmul FLOP/s.")
-    p.add_argument("--shards", type=int, default=16, help="devices measured together")
-    p.add_argument("--mem-mib", type=int, default=None,
-                   help="size of the bandwidth array, all devices together (default by backend)")
-    p.add_argument("--matmul-n", type=int, default=None, help="matmul side per device")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default="out/roofline.json")
+    add_shards(p, 16)
+    p.add_argument("--mem-mib", type=positive_int, default=None,
+                   help="size of the bandwidth array, all devices together (unset: by backend)")
+    p.add_argument("--matmul-n", type=positive_int, default=None,
+                   help="matmul side per device (unset: by backend)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="timed calls per figure (the best is reported)")
+    add_out(p, "out")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
+    `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    init_shard_devices(parser, args.shards)
+    check_out_dir(parser, args.out)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    init_cpu_devices(args.shards)
+    args = parse_args(argv)
     result = measure_roofline(jax.devices()[: args.shards], mem_mib=args.mem_mib,
                               matmul_n=args.matmul_n, repeats=args.repeats)
     print_table([result], ["devices", "mem_bytes", "read_gb_per_s", "copy_gb_per_s",
                            "matmul_n", "matmul_gflop_per_s"],
                 title=f"roofline on {machine()['processor']}, backend {machine()['backend']}")
-    write_json(args.out, {"roofline": result})
+    write_json(pathlib.Path(args.out) / "roofline.json", {"roofline": result})
     return 0
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ import numpy as np
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.needles import Variant, recall_context
 from cp_runtime.benchmarks.recall_model import build_recall_model
+from cp_runtime.cli_args import (HelpFormatter, add_model, add_out, add_page_size,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, length, length_list, positive_int)
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
@@ -56,7 +60,7 @@ from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
 from cp_runtime.weights import Params, init_params, layer_params
 
 __all__ = ["SCHEMES", "round_keys", "top_pages", "SelectionChange", "selection_change",
-           "indexer_inputs_of", "last_token_answer", "build_parser", "main"]
+           "indexer_inputs_of", "last_token_answer", "build_parser", "parse_args", "main"]
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 SCHEMES = ("bf16", "f32", "fp8_e4m3", "fp8_e4m3_tok", "fp8_e4m3_tok448", "fp8_e5m2")
@@ -191,8 +195,9 @@ def last_token_answer(params: Params, tokens: jax.Array, *, cfg: ModelConfig, pa
 
 # -- the study ----------------------------------------------------------------------------
 def tiny_study(args) -> list[dict]:
-    """Selection changes on the random-weight tiny model, every query of every full layer."""
-    cfg = load_model_config(args.tiny_model)
+    """Selection changes on the random-weight `--model` (tiny by default), every query of every
+    full layer."""
+    cfg = load_model_config(args.model)
     k_pages = cfg.index_topk // args.page_size
     totals = {s: [0, 0, 0.0] for s in SCHEMES if s != REFERENCE}
     for seed in range(args.seeds):
@@ -253,33 +258,58 @@ def recall_study(args) -> tuple[list[dict], list[dict]]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="cp-runtime bench selection",
+        prog="cp-runtime bench selection", formatter_class=HelpFormatter,
         description="How often an fp8 indexer key cache changes the DSA top-K pages compared "
                     "with bf16, and what that does to recall.")
-    p.add_argument("--tiny-model", default="tiny", help="random-weight model config")
-    p.add_argument("--tokens", type=int, default=2048, help="sequence length for the tiny model")
-    p.add_argument("--seeds", type=int, default=3, help="tiny-model weight seeds")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--recall-trials", type=int, default=64, help="needle contexts")
-    p.add_argument("--recall-length", type=int, default=2048, help="needle context length")
-    p.add_argument("--siblings", type=int, default=7,
-                   help="near-key distractors per needle (at most 7)")
-    p.add_argument("--topks", default="16,32,64",
-                   help="index_topk values for the recall model (K = topk / page_size)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="fewer seeds, trials and tokens")
-    p.add_argument("--out", default="out/selection", help="output directory (JSON)")
+    add_model(p, "tiny")
+    p.add_argument("--tokens", type=length, default=2048,
+                   help="sequence length for the random-weight --model")
+    p.add_argument("--seeds", type=positive_int, default=3, help="--model weight seeds")
+    add_page_size(p, 16)
+    p.add_argument("--recall-trials", type=positive_int, default=64, help="needle contexts")
+    p.add_argument("--recall-length", type=length, default=2048, help="needle context length")
+    p.add_argument("--siblings", type=_siblings, default=7,
+                   help="near-key distractors per needle (0 to 7)")
+    p.add_argument("--topks", type=length_list, default="16,32,64", metavar="N[,N...]",
+                   help="index_topk values for the recall model, multiples of --page-size "
+                        "(K = topk / page_size)")
+    p.add_argument("--seed", type=int, default=0, help="needle context seed")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer seeds, trials and tokens (1 seed, 1024 tokens, 24 trials)")
+    add_out(p, "out/selection")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.topks = [int(x) for x in args.topks.split(",")]
+def _siblings(text: str) -> int:
+    """argparse type: a sibling count in 0..7 (the recall layout's limit)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= n <= 7:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 to 7")
+    return n
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), `--quick` applied, `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.tokens, args.recall_trials = 1, 1024, 24
-    bad = [t for t in args.topks if t < args.page_size or t % args.page_size]
+    check_page_size(parser, args.page_size)
+    check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
+    check_not_below_page(parser, "--recall-length", args.recall_length, args.page_size)
+    bad = [t for t in args.topks if t % args.page_size]
     if bad:
-        raise ValueError(f"--topks {bad[0]} must be a positive multiple of --page-size")
+        parser.error(f"--topks {bad[0]}: not a multiple of --page-size {args.page_size}")
+    check_page_size_for_model(parser, args.model, args.page_size)
+    check_out_dir(parser, args.out)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     tiny_rows = tiny_study(args)
     sel_rows, recall_rows = recall_study(args)
     columns = ["model", "index_topk", "scheme", "changed", "changed_pct", "swapped_pct"]
@@ -290,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(recall_rows, ["index_topk", "K", "scheme", "recall"],
                 title=f"recall model, {args.siblings} siblings at cosine 0.98, latent bf16, "
                       f"{args.recall_length} tokens")
-    path = write_json(f"{args.out}/selection.json",
+    path = write_json(pathlib.Path(args.out) / "selection.json",
                       {"page_size": args.page_size, "tiny_tokens": args.tokens,
                        "tiny_seeds": args.seeds, "recall_trials": args.recall_trials,
                        "recall_length": args.recall_length, "siblings": args.siblings,

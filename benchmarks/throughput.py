@@ -2,19 +2,19 @@
 the fraction of this machine's measured memory bandwidth and matmul FLOP/s that each achieves;
 and the decode time of DSA's sparse selection against a dense equivalent.
 
-    cp-runtime bench throughput --lengths 2k,8k --shards 16 --dtypes bf16,fp8_e4m3 \
-        --pool-factors 1,4
+    cp-runtime bench throughput --lengths 2k,8k --shards 16 --kv-cache-dtypes bf16,fp8_e4m3 \
+        --pool-factors 1,4                                 # writes out/throughput.json and PNGs
     cp-runtime bench throughput --lengths 8k,16k,32k,64k,128k,256k,512k,1m \
-        --dtypes fp8_e4m3 --chunk 4096 --pool-factors 1                    # 8K to 1M, one sweep
+        --kv-cache-dtypes fp8_e4m3 --chunk-size 4096 --pool-factors 1      # 8K to 1M, one sweep
 
 Per (shards, dtype), one session grows through the lengths on one engine whose pool is sized for
-the longest: at each length it has prefilled the segment since the previous length in `--chunk`
-steps of random tokens, then `--decode-steps` single tokens are decoded on a fork (median step
-after a warm-up). `prefill_tok_per_s` is the segment's rate with compile time excluded (JAX
-reports it through `jax.monitoring`: trace, lowering and backend compile); `prefill_total_s` is
-the wall time from an empty session to that length, and `prefill_total_tok_per_s` its rate with
-compile excluded, i.e. a single prefill of that length. Growing one session costs the longest
-length's prefill once, instead of the sum of all lengths.
+the longest: at each length it has prefilled the segment since the previous length in
+`--chunk-size` steps of random tokens, then `--decode-steps` single tokens are decoded on a fork
+(median step after a warm-up). `prefill_tok_per_s` is the segment's rate with compile time
+excluded (JAX reports it through `jax.monitoring`: trace, lowering and backend compile);
+`prefill_total_s` is the wall time from an empty session to that length, and
+`prefill_total_tok_per_s` its rate with compile excluded, i.e. a single prefill of that length.
+Growing one session costs the longest length's prefill once, instead of the sum of all lengths.
 
 Decode time at a fixed context (`--pool-length`) must not depend on the pool size (a fresh engine
 per `--pool-factors` entry; 4x larger: within 10%): the step updates pool buffers in place and
@@ -60,10 +60,15 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.common import init_cpu_devices, machine, parse_length, print_table, write_json
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.benchmarks.plots import line_chart
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtypes,
+                                 add_model, add_no_progress, add_out, add_page_size,
+                                 add_shard_counts, check_not_below_page, check_out_dir,
+                                 check_page_size, check_page_size_for_model, length, length_list,
+                                 nonnegative_length, positive_int, positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.engine import Engine
@@ -74,7 +79,7 @@ from cp_runtime.weights import init_params
 
 __all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
            "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
-           "compile_seconds", "build_parser", "main"]
+           "compile_seconds", "build_parser", "parse_args", "main"]
 
 
 # -- work accounting ------------------------------------------------------------------------
@@ -274,7 +279,8 @@ def _runtime(model: ModelConfig, *, context: int, shards: int, dtype: str, pool_
     need = cdiv(cdiv(context, args.page_size), shards) + slack
     return RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
                          pages_per_shard=max(need, args.base_pages) * pool_factor,
-                         page_size=args.page_size, chunk_size=args.chunk, backend=args.backend)
+                         page_size=args.page_size, chunk_size=args.chunk_size,
+                         backend=args.backend)
 
 
 @contextlib.contextmanager
@@ -372,7 +378,7 @@ def _roofline_fractions(row: dict, model: ModelConfig, roof: dict, *, args,
     prefill_work(length) - prefill_work(segment_start): exact when the segment starts on a
     chunk boundary, as the engine chunks from the session's length."""
     common = dict(page_size=args.page_size, kv_cache_dtype=row["dtype"], shards=row["shards"],
-                  param_bytes=param_bytes, chunk=args.chunk)
+                  param_bytes=param_bytes, chunk=args.chunk_size)
     whole = prefill_work(model, length=row["length"], **common)
     before = prefill_work(model, length=row["segment_start"], **common)
     segment = Work(whole.flops - before.flops, whole.bytes - before.bytes)
@@ -407,34 +413,49 @@ def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench throughput",
+                                formatter_class=HelpFormatter,
                                 description="Prefill tokens/s and decode ms/step on the CPU mesh, "
                                             "roofline fractions, sparse vs dense decode.")
-    p.add_argument("--model", default="small")
-    p.add_argument("--lengths", default="2k,8k",
+    add_model(p, "small")
+    p.add_argument("--lengths", type=length_list, default="2k,8k", metavar="N[,N...]",
                    help="context lengths one session grows through, e.g. 8k,64k,1m")
-    p.add_argument("--shards", default="16", help="comma-separated shard counts")
-    p.add_argument("--dtypes", default="bf16,fp8_e4m3")
-    p.add_argument("--pool-factors", default="1,4",
+    add_shard_counts(p, "16")
+    add_kv_cache_dtypes(p, "bf16,fp8_e4m3")
+    p.add_argument("--pool-factors", type=positive_int_list, default="1,4", metavar="F[,F...]",
                    help="pool sizes, as multiples of what the context needs, for the decode vs "
                         "pool size table (1: no such table)")
-    p.add_argument("--pool-length", default="2k",
+    p.add_argument("--pool-length", type=length, default="2k",
                    help="the fixed context of the pool size table")
-    p.add_argument("--base-pages", type=int, default=256,
+    p.add_argument("--base-pages", type=positive_int, default=256,
                    help="pages per shard of the 1x pool (at least what the context needs)")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--decode-steps", type=int, default=10)
-    p.add_argument("--backend", default="auto",
-                   help="kernel backend (auto: pallas on TPU, xla elsewhere; reference, ...)")
-    p.add_argument("--dense-max-length", default="128k",
+    add_page_size(p, 64)
+    add_chunk_size(p, 1024)
+    p.add_argument("--decode-steps", type=positive_int, default=10,
+                   help="decode steps timed per length (the median is reported)")
+    add_backend(p, "auto")
+    p.add_argument("--dense-max-length", type=nonnegative_length, default="128k",
                    help="longest context for the dense decode comparison (0: none)")
-    p.add_argument("--roofline-mib", type=int, default=None,
-                   help="bandwidth array size, all devices together (default by backend)")
-    p.add_argument("--matmul-n", type=int, default=None, help="roofline matmul side per device")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--out", default="out/throughput.json",
-                   help="JSON path; the PNGs go beside it (<stem>_decode.png, _prefill.png)")
+    p.add_argument("--roofline-mib", type=positive_int, default=None,
+                   help="bandwidth array size, all devices together (unset: by backend)")
+    p.add_argument("--matmul-n", type=positive_int, default=None,
+                   help="roofline matmul side per device (unset: by backend)")
+    add_no_progress(p)
+    add_out(p, "out")
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for the largest of `--shards`
+    set up, then `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_page_size(parser, args.page_size)
+    check_page_size_for_model(parser, args.model, args.page_size)
+    check_not_below_page(parser, "--lengths", args.lengths, args.page_size)
+    check_not_below_page(parser, "--pool-length", args.pool_length, args.page_size)
+    init_shard_devices(parser, max(args.shards))
+    check_out_dir(parser, args.out)
+    return args
 
 
 def _print(rows: list[dict], pool_rows: list[dict], roofs: dict, args) -> None:
@@ -462,28 +483,27 @@ def _print(rows: list[dict], pool_rows: list[dict], roofs: dict, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    shard_counts = [int(s) for s in args.shards.split(",")]
-    init_cpu_devices(max(shard_counts))
+    args = parse_args(argv)
+    shard_counts = args.shards
     model = load_model_config(args.model)
     params = init_params(model, seed=0)
     param_bytes = params["model.embed_tokens.weight"].dtype.itemsize
     roofs = {s: measure_roofline(jax.devices()[:s], mem_mib=args.roofline_mib,
                                  matmul_n=args.matmul_n) for s in shard_counts}
-    lengths = sorted(set(map(parse_length, args.lengths.split(","))))
-    pool_factors = sorted({int(f) for f in args.pool_factors.split(",")})
-    settings = [(s, d) for s in shard_counts for d in args.dtypes.split(",")]
+    lengths = sorted(set(args.lengths))
+    pool_factors = sorted(set(args.pool_factors))
+    settings = [(s, d) for s in shard_counts for d in args.kv_cache_dtypes]
     rows, pool_rows = [], []
     for s, d in tqdm(settings, desc="throughput", disable=args.no_progress):
         for row in _grow(model, params, lengths=lengths, shards=s, dtype=d,
-                         dense_max=parse_length(args.dense_max_length), args=args):
+                         dense_max=args.dense_max_length, args=args):
             rows.append(row | _roofline_fractions(row, model, roofs[s], args=args,
                                                   param_bytes=param_bytes))
         if len(pool_factors) > 1:
-            pool_rows += _pool_rows(model, params, length=parse_length(args.pool_length),
+            pool_rows += _pool_rows(model, params, length=args.pool_length,
                                     shards=s, dtype=d, factors=pool_factors, args=args)
     _print(rows, pool_rows, roofs, args)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out) / "throughput.json"
     write_json(out, {"args": vars(args), "backend": resolve_backend(args.backend),
                      "roofline": roofs, "rows": rows,
                      "pool_rows": pool_rows})
@@ -493,7 +513,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as e:
-        build_parser().exit(2, f"throughput: error: {e}\n")
+    raise SystemExit(main())

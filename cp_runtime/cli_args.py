@@ -23,7 +23,7 @@ import os
 import pathlib
 import re
 
-from cp_runtime.config import BACKENDS, model_names
+from cp_runtime.config import BACKENDS, load_model_config, model_names
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
@@ -40,9 +40,11 @@ __all__ = [
     "add_pages_per_shard",
     "add_shard_counts",
     "add_shards",
+    "check_checkpoint_dir",
     "check_not_below_page",
     "check_out_dir",
     "check_page_size",
+    "check_page_size_for_model",
     "comma_list",
     "finite_nonnegative_float",
     "finite_positive_float",
@@ -234,3 +236,27 @@ def check_not_below_page(parser: argparse.ArgumentParser, flag: str, lengths,
     for n in [lengths] if isinstance(lengths, int) else lengths:
         if n < page_size:
             parser.error(f"{flag} {n}: below the page size {page_size}")
+
+
+def check_checkpoint_dir(parser: argparse.ArgumentParser, checkpoint: str | None) -> None:
+    """`--checkpoint DIR` is a directory holding config.json and tokenizer.json (the weights
+    are checked when they load); otherwise a usage error."""
+    if checkpoint is None:
+        return
+    path = pathlib.Path(checkpoint)
+    if not path.is_dir():
+        parser.error(f"--checkpoint {checkpoint}: not a directory")
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if missing:
+        parser.error(f"--checkpoint {checkpoint}: no {missing[0]}")
+
+
+def check_page_size_for_model(parser: argparse.ArgumentParser, model: str,
+                              page_size: int) -> None:
+    """`--model`'s index_topk is a whole number of `--page-size` pages (selection picks
+    index_topk / page_size pages: config.check_runtime_for_model's rule); otherwise a usage
+    error."""
+    topk = load_model_config(model).index_topk
+    if topk % page_size:
+        parser.error(f"--page-size {page_size}: --model {model}'s index_topk {topk} is not a "
+                     "multiple of it")

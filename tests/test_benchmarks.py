@@ -48,13 +48,14 @@ def test_roofline_positive():
 # -- work accounting ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hand() -> ModelConfig:
-    """Small enough to count by hand: hid 4, 1 head, ranks 2, 2 layers (full, shared), dense MLP.
+    """Small enough to count by hand: hid 4, 1 head, ranks 2, 2 layers (full, shared), dense MLP
+    (moe_intermediate_size 1 only because config sizes must be positive: no MoE layer reads it).
     latent_dim 256 (128 + 128 lanes), K = index_topk / ps = 1 page at ps 16."""
     return ModelConfig(name="hand", vocab_size=10, hidden_size=4, num_hidden_layers=2,
                        num_attention_heads=1, q_lora_rank=2, kv_lora_rank=2, qk_nope_head_dim=2,
                        qk_rope_head_dim=2, v_head_dim=2, index_n_heads=1, index_head_dim=2,
                        index_topk=16, indexer_types=("full", "shared"), first_k_dense_replace=2,
-                       intermediate_size=3, moe_intermediate_size=0, n_routed_experts=0,
+                       intermediate_size=3, moe_intermediate_size=1, n_routed_experts=0,
                        num_experts_per_tok=0, n_shared_experts=0)
 
 
@@ -154,19 +155,21 @@ def test_report_records_a_failure(tmp_path, monkeypatch):
     assert "**failed:**" in text and "deliberately broken" in text
 
 
-def test_report_rejects_unknown_benchmark(tmp_path):
-    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+def test_report_rejects_unknown_benchmark(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         report.main(["--only", "nope", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--only: 'nope' is not one of" in capsys.readouterr().err
 
 
 # -- throughput, end to end -----------------------------------------------------------------
 def test_throughput_tiny_run(tmp_path):
     out = tmp_path / "throughput.json"
-    assert throughput.main(["--lengths", "128,256", "--shards", "2", "--dtypes", "fp8_e4m3",
-                            "--pool-factors", "1,2", "--pool-length", "128",
-                            "--decode-steps", "2", "--base-pages", "16", "--page-size", "16",
-                            "--chunk", "64", "--dense-max-length", "128", "--roofline-mib", "8",
-                            "--matmul-n", "64", "--no-progress", "--out", str(out)]) == 0
+    assert throughput.main(["--lengths", "128,256", "--shards", "2",
+                            "--kv-cache-dtypes", "fp8_e4m3", "--pool-factors", "1,2",
+                            "--pool-length", "128", "--decode-steps", "2", "--base-pages", "16",
+                            "--page-size", "16", "--chunk-size", "64", "--dense-max-length", "128",
+                            "--roofline-mib", "8", "--matmul-n", "64", "--no-progress",
+                            "--out", str(tmp_path)]) == 0
     d = json.loads(out.read_text())
     short, long = d["rows"]
     assert (short["segment_start"], long["segment_start"]) == (0, 128)

@@ -1,5 +1,5 @@
 """Hugging Face DeepSeek-V3.2-format checkpoints (cp_runtime.checkpoint), YaRN rope and
-group-limited routing (cp_runtime.model), and `benchmarks.niah --model DIR` end to end.
+group-limited routing (cp_runtime.model), and `benchmarks.niah --checkpoint DIR` end to end.
 
 A tiny checkpoint is written once per module: config.json with YaRN, fp8 quantisation in 16x32
 blocks (non-square, so a swapped block axis shows; most weights have partial edge blocks), 4
@@ -709,8 +709,8 @@ def test_text_needles_decode(ckpt):
 
 def test_niah_runs_checkpoint(ckpt, tmp_path):
     out = tmp_path / "out"
-    assert niah.main(["--model", str(ckpt.dir), "--lengths", "512", "--depths", "2",
-                      "--variants", "single", "--dtypes", "fp8_e4m3", "--shards", "16",
+    assert niah.main(["--checkpoint", str(ckpt.dir), "--lengths", "512", "--depths", "2",
+                      "--variants", "single", "--kv-cache-dtypes", "fp8_e4m3", "--shards", "16",
                       "--out", str(out), "--no-progress"]) == 0
     report = json.loads((out / "niah.json").read_text())
     assert report["model"] == ckpt.dir.name
