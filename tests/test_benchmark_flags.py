@@ -4,15 +4,17 @@ work is done."""
 
 import argparse
 import importlib
+import pkgutil
 
 import jax
 import pytest
 
+import cp_runtime.benchmarks
 from cp_runtime import cli_args
 from cp_runtime.config import model_names
 
-BENCHMARKS = ("capacity", "kernel_error", "kernels", "merge", "million", "niah", "report",
-              "roofline", "selection", "throughput")
+KNOWN = ("capacity", "kernel_error", "kernels", "merge", "million", "niah", "report",
+         "roofline", "selection", "throughput")
 # Old spellings that the shared flags replaced.
 RETIRED = ("--chunk", "--dtypes", "--tiny-model")
 # Benchmarks that sweep shard counts take a list; the others one count.
@@ -21,6 +23,21 @@ SHARD_SWEEPS = ("niah", "throughput")
 
 def _module(name: str):
     return importlib.import_module(f"cp_runtime.benchmarks.{name}")
+
+
+def _entry_points() -> tuple[str, ...]:
+    """Every module of cp_runtime.benchmarks with a `main` and a `build_parser`: the known
+    ones and any added later, which the generic checks below then cover too."""
+    names = [m.name for m in pkgutil.iter_modules(cp_runtime.benchmarks.__path__)]
+    return tuple(n for n in sorted(names)
+                 if all(hasattr(_module(n), f) for f in ("main", "build_parser")))
+
+
+BENCHMARKS = _entry_points()
+
+
+def test_every_known_benchmark_has_an_entry_point():
+    assert set(KNOWN) <= set(BENCHMARKS)
 
 
 def _options(name: str) -> dict[str, argparse.Action]:
