@@ -1,22 +1,77 @@
-"""Capacity arithmetic: the single source of the bytes-per-token figure.
+"""Capacity arithmetic: the single source of the bytes-per-token figure, and what fits per device.
 
     bytes_per_token = n_layers * D_lat_pad * bytes(latent dtype)
                     + n_full_indexer_layers * D_idx * bytes(indexer dtype)
 
 GLM-5.2 (78 layers, 21 indexers, 640 + 128 dims): bf16 105,216 B, fp8 55,296 B, ratio 1.90x.
 The scheduler's admission and the pool's sizing both call `bytes_per_token`.
+
+Per device of a deployment (`deployment_report`):
+
+    HBM = weights (this device's shard, `weight_bytes_per_device`) + reserve + KV cache
+
+The KV cache is sharded by position over every device (context parallelism), so the tokens that
+fit are (sum over devices of the KV bytes) // bytes_per_token.
+
+Weights are sharded over the same devices as the cache (`_shard_rule`): attention projections by
+heads (q_b_proj, kv_b_proj, o_proj; the indexer's wq_b and weights_proj by indexer heads), dense
+MLPs and shared experts column parallel (gate/up by output features) and row parallel (down by
+input features), routed experts expert-parallel (ceil(E / devices) whole experts per device),
+embedding and lm head by vocabulary rows; the rest (q_a_proj, kv_a_proj_with_mqa, the indexer's
+wk, router gates, norms and biases) is replicated. Every figure is the most-loaded device's
+(ceil of each split), from the config's tensor shapes (`cp_runtime.weights.param_shapes`).
+
+Weight dtypes (`WEIGHT_DTYPES`, overridable: `cp-runtime capacity --weight-dtype`):
+    fp8   as the public GLM-5 / DeepSeek-V3.2 fp8 checkpoints store them: every 2-D matmul weight
+          1 byte per value plus one f32 scale per 128 x 128 block of its local shard, except the
+          embedding, lm head, router gate and indexer weights_proj, which stay bf16 like the
+          norms; e_score_correction_bias is f32.
+    bf16  every tensor 2 bytes (e_score_correction_bias still f32).
+
+Reserve: ACTIVATION_RESERVE_FRACTION (10%) of each device's HBM is kept for activations, XLA
+scratch and the step's temporaries (a round figure, not a measurement); `reserve_gib` overrides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 
-__all__ = ["bytes_per_token", "CapacityReport", "capacity_report", "GIB"]
+__all__ = ["ACTIVATION_RESERVE_FRACTION", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES", "CapacityReport",
+           "Topology", "bytes_per_token", "capacity_report", "deployment_report",
+           "weight_bytes_per_device"]
 
 GIB = 1 << 30
+WEIGHT_DTYPES = ("fp8", "bf16")
+FP8_BLOCK = (128, 128)          # [out, in] values per f32 scale in the fp8 checkpoints
+ACTIVATION_RESERVE_FRACTION = 0.10
+# 2-D weights the fp8 checkpoints keep in bf16.
+_BF16_IN_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
+                "weights_proj.weight")
+_F32 = ("e_score_correction_bias",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A slice of accelerators: `devices` JAX devices of `hbm_gib` each."""
+
+    name: str
+    devices: int
+    hbm_gib: float
+    chips: int
+    hosts: int
+    shape: str
+
+
+# TPU v7x (Ironwood): a chip has two TensorCores, each a JAX device with 96 GiB of HBM (192 GiB
+# per chip); a host holds 4 chips = 8 devices.
+TOPOLOGIES = {
+    "tpu7x-16": Topology("tpu7x-16", devices=16, hbm_gib=96.0, chips=8, hosts=2, shape="2x2x2"),
+    "tpu7x-32": Topology("tpu7x-32", devices=32, hbm_gib=96.0, chips=16, hosts=4, shape="2x2x4"),
+}
 
 
 def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
@@ -28,6 +83,79 @@ def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
     return latent + indexer
 
 
+# -- weights per device ---------------------------------------------------------------------
+def _shard_rule(name: str, model: ModelConfig) -> tuple[int, int] | None:
+    """(axis, units) when tensor `name` is split into `units` equal parts along `axis` (heads,
+    vocabulary rows, features), or None when it is replicated. Routed experts: see
+    `_expert_on_device`."""
+    h, hi = model.num_attention_heads, model.index_n_heads
+    rules = {
+        "embed_tokens.weight": (0, model.vocab_size), "lm_head.weight": (0, model.vocab_size),
+        "self_attn.q_b_proj.weight": (0, h), "self_attn.kv_b_proj.weight": (0, h),
+        "self_attn.o_proj.weight": (1, h),
+        "indexer.wq_b.weight": (0, hi), "indexer.weights_proj.weight": (0, hi),
+    }
+    for suffix, rule in rules.items():
+        if name.endswith(suffix):
+            return rule
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):    # column parallel
+        return (0, -1)
+    if name.endswith("down_proj.weight"):                         # row parallel
+        return (1, -1)
+    return None
+
+
+def _expert_index(name: str) -> int | None:
+    """e for `...mlp.experts.{e}....`, else None."""
+    parts = name.split(".")
+    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
+
+
+def _local_shape(name: str, shape: tuple[int, ...], model: ModelConfig,
+                 devices: int) -> tuple[int, ...] | None:
+    """Shape of the most-loaded device's shard of `name`, or None when no part of it is there
+    (a routed expert of another device)."""
+    e = _expert_index(name)
+    if e is not None:                       # expert parallel: experts 0 .. ceil(E/D)-1 here
+        return shape if e < math.ceil(model.n_routed_experts / devices) else None
+    rule = _shard_rule(name, model)
+    if rule is None:
+        return shape
+    axis, units = rule
+    units = shape[axis] if units < 0 else units
+    local = list(shape)
+    local[axis] = math.ceil(units / devices) * (shape[axis] // units)
+    return tuple(local)
+
+
+def _tensor_bytes(name: str, shape: tuple[int, ...], weight_dtype: str) -> int:
+    """Bytes of one (local) tensor under `weight_dtype`, block scales included."""
+    n = math.prod(shape)
+    if any(s in name for s in _F32):
+        return 4 * n
+    if weight_dtype == "bf16" or len(shape) != 2 or name.endswith(_BF16_IN_FP8):
+        return 2 * n
+    scales = math.ceil(shape[0] / FP8_BLOCK[0]) * math.ceil(shape[1] / FP8_BLOCK[1])
+    return n + 4 * scales
+
+
+def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "fp8") -> int:
+    """Weight bytes on the most-loaded of `devices` devices (sharding and dtypes: module doc)."""
+    from cp_runtime.weights import param_shapes       # weights imports jax; keep this light
+
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+    if devices <= 0:
+        raise ValueError(f"{devices=} must be positive")
+    total = 0
+    for name, shape in param_shapes(model).items():
+        local = _local_shape(name, shape, model, devices)
+        if local is not None:
+            total += _tensor_bytes(name, local, weight_dtype)
+    return total
+
+
+# -- reports --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CapacityReport:
     model: str
@@ -42,18 +170,32 @@ class CapacityReport:
     cache_gib_total: float
     tokens_that_fit: int
     tokens_that_fit_bf16: int
+    # Deployment detail (deployment_report); the defaults describe a bare capacity_report.
+    topology: str | None = None
+    weight_dtype: str | None = None
+    weight_bytes_per_device: int | None = None
+    reserve_gib_per_device: float = 0.0
+    kv_gib_per_device: float = 0.0
+    weights_fit: bool = True          # weights + reserve <= HBM (else no KV fits at all)
+    bytes_per_token_fp8: int = 0
+    tokens_that_fit_fp8: int = 0
 
 
 def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hbm_gib: float,
-                    weights_gib: float) -> CapacityReport:
-    """How many tokens fit in `devices` devices of `hbm_gib` each, after `weights_gib` each."""
+                    weights_gib: float, reserve_gib: float = 0.0, **detail) -> CapacityReport:
+    """How many tokens fit in `devices` devices of `hbm_gib` each, after `weights_gib` and
+    `reserve_gib` each. `detail`: CapacityReport's deployment fields to record."""
     if devices <= 0:
         raise ValueError(f"{devices=} must be positive")
-    if weights_gib < 0 or hbm_gib <= 0:
-        raise ValueError(f"{hbm_gib=} must be positive and {weights_gib=} non-negative")
-    free_gib = max(hbm_gib - weights_gib, 0.0)
-    cache_bytes = int(free_gib * GIB) * devices
+    for label, x in (("hbm_gib", hbm_gib), ("weights_gib", weights_gib),
+                     ("reserve_gib", reserve_gib)):
+        if not math.isfinite(x) or x < 0 or (label == "hbm_gib" and x == 0):
+            raise ValueError(f"{label}={x} must be finite and "
+                             + ("positive" if label == "hbm_gib" else "non-negative"))
+    kv_gib = max(hbm_gib - weights_gib - reserve_gib, 0.0)
+    cache_bytes = int(kv_gib * GIB) * devices
     bpt, bpt_bf16 = bytes_per_token(model, kv_cache_dtype), bytes_per_token(model, "bf16")
+    bpt_fp8 = bytes_per_token(model, "fp8_e4m3")
     return CapacityReport(
         model=model.name,
         kv_cache_dtype=kv_cache_dtype,
@@ -64,7 +206,27 @@ def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hb
         devices=devices,
         hbm_gib_per_device=hbm_gib,
         weights_gib_per_device=weights_gib,
-        cache_gib_total=free_gib * devices,
+        cache_gib_total=kv_gib * devices,
         tokens_that_fit=cache_bytes // bpt,
         tokens_that_fit_bf16=cache_bytes // bpt_bf16,
+        reserve_gib_per_device=reserve_gib,
+        kv_gib_per_device=kv_gib,
+        weights_fit=weights_gib + reserve_gib <= hbm_gib,
+        bytes_per_token_fp8=bpt_fp8,
+        tokens_that_fit_fp8=cache_bytes // bpt_fp8,
+        **detail,
     )
+
+
+def deployment_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hbm_gib: float,
+                      weight_dtype: str = "fp8", reserve_gib: float | None = None,
+                      topology: str | None = None) -> CapacityReport:
+    """capacity_report with the weights computed from the config (`weight_bytes_per_device`)
+    and the reserve ACTIVATION_RESERVE_FRACTION of HBM unless `reserve_gib` is given."""
+    weight_bytes = weight_bytes_per_device(model, devices, weight_dtype)
+    if reserve_gib is None:
+        reserve_gib = ACTIVATION_RESERVE_FRACTION * hbm_gib
+    return capacity_report(model, kv_cache_dtype, devices=devices, hbm_gib=hbm_gib,
+                           weights_gib=weight_bytes / GIB, reserve_gib=reserve_gib,
+                           topology=topology, weight_dtype=weight_dtype,
+                           weight_bytes_per_device=weight_bytes)

@@ -1,6 +1,8 @@
 """Model configs, the dtype table and the capacity figures."""
 
+import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -9,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime.capacity import bytes_per_token, capacity_report
+from cp_runtime import cli
+from cp_runtime.capacity import GIB, bytes_per_token, capacity_report, weight_bytes_per_device
 from cp_runtime.config import (ConfigError, RuntimeConfig, check_runtime_for_model,
                                load_model_config, load_runtime_config, model_names)
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.weights import param_shapes
 
 
 def test_every_config_loads():
@@ -205,3 +209,109 @@ def test_runtime_checked_against_model(tmp_path):
     with pytest.raises(ConfigError, match=r"rt\.toml: field 'model'='tiny'"):
         load_runtime_config(path, model=glm)
     assert load_runtime_config(path, model=load_model_config("tiny")).model == "tiny"
+
+
+# -- capacity of a deployment -----------------------------------------------------------------
+
+def grown(cfg, **more):
+    """cfg with some sizes increased by the given amounts."""
+    return dataclasses.replace(cfg, **{k: getattr(cfg, k) + v for k, v in more.items()})
+
+
+def test_weight_sharding_rules():
+    """Each rule seen by its marginal cost on 16 devices, bf16 (2 bytes a value)."""
+    glm = load_model_config("glm-5.2")
+    d, hid, layers = 16, glm.hidden_size, glm.num_hidden_layers
+    base = weight_bytes_per_device(glm, d, "bf16")
+    moe = layers - glm.first_k_dense_replace
+    # Vocabulary: 16 more rows are one more row of embedding and lm head per device.
+    assert weight_bytes_per_device(grown(glm, vocab_size=d), d, "bf16") - base == 2 * hid * 2
+    # Heads: 16 more heads are one more head of q_b, kv_b and o_proj per device.
+    per_head = (glm.qk_head_dim * glm.q_lora_rank
+                + (glm.qk_nope_head_dim + glm.v_head_dim) * glm.kv_lora_rank
+                + hid * glm.v_head_dim)
+    assert (weight_bytes_per_device(grown(glm, num_attention_heads=d), d, "bf16") - base
+            == layers * per_head * 2)
+    # Routed experts: 16 more experts are one more whole expert per MoE layer, plus 16 rows of
+    # the replicated router gate (bf16) and its bias (f32).
+    expert = 3 * glm.moe_intermediate_size * hid
+    assert (weight_bytes_per_device(grown(glm, n_routed_experts=d), d, "bf16") - base
+            == moe * (expert * 2 + d * hid * 2 + d * 4))
+    # Dense MLP: column / row parallel, 16 more features are one more per device.
+    dense = glm.first_k_dense_replace
+    assert (weight_bytes_per_device(grown(glm, intermediate_size=d), d, "bf16") - base
+            == dense * 3 * hid * 2)
+    # Replicated: q_a_proj does not shrink with more devices.
+    assert (weight_bytes_per_device(grown(glm, q_lora_rank=128), 32, "bf16")
+            - weight_bytes_per_device(glm, 32, "bf16")) >= layers * 128 * hid * 2
+
+
+def test_weight_dtypes():
+    glm = load_model_config("glm-5.2")
+    shapes = param_shapes(glm)
+    n = sum(math.prod(s) for s in shapes.values())
+    bias = sum(math.prod(s) for k, s in shapes.items() if k.endswith("correction_bias"))
+    assert weight_bytes_per_device(glm, 1, "bf16") == 2 * n + 2 * bias
+    fp8 = weight_bytes_per_device(glm, 1, "fp8")
+    # fp8: one byte a matmul value, an f32 per 128x128 block; embeddings etc. stay bf16.
+    embeddings = 2 * glm.vocab_size * glm.hidden_size * 2
+    assert n < fp8 < n + embeddings + n * 4 // (128 * 128) + 2 * 10**9
+    with pytest.raises(ValueError, match="weight dtype 'int4'"):
+        weight_bytes_per_device(glm, 1, "int4")
+
+
+def capacity_json(capsys, *argv) -> dict:
+    assert cli.main(["capacity", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2"])
+@pytest.mark.parametrize("topology, devices", [("tpu7x-16", 16), ("tpu7x-32", 32)])
+def test_capacity_cli_topology(capsys, model, topology, devices):
+    data = capacity_json(capsys, "--model", model, "--topology", topology)
+    cfg = load_model_config(model)
+    weights = weight_bytes_per_device(cfg, devices, "fp8")
+    assert (data["devices"], data["hbm_gib_per_device"], data["topology"]) == (devices, 96.0,
+                                                                               topology)
+    assert data["weight_bytes_per_device"] == weights and data["weight_dtype"] == "fp8"
+    assert data["reserve_gib_per_device"] == pytest.approx(9.6)
+    kv = 96.0 - weights / GIB - 9.6
+    assert data["kv_gib_per_device"] == pytest.approx(kv) and data["weights_fit"]
+    assert data["tokens_that_fit_fp8"] == int(kv * GIB) * devices // data["bytes_per_token_fp8"]
+    assert data["tokens_that_fit_bf16"] == int(kv * GIB) * devices // data["bytes_per_token_bf16"]
+    assert data["tokens_that_fit"] == data["tokens_that_fit_fp8"]
+
+
+def test_capacity_glm_ratio_and_dtypes(capsys):
+    fp8 = capacity_json(capsys, "--model", "glm-5.2")            # default: tpu7x-16
+    assert fp8["topology"] == "tpu7x-16"
+    assert (fp8["bytes_per_token_bf16"], fp8["bytes_per_token"]) == (105216, 55296)
+    assert fp8["ratio_vs_bf16_2dp"] == "1.90"
+    bf16 = capacity_json(capsys, "--model", "glm-5.2", "--weight-dtype", "bf16")
+    assert bf16["weight_bytes_per_device"] > 1.9 * fp8["weight_bytes_per_device"]
+    assert not bf16["weights_fit"] and bf16["tokens_that_fit"] == 0     # 89 GiB + reserve
+    custom = capacity_json(capsys, "--devices", "8", "--hbm-gib", "200", "--reserve-gib", "4")
+    assert custom["topology"] is None and custom["reserve_gib_per_device"] == 4.0
+    assert custom["weight_bytes_per_device"] == weight_bytes_per_device(
+        load_model_config("glm-5.2"), 8, "fp8")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hbm-gib", "inf", "--devices", "4"], "argument --hbm-gib: 'inf' must be a finite"),
+    (["--devices", "0", "--hbm-gib", "4"], "argument --devices: '0' must be positive"),
+    (["--weight-dtype", "int4"], "argument --weight-dtype: invalid choice"),
+    (["--topology", "tpu9"], "argument --topology: invalid choice"),
+])
+def test_capacity_cli_usage_errors(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["capacity", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--devices", "4"], "--devices and --hbm-gib go together"),
+    (["--topology", "tpu7x-32", "--devices", "4", "--hbm-gib", "9"], "not both"),
+])
+def test_capacity_cli_conflicts(capsys, argv, match):
+    assert cli.main(["capacity", *argv]) == 2
+    assert match in capsys.readouterr().err
