@@ -1,7 +1,8 @@
 """Paged cache write: the Pallas TPU kernel of `reference.write_kv`, in place.
 
-The rows are cast to the cache dtype once, at entry (the same `astype` as the reference, so the
-result is bit-exact), then each row is DMA'd HBM -> HBM straight into `cache[slot, offset]`; the
+The rows are cast to the cache dtype once, at entry (`storage.saturating_cast`, the reference's
+cast: out-of-range values clip to the dtype's largest finite value, never NaN; the result is
+bit-exact), then each row is DMA'd HBM -> HBM straight into `cache[slot, offset]`; the
 cache is aliased input -> output, so under a jit that donates it nothing else is copied. Up to
 ROWS_PER_STEP row DMAs are in flight at once. Rows go to the pool layout `[P + 1, ps, D]`, not the
 packed view: a row write moves one row's bytes either way, and the packed view matters for reading
@@ -28,7 +29,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.storage import cdiv, saturating_cast
 from cp_runtime.kernels.packing import interpret_params
 
 __all__ = ["ROWS_PER_STEP", "write_kv", "cost"]
@@ -93,7 +94,8 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret_params(interpret),
         name="write_kv",
-    )(slots.astype(jnp.int32), offsets.astype(jnp.int32), new.astype(cache.dtype), cache)
+    )(slots.astype(jnp.int32), offsets.astype(jnp.int32), saturating_cast(new, cache.dtype),
+      cache)
 
 
 def cost(cache, new, slots=None, offsets=None) -> dict:

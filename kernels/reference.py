@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cp_runtime.kernels.storage import from_storage, to_storage
+from cp_runtime.kernels.storage import from_storage, saturating_cast, to_storage
 
 __all__ = [
     "NEG_INF",
@@ -46,7 +46,8 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
     """
     if new.ndim != 2 or new.shape[-1] != cache.shape[-1]:
         raise ValueError(f"new rows {new.shape} do not match cache rows {cache.shape}")
-    rows = new.astype(cache.dtype) if cache_dtype is None else to_storage(new, cache_dtype)
+    rows = (saturating_cast(new, cache.dtype) if cache_dtype is None
+            else to_storage(new, cache_dtype))
     if rows.shape[0] == 1:
         # XLA turns a one-row scatter into a dynamic-update-slice, which it then performs on a
         # copy of the whole buffer (measured on CPU: 3 buffer copies). A second, discarded row
