@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.storage import cdiv, saturating_cast
 from cp_runtime.kernels.packing import interpret_params
+from cp_runtime.kernels.vmem import vmem_limit_bytes
 
 __all__ = ["ROWS_PER_STEP", "write_kv", "cost"]
 
@@ -91,7 +92,9 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
         # Operand 3 (after the two prefetched tables and `new`) is the cache.
         input_output_aliases={3: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem_limit_bytes(cost(cache, new)["vmem_bytes"])),
         interpret=interpret_params(interpret),
         name="write_kv",
     )(slots.astype(jnp.int32), offsets.astype(jnp.int32), saturating_cast(new, cache.dtype),

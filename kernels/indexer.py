@@ -45,6 +45,7 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
 from cp_runtime.kernels.reference import NEG_INF
+from cp_runtime.kernels.vmem import vmem_limit_bytes
 
 __all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
 
@@ -183,7 +184,11 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, nkb, nqb * qb, nb), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=vmem_limit_bytes(cost(q, w, k_cache, local_pages, q_pos,
+                                                   num_shards=num_shards,
+                                                   key_block_pages=key_block_pages)["vmem_bytes"])),
         interpret=interpret_params(interpret),
         name="indexer_page_scores",
     )(pages.reshape(-1), visible.reshape(-1), shard.reshape(1), q, w, q_pos[..., None], packed)

@@ -39,6 +39,7 @@ from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_
                              unpack_page)
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 from cp_runtime.kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
+from cp_runtime.kernels.vmem import vmem_limit_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_decode", "cost"]
 
@@ -145,7 +146,10 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
             jax.ShapeDtypeStruct((b, 1, h, value_dim), jnp.float32),
             jax.ShapeDtypeStruct((b, 1, h, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",),
+            vmem_limit_bytes=vmem_limit_bytes(cost(q, kv_cache, sel_slots, sel_pages, q_pos,
+                                                   value_dim=value_dim)["vmem_bytes"])),
         interpret=interpret_params(interpret),
         name="sparse_decode",
     )(sel_slots.astype(jnp.int32).reshape(-1), sel_pages.astype(jnp.int32).reshape(-1),

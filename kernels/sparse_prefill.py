@@ -47,6 +47,7 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
                              unpack_page)
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
+from cp_runtime.kernels.vmem import fit_block, vmem_limit_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
            "finalize_softmax", "cost"]
@@ -188,7 +189,7 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     n = sel_slots.shape[-1]
     ps = kv_cache.shape[1]
     check_page_size(ps)
-    qb = min(query_block, nq)
+    qb = _query_block(q, kv_cache, n, value_dim, query_block)
     nqb = cdiv(nq, qb)
     pad = nqb * qb - nq
     q = _pad_queries(q, pad, 0)
@@ -231,11 +232,33 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
             jax.ShapeDtypeStruct((b, nqb * qb, h, value_dim), jnp.float32),
             jax.ShapeDtypeStruct((b, nqb * qb, h, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=vmem_limit_bytes(cost(q, kv_cache, sel_slots, sel_pages, q_pos,
+                                                   value_dim=value_dim,
+                                                   query_block=qb)["vmem_bytes"])),
         interpret=interpret_params(interpret),
         name="sparse_prefill",
     )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], packed)
     return o[:, :nq], lse[:, :nq, :, 0]
+
+
+def _vmem_bytes(qb: int, h: int, d: int, n: int, ps: int, value_dim: int, c: int,
+                qi: int) -> int:
+    """VMEM of one grid step (the module doc's formula) for query blocks of qb queries."""
+    rows = qb * h
+    return (NUM_BUFFERS * ps * d * c + 2 * (rows * d * qi + qb * n * 4 + qb * 4)
+            + 2 * rows * (value_dim + 1) * 4 + rows * (value_dim + 2) * 4
+            + 2 * rows * ps * 4 + ps * d * (qi + 4))
+
+
+def _query_block(q, kv_cache, n: int, value_dim: int, query_block: int) -> int:
+    """min(query_block, Q), halved by `vmem.fit_block` while the step's VMEM exceeds the v7x
+    budget: DeepSeek-V3.2's 128 heads x 640 lanes take 64 -> 32 queries; GLM-5.2 keeps 64."""
+    _, nq, h, d = q.shape
+    c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+    return fit_block(lambda qb: _vmem_bytes(qb, h, d, n, kv_cache.shape[1], value_dim, c, qi),
+                     min(query_block, nq))
 
 
 def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,
@@ -249,12 +272,10 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
     n = sel_slots.shape[-1]
     ps = kv_cache.shape[1]
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
-    qb = min(query_block, nq)
+    qb = _query_block(q, kv_cache, n, value_dim, query_block)
     nqb = cdiv(nq, qb)
     rows, union = qb * h, qb * n
-    vmem = (NUM_BUFFERS * ps * d * c + 2 * (rows * d * qi + qb * n * 4 + qb * 4)
-            + 2 * rows * (value_dim + 1) * 4 + rows * (value_dim + 2) * 4
-            + 2 * rows * ps * 4 + ps * d * (qi + 4))
+    vmem = _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi)
     return {
         "grid": (b, nqb),
         "blocks": {"q": (qb, h, d), "sel_slots": (qb, n), "union": (union,),

@@ -1,0 +1,41 @@
+"""VMEM budget of the Pallas kernels on TPU v7x, and the scoped-VMEM limit each one asks for.
+
+TPU v7x (Ironwood) has 64 MiB of VMEM per TensorCore (Google Cloud TPU documentation, "TPU v7x"
+system architecture page); a kernel runs on one TensorCore, so that is the whole budget.
+
+Each kernel's `cost()` estimates its VMEM bytes (buffers, scratch and the large temporaries).
+`vmem_limit_bytes(estimate)` turns that into the `pltpu.CompilerParams(vmem_limit_bytes=...)`
+of the call: the estimate plus HEADROOM (Mosaic's own temporaries and layout padding the formula
+does not count), never below the compiler's usual 16 MiB default scope, never above the core's
+64 MiB. `fit_block(vmem_of, block)` is the rule by which a wrapper shrinks a default block that
+would not fit: halve it (staying a multiple of 8 sublanes) until the estimate is within
+VMEM_BUDGET_BYTES; blocking changes the grid, never the result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "vmem_limit_bytes"]
+
+VMEM_BYTES_PER_CORE = 64 * 1024 * 1024     # TPU v7x, per TensorCore
+HEADROOM = 1.25                             # x the estimate, plus HEADROOM_BYTES
+HEADROOM_BYTES = 2 * 1024 * 1024
+MIN_LIMIT_BYTES = 16 * 1024 * 1024          # the default scoped-VMEM limit
+# An estimate at most this large still gets its headroom under the per-core figure.
+VMEM_BUDGET_BYTES = int((VMEM_BYTES_PER_CORE - HEADROOM_BYTES) / HEADROOM)
+
+
+def vmem_limit_bytes(estimate: int) -> int:
+    """Scoped-VMEM limit for a kernel whose cost() says `estimate` bytes: estimate * 1.25 +
+    2 MiB, clamped to [16 MiB, 64 MiB]."""
+    want = int(estimate * HEADROOM) + HEADROOM_BYTES
+    return max(MIN_LIMIT_BYTES, min(want, VMEM_BYTES_PER_CORE))
+
+
+def fit_block(vmem_of: Callable[[int], int], block: int) -> int:
+    """The largest of block, block / 2, ... (>= 8, or `block` itself when smaller) whose
+    vmem_of(block) is within VMEM_BUDGET_BYTES; the smallest tried if none is."""
+    while block > 8 and vmem_of(block) > VMEM_BUDGET_BYTES:
+        block = max(8, block // 2)
+    return block

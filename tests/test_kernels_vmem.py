@@ -1,0 +1,65 @@
+"""Every Pallas kernel's VMEM estimate (`cost()`), with the default blocks, fits one TPU v7x
+TensorCore (64 MiB) for every model config, and the scoped-VMEM limit follows the estimate."""
+
+import jax.numpy as jnp
+import pytest
+from jax import ShapeDtypeStruct as S
+
+from cp_runtime.config import RuntimeConfig, load_model_config, model_names
+from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
+from cp_runtime.kernels.vmem import (VMEM_BUDGET_BYTES, VMEM_BYTES_PER_CORE, fit_block,
+                                     vmem_limit_bytes)
+
+RT = RuntimeConfig()
+CONTEXT = 1 << 20          # tokens of one sequence, spread over RT.num_shards shards
+PREFILL = 2048             # queries of one prefill call: more than any query block
+
+
+def kernel_costs(name: str) -> dict[str, dict]:
+    """cost() of each kernel at the model's real shapes: bf16 queries, fp8 latent cache, bf16
+    indexer cache, a 1M-token context, the runtime's default page size and blocks."""
+    m = load_model_config(name)
+    ps = RT.page_size
+    pages = CONTEXT // (ps * RT.num_shards)                     # local pages per shard
+    n = m.index_topk // ps + 1                                  # selected pages + own page
+    latent = S((pages + 1, ps, m.latent_dim), jnp.float8_e4m3fn)
+    def q(nq):
+        return S((1, nq, m.num_attention_heads, m.latent_dim), jnp.bfloat16)
+    return {
+        "indexer": indexer.cost(
+            S((1, PREFILL, m.index_n_heads, m.index_head_dim), jnp.bfloat16), None,
+            S((pages + 1, ps, m.index_head_dim), jnp.bfloat16), S((1, pages), jnp.int32),
+            None, num_shards=RT.num_shards, key_block_pages=RT.key_block_pages),
+        "sparse_prefill": sparse_prefill.cost(
+            q(PREFILL), latent, S((1, PREFILL, n), jnp.int32), None, None,
+            value_dim=m.kv_lora_rank, query_block=RT.query_block),
+        "sparse_decode": sparse_decode.cost(
+            S((RT.max_batch, 1, m.num_attention_heads, m.latent_dim), jnp.bfloat16), latent,
+            S((RT.max_batch, 1, n), jnp.int32), None, None, value_dim=m.kv_lora_rank),
+        "cache_write": cache_write.cost(latent, S((PREFILL, m.latent_dim), jnp.bfloat16)),
+    }
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_default_blocks_fit_v7x_vmem(name):
+    for kernel, c in kernel_costs(name).items():
+        vmem = c["vmem_bytes"]
+        assert vmem <= VMEM_BUDGET_BYTES < VMEM_BYTES_PER_CORE, (kernel, vmem)
+        limit = vmem_limit_bytes(vmem)
+        assert vmem < limit <= VMEM_BYTES_PER_CORE, (kernel, limit)
+
+
+def test_prefill_block_shrinks_for_128_heads():
+    """DeepSeek-V3.2's 128 heads at 64 queries would need ~69 MiB: the rule halves to 32."""
+    assert kernel_costs("deepseek-v3.2")["sparse_prefill"]["blocks"]["q"][0] == 32
+    assert kernel_costs("glm-5.2")["sparse_prefill"]["blocks"]["q"][0] == RT.query_block
+
+
+def test_limit_and_fit_rules():
+    mib = 1 << 20
+    assert vmem_limit_bytes(0) == 16 * mib
+    assert vmem_limit_bytes(20 * mib) == 27 * mib
+    assert vmem_limit_bytes(100 * mib) == VMEM_BYTES_PER_CORE
+    assert fit_block(lambda b: b * mib // 2, 64) == 64
+    assert fit_block(lambda b: b * 2 * mib, 64) == 16
+    assert fit_block(lambda b: 10**12, 64) == 8 and fit_block(lambda b: 10**12, 4) == 4
