@@ -19,7 +19,7 @@ from cp_runtime.dtypes import KV_CACHE_DTYPES
 __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "capacity", "kernel_error", "selection", "throughput", "kernels", "merge",
-              "roofline", "million", "all")
+              "roofline", "million", "tpu_model", "all")
 
 
 def _add_capacity(sub) -> None:
