@@ -2,7 +2,7 @@
 needle variant, latent cache dtype and shard count, through the serving path (Engine ->
 LocalExecutor -> paged, sharded, quantized cache).
 
-By default the model is the hand-built retrieval model (benchmarks/recall_model.py): it measures
+By default the model is the hand-built retrieval model (cp_runtime/recall_model.py): it measures
 whether the runtime's retrieval path (indexer page selection, context-parallel top-K, sparse
 attention over the cache) finds a fact, not language ability. With `--checkpoint DIR` it runs a
 real checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
@@ -49,7 +49,7 @@ from tqdm import tqdm
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
                                            recall_context, text_context)
-from cp_runtime.benchmarks.recall_model import RecallLayout, build_recall_model
+from cp_runtime.recall_model import RecallLayout, build_recall_model
 from cp_runtime.checkpoint import load_checkpoint
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_kv_cache_dtypes, add_model, add_no_progress, add_out,

@@ -19,7 +19,7 @@ fraction of the K selected pages swapped. Only queries with more than K earlier 
 
 Inputs: (1) the random-weight `tiny` model on random tokens, every query of every `full` layer
 (random weights give many near-ties: a worst case for flips); (2) the recall model
-(benchmarks/recall_model.py) at the question of needle contexts whose needle has `siblings`
+(cp_runtime/recall_model.py) at the question of needle contexts whose needle has `siblings`
 near-key distractors (cosine 0.98) scattered in the haystack. For (2) the answer is also
 computed with each scheme's selection (latent cache bf16, so only the indexer differs), for
 several index_topk values: when K is smaller than the number of fact pages, a flip in the
@@ -47,7 +47,7 @@ import numpy as np
 
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.needles import Variant, recall_context
-from cp_runtime.benchmarks.recall_model import build_recall_model
+from cp_runtime.recall_model import build_recall_model
 from cp_runtime.cli_args import (HelpFormatter, add_model, add_out, add_page_size,
                                  check_not_below_page, check_out_dir, check_page_size,
                                  check_page_size_for_model, length, length_list, positive_int)

@@ -15,7 +15,7 @@ import pytest
 from cp_runtime.benchmarks.needles import Probe, Variant, recall_context
 from cp_runtime.benchmarks.common import parse_length
 from cp_runtime.benchmarks.niah import run_context, score_probes
-from cp_runtime.benchmarks.recall_model import build_recall_model
+from cp_runtime.recall_model import build_recall_model
 from cp_runtime.benchmarks.selection import round_keys, selection_change, top_pages
 from conftest import make_engine
 from cp_runtime.model import IndexerInputs
