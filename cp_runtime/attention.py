@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
+from cp_runtime.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.merge import MERGES
 from cp_runtime.model import IndexerInputs
 from cp_runtime.pool import PoolSpec
@@ -39,7 +40,9 @@ class ShardState:
 class ShardAttention:
     """Step-wide inputs of one shard; `__call__` is the `attend` callback of `model.forward`.
 
-    local_table: i32[B, M] slot of logical page j * S + shard (sentinel where unallocated)
+    local_table: i32[B, M] slot of this shard's local page j, which holds logical page
+                 j * S + shard - rotation (cp_runtime.layout; sentinel where unallocated)
+    rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
     """
 
@@ -50,6 +53,7 @@ class ShardAttention:
     axis_name: str
     shard: jax.Array
     local_table: jax.Array
+    rotation: jax.Array
     pos: jax.Array
 
     @property
@@ -63,9 +67,11 @@ class ShardAttention:
     def _slots_of(self, pages: jax.Array, sentinel: int) -> jax.Array:
         """Local slot of logical pages i32[B, ...] if this shard owns them, else `sentinel`."""
         b = pages.shape[0]
-        local = jnp.clip(pages // self.num_shards, 0, self.local_table.shape[1] - 1)
+        rot = self.rotation.reshape((b,) + (1,) * (pages.ndim - 1))
+        local = jnp.clip(local_page_jnp(pages, self.num_shards, rot), 0,
+                         self.local_table.shape[1] - 1)
         slots = jnp.take_along_axis(self.local_table, local.reshape(b, -1), axis=1)
-        owned = (pages >= 0) & (pages % self.num_shards == self.shard)
+        owned = (pages >= 0) & (owner_shard_jnp(pages, self.num_shards, rot) == self.shard)
         return jnp.where(owned, slots.reshape(pages.shape), sentinel)
 
     def _write(self, cache: jax.Array, rows: jax.Array, cache_dtype) -> jax.Array:
@@ -80,12 +86,12 @@ class ShardAttention:
     def _select(self, icache: jax.Array, index: IndexerInputs) -> jax.Array:
         k = self.model.index_topk // self.page_size
         scores = self.kernels.indexer_page_scores(
-            index.q, index.w, icache, self.local_table, self.pos, self.shard,
+            index.q, index.w, icache, self.local_table, self.pos, self.shard, self.rotation,
             num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
             cache_dtype=self.pool.indexer_dtype)
         cand_scores, cand_pages = local_candidates(
-            scores, self.pos, self.shard, num_shards=self.num_shards, page_size=self.page_size,
-            k=k)
+            scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
+            page_size=self.page_size, k=k)
         return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name)
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,

@@ -261,10 +261,15 @@ class RuntimeConfig:
     merge: str = "gather_psum"
     key_block_pages: int = 64
     query_block: int = 64
+    # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
+    # max_batch, so a full chunk always rides along with a full decode batch.
+    step_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check_sizes("", self, ("page_size", "num_shards", "pages_per_shard", "chunk_size",
                                 "max_batch", "key_block_pages", "query_block"))
+        if self.step_token_budget is not None:
+            _check_sizes("", self, ("step_token_budget",))
         if self.page_size % 16:
             raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
         if self.backend not in BACKENDS:

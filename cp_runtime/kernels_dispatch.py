@@ -56,10 +56,10 @@ def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, interpret: bo
         out, storage_dtype(cache_dtype))
 
 
-def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, *, num_shards: int,
+def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, num_shards: int,
                    key_block_pages: int, cache_dtype=None, interpret: bool):
     return indexer.indexer_page_scores(q, w, _values(k_cache, cache_dtype), local_pages, q_pos,
-                                       shard, num_shards=num_shards,
+                                       shard, rotation, num_shards=num_shards,
                                        key_block_pages=key_block_pages, interpret=interpret)
 
 

@@ -1,13 +1,14 @@
 """Page allocator: per-shard free lists with reference counts.
 
-Logical page `i` of a session lives on shard `i % S` (see `layout.py`), so a session's page table
-is just the physical slot of each logical page; the shard is implied by the index. Slot `P` of
-every shard (one past the last allocatable slot) is the sentinel that absorbs no-op writes and is
-never handed out.
+A session's `PageTable` is its rotation (the shard its page 0 lives on, see `layout.py`) and the
+physical slot of each logical page; the shard of a page is implied by its index and the
+rotation. Slot `P` of every shard (one past the last allocatable slot) is the sentinel that
+absorbs no-op writes and is never handed out.
 
-Running out of pages is a normal answer: `grow` raises `CapacityError` *before* changing
-anything, so a refused request leaves the allocator exactly as it was. Misuse (freeing a page
-twice, forking past the end) raises `ValueError`.
+Running out of pages is a normal answer: `grow` and `fork` raise `CapacityError` *before*
+changing anything, so a refused request leaves the allocator exactly as it was. Misuse (freeing
+a page twice, a table naming one slot twice, forking past the end) raises `ValueError`, also
+before changing anything.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import heapq
 
 import numpy as np
 
-from cp_runtime.layout import cdiv
+from cp_runtime.layout import cdiv, owner_shard, shard_demand
 
-__all__ = ["CapacityError", "PageCopy", "PageAllocator"]
+__all__ = ["CapacityError", "PageCopy", "PageTable", "PageAllocator"]
 
 
 class CapacityError(RuntimeError):
@@ -41,6 +42,21 @@ class PageCopy:
     shard: int
     src: int
     dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """A session's pages: logical page i sits on shard `(i + rotation) % S` in slot `slots[i]`."""
+
+    rotation: int
+    slots: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def shards(self, num_shards: int) -> np.ndarray:
+        """i32[len]: the owner shard of each logical page."""
+        return owner_shard(np.arange(len(self.slots)), num_shards, self.rotation)
 
 
 class PageAllocator:
@@ -68,86 +84,90 @@ class PageAllocator:
             return sum(len(f) for f in self._free)
         return len(self._free[shard])
 
+    def free_per_shard(self) -> list[int]:
+        return [len(f) for f in self._free]
+
+    def used_per_shard(self) -> list[int]:
+        return [self.pages_per_shard - len(f) for f in self._free]
+
     def num_used(self) -> int:
         return int(np.count_nonzero(self._refs))
 
     def refcount(self, shard: int, slot: int) -> int:
         return int(self._refs[shard, slot])
 
-    def shard_demand(self, have_pages: int, want_pages: int) -> list[int]:
-        """Pages each shard must supply to grow a table from `have_pages` to `want_pages`."""
-        demand = [0] * self.num_shards
-        for page in range(have_pages, want_pages):
-            demand[page % self.num_shards] += 1
-        return demand
+    def new_table(self) -> PageTable:
+        """An empty table starting on the shard with the most free pages (lowest on a tie)."""
+        free = self.free_per_shard()
+        return PageTable(rotation=free.index(max(free)))
 
-    def can_grow(self, have_pages: int, want_pages: int) -> bool:
-        demand = self.shard_demand(have_pages, want_pages)
-        return all(d <= len(f) for d, f in zip(demand, self._free))
+    def can_grow(self, table: PageTable, want_pages: int) -> bool:
+        demand = shard_demand(len(table), want_pages, self.num_shards, table.rotation)
+        return all(d <= f for d, f in zip(demand, self.free_per_shard()))
 
-    def grow(self, table: list[int], want_pages: int) -> list[int]:
-        """Extend `table` (slots of logical pages) to `want_pages` pages; returns the new table.
-
-        Atomic: raises CapacityError without allocating anything if any shard is short.
-        """
-        demand = self.shard_demand(len(table), want_pages)
-        free = [len(f) for f in self._free]
+    def grow(self, table: PageTable, want_pages: int) -> PageTable:
+        """`table` extended to `want_pages` pages. Atomic: raises CapacityError without
+        allocating anything if any shard is short."""
+        demand = shard_demand(len(table), want_pages, self.num_shards, table.rotation)
+        free = self.free_per_shard()
         if any(d > f for d, f in zip(demand, free)):
             raise CapacityError(demand, free)
-        new = list(table)
+        slots = list(table.slots)
         for page in range(len(table), want_pages):
-            shard = page % self.num_shards
+            shard = int(owner_shard(page, self.num_shards, table.rotation))
             slot = heapq.heappop(self._free[shard])
             self._refs[shard, slot] = 1
-            new.append(slot)
-        return new
+            slots.append(slot)
+        return dataclasses.replace(table, slots=tuple(slots))
 
-    def free(self, table: list[int]) -> None:
-        """Drop one reference to every page of `table`."""
-        for page, slot in enumerate(table):
-            shard = page % self.num_shards
-            if self._refs[shard, slot] <= 0:
+    def _pairs(self, table: PageTable, first: int = 0) -> list[tuple[int, int]]:
+        """(shard, slot) of pages `first..` of `table`, checked: each allocated, none twice."""
+        pairs = [(int(s), slot) for s, slot in
+                 zip(table.shards(self.num_shards)[first:], table.slots[first:])]
+        if len(set(pairs)) != len(pairs):
+            raise ValueError(f"page table names a slot twice: {table}")
+        for page, (shard, slot) in enumerate(pairs, start=first):
+            if not 0 <= slot < self.pages_per_shard or self._refs[shard, slot] <= 0:
                 raise ValueError(f"page {page} (shard {shard}, slot {slot}) is not allocated")
-        for page, slot in enumerate(table):
-            shard = page % self.num_shards
+        return pairs
+
+    def _release(self, pairs: list[tuple[int, int]]) -> None:
+        for shard, slot in pairs:
             self._refs[shard, slot] -= 1
             if self._refs[shard, slot] == 0:
                 heapq.heappush(self._free[shard], slot)
 
-    def shrink(self, table: list[int], keep: int) -> list[int]:
+    def free(self, table: PageTable) -> None:
+        """Drop one reference to every page of `table` (all checked before any is dropped)."""
+        self._release(self._pairs(table))
+
+    def shrink(self, table: PageTable, keep: int) -> PageTable:
         """Drop one reference to the pages of `table` past the first `keep`; returns the rest."""
-        for page in range(keep, len(table)):
-            shard = page % self.num_shards
-            self._refs[shard, table[page]] -= 1
-            if self._refs[shard, table[page]] == 0:
-                heapq.heappush(self._free[shard], table[page])
-        return list(table[:keep])
+        self._release(self._pairs(table, first=keep))
+        return dataclasses.replace(table, slots=table.slots[:keep])
 
-    def fork(self, table: list[int], num_tokens: int, page_size: int
-             ) -> tuple[list[int], PageCopy | None]:
-        """Share the full pages of a session holding `num_tokens` tokens; copy its partial page.
+    def fork(self, table: PageTable, num_tokens: int, page_size: int
+             ) -> tuple[PageTable, PageCopy | None]:
+        """A child of a session holding `num_tokens` tokens: it shares every page but the last,
+        which is copied (the caller performs the returned device copy; None for no pages).
 
-        Returns the child's table and the copy the caller must perform on the device (or None
-        when the last page is full). Atomic like `grow`.
+        The last page is never shared, full or not: the next write of either session lands
+        there (a new token, or the last token written again when a generation starts).
+        Atomic like `grow`; the child keeps the parent's rotation.
         """
         num_pages = cdiv(num_tokens, page_size)
         if num_pages > len(table):
             raise ValueError(f"{num_tokens=} needs {num_pages} pages, table has {len(table)}")
-        partial = num_tokens % page_size != 0
-        shared = num_pages - 1 if partial else num_pages
-        if partial:  # check before touching anything
-            demand = self.shard_demand(num_pages - 1, num_pages)
-            free = [len(f) for f in self._free]
-            if any(d > f for d, f in zip(demand, free)):
-                raise CapacityError(demand, free)
-        for page in range(shared):
-            self._refs[page % self.num_shards, table[page]] += 1
-        child = list(table[:shared])
-        if not partial:
-            return child, None
-        child = self.grow(child, num_pages)
+        if num_pages == 0:
+            return PageTable(rotation=table.rotation), None
+        shared = PageTable(rotation=table.rotation, slots=table.slots[: num_pages - 1])
+        pairs = self._pairs(shared)                  # checked before anything changes
+        child = self.grow(shared, num_pages)         # may raise CapacityError, changing nothing
+        for shard, slot in pairs:
+            self._refs[shard, slot] += 1
         last = num_pages - 1
-        return child, PageCopy(shard=last % self.num_shards, src=table[last], dst=child[last])
+        return child, PageCopy(shard=int(owner_shard(last, self.num_shards, table.rotation)),
+                               src=table.slots[last], dst=child.slots[last])
 
     def check_invariants(self) -> None:
         """free + used == capacity; free lists hold exactly the slots with refcount 0."""

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cp_runtime.layout import global_page_jnp
+
 __all__ = ["NO_PAGE", "rank_pages", "local_candidates", "global_top_pages", "attended_pages",
            "earlier_pages_mask"]
 
@@ -46,18 +48,22 @@ def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> ja
     return pages < own[..., None]
 
 
-def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array, *,
-                     num_shards: int, page_size: int, k: int) -> tuple[jax.Array, jax.Array]:
+def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array,
+                     rotation: jax.Array, *, num_shards: int, page_size: int, k: int
+                     ) -> tuple[jax.Array, jax.Array]:
     """This shard's best k earlier pages per query.
 
-    page_scores: f32[B, Q, M] scores of the shard's local pages (logical j * S + shard)
+    page_scores: f32[B, Q, M] scores of the shard's local pages (local j holds logical page
+                 j * S + shard - rotation; none when negative)
     q_pos:       i32[B, Q]
+    rotation:    i32[B]
     returns      f32[B, Q, k], i32[B, Q, k] (logical page indices)
     """
-    m = page_scores.shape[-1]
-    pages = jnp.arange(m, dtype=jnp.int32) * num_shards + shard                 # [M]
-    pages = jnp.broadcast_to(pages, page_scores.shape)
-    eligible = earlier_pages_mask(pages, q_pos, page_size)
+    b, _, m = page_scores.shape
+    local = jnp.arange(m, dtype=jnp.int32)
+    pages = global_page_jnp(local[None, :], shard, num_shards, rotation[:, None])   # [B, M]
+    pages = jnp.broadcast_to(pages[:, None, :], page_scores.shape)
+    eligible = (pages >= 0) & earlier_pages_mask(pages, q_pos, page_size)
     return rank_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
 
 

@@ -1,15 +1,27 @@
-"""The SPMD model step: one jitted program over the `cp` mesh axis that writes a batch's KV into
-the sharded pool (in place: the pool is donated) and returns logits.
+"""The SPMD model step: one jitted program over the `cp` mesh axis that writes a plan's KV into
+the sharded pool (in place: the pool is donated) and returns what each segment asks for.
 
-A step is described by host arrays that the engine decides once and that every process receives
-identically (a step plan); `StepInputs.to_device` turns them into global arrays with
-`jax.make_array_from_callback`, which works with one process or many.
+A step plan is host arrays that the engine decides once and every process receives identically.
+It holds one or more segments run one after another in the same program (a batch of decode rows
+and a prefill chunk, say); each segment is a `StepInputs` plus what it returns:
 
+    "fill"        nothing (prefill chunks whose logits nobody needs: no lm-head work)
+    "sample"      token ids i32[B] and their log-probabilities f32[B], sampled on the device
+    "logits"      logits f32[B, V] of the `logit_index` query of each row
+    "all_logits"  logits f32[B, Q, V] of every query
+
+`StepInputs` (one segment):
     tokens:      i32[B, Q]   (padding: any token at position -1)
     positions:   i32[B, Q]   (-1 = padding query; it writes to the sentinel and attends nothing)
-    page_table:  i32[B, M]   physical slot of logical page m (M a multiple of S; unused entries
-                             hold the sentinel), split per owner into local tables [S, B, M / S]
-    logit_index: i32[B]      which query of each row to return logits for
+    page_table:  i32[B, M]   in rotated coordinates (cp_runtime.layout): entry `i + rotation`
+                             is the slot of logical page i, the sentinel elsewhere; M a
+                             multiple of S; split per owner into local tables [S, B, M / S]
+    rotation:    i32[B]      each row's rotation
+    logit_index: i32[B]      which query of each row to return logits for (or sample after)
+    sampling:    SamplingArrays, for "sample" segments
+
+`to_device` turns the arrays into global arrays with `jax.make_array_from_callback`, which works
+with one process or many.
 """
 
 from __future__ import annotations
@@ -29,9 +41,12 @@ from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_table
 from cp_runtime.model import forward, logits
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
+from cp_runtime.sampler import SamplingArrays, sample_tokens
 from cp_runtime.weights import Params
 
-__all__ = ["StepInputs", "make_step"]
+__all__ = ["KINDS", "Segment", "StepInputs", "make_step"]
+
+KINDS = ("fill", "sample", "logits", "all_logits")
 
 
 def _to_global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -45,6 +60,7 @@ class StepInputs:
     positions: np.ndarray
     page_table: np.ndarray
     logit_index: np.ndarray
+    rotation: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, q = self.tokens.shape
@@ -53,6 +69,10 @@ class StepInputs:
                              f"{self.positions.shape}, page_table {self.page_table.shape}")
         if self.logit_index.shape != (b,):
             raise ValueError(f"logit_index {self.logit_index.shape} must be [{b}]")
+        if self.rotation is None:
+            object.__setattr__(self, "rotation", np.zeros((b,), np.int32))
+        if self.rotation.shape != (b,):
+            raise ValueError(f"rotation {self.rotation.shape} must be [{b}]")
 
     def to_device(self, mesh: Mesh, num_shards: int) -> tuple[jax.Array, ...]:
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -61,41 +81,79 @@ class StepInputs:
         return (_to_global(self.tokens.astype(np.int32), replicated),
                 _to_global(self.positions.astype(np.int32), replicated),
                 _to_global(local, sharded),
+                _to_global(self.rotation.astype(np.int32), replicated),
                 _to_global(self.logit_index.astype(np.int32), replicated))
 
 
-def _shard_body(params, latent, indexer, tokens, pos, local_tables, logit_index, *,
-                model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, kernels: Kernels,
-                all_logits: bool):
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One part of a step plan: inputs, what it returns (one of KINDS), and its sampling."""
+
+    kind: str
+    inputs: StepInputs
+    sampling: SamplingArrays | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"segment kind {self.kind!r} is not one of {KINDS}")
+        if (self.kind == "sample") != (self.sampling is not None):
+            raise ValueError("a 'sample' segment, and only it, carries sampling arrays")
+
+    def to_device(self, mesh: Mesh, num_shards: int) -> tuple:
+        args = self.inputs.to_device(mesh, num_shards)
+        if self.sampling is None:
+            return args + (None,)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return args + (jax.tree.map(lambda x: _to_global(np.asarray(x), replicated),
+                                    self.sampling),)
+
+
+def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
+                  sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
+                  kernels: Kernels, kind: str):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]."""
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
-                            axis_name=CP_AXIS,
-                            shard=lax.axis_index(CP_AXIS), local_table=local_tables[0], pos=pos)
+                            axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
+                            local_table=local_tables[0], rotation=rotation, pos=pos)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
     hidden, state = forward(params, model, tokens, pos, attend, state)     # [B, Q, hidden]
-    if not all_logits:
+    new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
+    if kind == "fill":
+        return (), *new_pool
+    if kind != "all_logits":
         hidden = jnp.take_along_axis(hidden, logit_index[:, None, None], axis=1)[:, 0]
-    out = logits(params, hidden)
-    return (out, tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
+    out = logits(params, hidden)                                     # [B, V] or [B, Q, V]
+    if kind == "sample":
+        sampled_pos = jnp.take_along_axis(pos, logit_index[:, None], axis=1)[:, 0] + 1
+        out = sample_tokens(out, sampling, sampled_pos)
+    return out, *new_pool
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
-              kernels: Kernels, *, all_logits: bool = False):
-    """Returns step(params, pool, tokens, pos, local_tables, logit_index) -> (logits, pool).
+              kernels: Kernels):
+    """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
 
-    logits: f32[B, V] (or f32[B, Q, V] with all_logits). The pool argument is donated.
+    segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
+    outputs: one entry per segment (see the module docstring). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
-    body = functools.partial(_shard_body, model=model, runtime=runtime, pool=pool,
-                             kernels=kernels, all_logits=all_logits)
-    spmd = jax.shard_map(body, mesh=mesh, in_specs=(rep, sharded, sharded, rep, rep, sharded, rep),
-                         out_specs=(rep, sharded, sharded), check_vma=False)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params: Params, pool: KVPool, tokens, pos, local_tables, logit_index):
-        out, latent, indexer = spmd(params, pool.latent, pool.indexer, tokens, pos,
-                                    local_tables, logit_index)
+    def run_segment(params, kv: KVPool, args, kind: str):
+        body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
+                                 kernels=kernels, kind=kind)
+        spmd = jax.shard_map(body, mesh=mesh,
+                             in_specs=(rep, sharded, sharded, rep, rep, sharded, rep, rep, rep),
+                             out_specs=(rep, sharded, sharded), check_vma=False)
+        out, latent, indexer = spmd(params, kv.latent, kv.indexer, *args)
         return out, KVPool(latent=latent, indexer=indexer)
+
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kinds",))
+    def step(params: Params, kv: KVPool, segments: tuple, *, kinds: tuple[str, ...]):
+        outputs = []
+        for args, kind in zip(segments, kinds):
+            out, kv = run_segment(params, kv, args, kind)
+            outputs.append(out)
+        return tuple(outputs), kv
 
     return step

@@ -15,8 +15,8 @@ reference.
 
 Grid:   (B, nqb = ceil(Q / qb)), both parallel.
 Blocks: q [qb, Hi, Di] VMEM; w f32[qb, Hi, 1] VMEM; q_pos i32[qb, 1] VMEM; page table i32[B * Mp]
-        (Mp = nkb * nb, sentinel-padded), visible key blocks i32[B * nqb] and shard i32[1] scalar
-        prefetch (SMEM); key cache T[P + 1, ps / pk, pk, Di] stays in HBM (pl.ANY);
+        (Mp = nkb * nb, sentinel-padded), visible key blocks i32[B * nqb] and each row's first
+        logical page i32[B] (shard - rotation) scalar prefetch (SMEM); key cache T[P + 1, ps / pk, pk, Di] stays in HBM (pl.ANY);
         out f32[nkb, qb, nb] VMEM (transposed to [B, Q, M] outside).
 VMEM:   R = qb * Hi rows, K = nb * ps keys per block, c = cache itemsize, q = query itemsize
           ring      NB * K * Di * c                          (NB = NUM_BUFFERS)
@@ -80,7 +80,7 @@ def _dot_dtype(q_dtype, k_dtype):
 
 def _indexer_kernel(pages_ref,          # [B * Mp] SMEM (scalar prefetch)
                     visible_ref,        # [B * nqb] SMEM (scalar prefetch)
-                    shard_ref,          # [1] SMEM (scalar prefetch)
+                    first_ref,          # [B] SMEM (scalar prefetch): logical page of local 0
                     q_ref,              # [qb, Hi, Di] VMEM
                     w_ref,              # [qb, Hi, 1] VMEM
                     pos_ref,            # [qb, 1] VMEM
@@ -110,29 +110,31 @@ def _indexer_kernel(pages_ref,          # [B * Mp] SMEM (scalar prefetch)
                   * w_ref[...]).sum(axis=1)                                  # [qb, K]
         column = lax.broadcasted_iota(jnp.int32, (1, keys_per_block), 1)
         local = kb * nb + column // ps
-        key_pos = (local * num_shards + shard_ref[0]) * ps + column % ps     # [1, K]
-        scores = jnp.where(key_pos <= pos_ref[...], scores, NEG_INF)
+        key_pos = (local * num_shards + first_ref[b]) * ps + column % ps     # [1, K]
+        visible = (key_pos <= pos_ref[...]) & (key_pos >= 0)                 # [qb, K]
+        scores = jnp.where(visible, scores, NEG_INF)
         out_ref[kb] = scores.reshape(qb, nb, ps).max(axis=-1)                # [qb, nb]
 
     page_ring(count, num_buffers, copies, step)
 
 
-def _visible_blocks(q_pos: jax.Array, shard: jax.Array, *, num_blocks: int, block_pages: int,
-                    num_shards: int, page_size: int) -> jax.Array:
+def _visible_blocks(q_pos: jax.Array, first_page: jax.Array, *, num_blocks: int,
+                    block_pages: int, num_shards: int, page_size: int) -> jax.Array:
     """i32[B, nqb]: how many leading key blocks hold a key at or before the block's last query.
 
     q_pos: i32[B, nqb, qb]
     """
     first_local = jnp.arange(num_blocks, dtype=jnp.int32) * block_pages
-    first_key = (first_local * num_shards + shard) * page_size                 # [nkb]
+    first_key = (first_local * num_shards + first_page[:, None]) * page_size   # [B, nkb]
     last_query = q_pos.max(axis=-1)                                            # [B, nqb]
-    return (first_key <= last_query[..., None]).sum(axis=-1, dtype=jnp.int32)
+    return (first_key[:, None] <= last_query[..., None]).sum(axis=-1, dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "interpret"))
 def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
-                        q_pos: jax.Array, shard: jax.Array, *, num_shards: int,
-                        key_block_pages: int, interpret: bool = False) -> jax.Array:
+                        q_pos: jax.Array, shard: jax.Array, rotation: jax.Array | None = None, *,
+                        num_shards: int, key_block_pages: int,
+                        interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.indexer_page_scores`; same arguments and result.
 
     q:           f[B, Q, Hi, Di]   indexer queries (Hi a multiple of 8 on TPU)
@@ -142,6 +144,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
                                    reference's wrapping index does)
     q_pos:       i32[B, Q]         positions, -1 = padding
     shard:       i32[]             this shard's index on the cp axis
+    rotation:    i32[B]            each sequence's rotation (None = zeros), as in the reference
     returns:     f32[B, Q, M]
     """
     check_indexer_args(q, w, k_cache, local_pages, q_pos)
@@ -160,9 +163,10 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     q = jnp.pad(q, ((0, 0), (0, qpad), (0, 0), (0, 0)))
     w = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, qpad), (0, 0)))[..., None]  # [B, Qp, Hi, 1]
     q_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, qpad)), constant_values=-1)
-    shard = jnp.asarray(shard, jnp.int32)
-    visible = _visible_blocks(q_pos.reshape(b, nqb, qb), shard, num_blocks=nkb, block_pages=nb,
-                              num_shards=num_shards, page_size=ps)
+    rotation = jnp.zeros((b,), jnp.int32) if rotation is None else rotation.astype(jnp.int32)
+    first_page = jnp.asarray(shard, jnp.int32) - rotation                    # [B]
+    visible = _visible_blocks(q_pos.reshape(b, nqb, qb), first_page, num_blocks=nkb,
+                              block_pages=nb, num_shards=num_shards, page_size=ps)
     packed = pack_pages(k_cache)
     kernel = functools.partial(_indexer_kernel, num_shards=num_shards, num_buffers=NUM_BUFFERS,
                                dot_dtype=_dot_dtype(q.dtype, k_cache.dtype))
@@ -191,19 +195,19 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
                                                    key_block_pages=key_block_pages)["vmem_bytes"])),
         interpret=interpret_params(interpret),
         name="indexer_page_scores",
-    )(pages.reshape(-1), visible.reshape(-1), shard.reshape(1), q, w, q_pos[..., None], packed)
+    )(pages.reshape(-1), visible.reshape(-1), first_page, q, w, q_pos[..., None], packed)
     # [B, nkb, Qp, nb] -> [B, Qp, nkb * nb] -> [B, Q, M]
     out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)
     return out[:, :nq, :m]
 
 
-def cost(q, w, k_cache, local_pages, q_pos, shard=None, *, num_shards: int,
+def cost(q, w, k_cache, local_pages, q_pos, shard=None, rotation=None, *, num_shards: int,
          key_block_pages: int) -> dict:
     """Grid, blocks, VMEM bytes, and the upper bounds of HBM bytes and flops of one call.
 
     Takes the kernel's arguments or anything with `.shape`/`.dtype` (jax.ShapeDtypeStruct).
     """
-    del w, q_pos, shard, num_shards
+    del w, q_pos, shard, rotation, num_shards
     b, nq, hi, di = q.shape
     m = local_pages.shape[1]
     ps = k_cache.shape[1]

@@ -61,8 +61,8 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "cache_dtype"))
 def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
-                        q_pos: jax.Array, shard: jax.Array, *, num_shards: int,
-                        key_block_pages: int, cache_dtype=None) -> jax.Array:
+                        q_pos: jax.Array, shard: jax.Array, rotation: jax.Array | None = None, *,
+                        num_shards: int, key_block_pages: int, cache_dtype=None) -> jax.Array:
     """DSA indexer page scores of one shard's pages, blocked over keys.
 
         I(t, s)  = sum_h w_h(t) * ReLU(q_h(t) . k(s))
@@ -75,6 +75,9 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
                                    (logical page j * num_shards + shard)
     q_pos:       i32[B, Q]         query positions (-1 = padding)
     shard:       i32[]             this shard's index on the cp axis
+    rotation:    i32[B]            each sequence's rotation (cp_runtime.layout): local page j
+                                   holds logical page j * num_shards + shard - rotation, none
+                                   when that is negative (its keys are masked); None = zeros
     returns:     f32[B, Q, M]      page scores; memory is bounded by key_block_pages, never
                                    [Q, Hi, all keys]
     """
@@ -90,6 +93,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     qf = q.astype(jnp.float32)
     wf = w.astype(jnp.float32)
     offsets = jnp.arange(ps, dtype=jnp.int32)
+    rotation = jnp.zeros((b,), jnp.int32) if rotation is None else rotation.astype(jnp.int32)
 
     def block(carry, xs):
         blk_pages, blk_index = xs                                     # [B, nb], []
@@ -97,8 +101,10 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
         logits = jnp.einsum("bqhd,bnsd->bqhns", qf, keys)             # [B, Q, Hi, nb, ps]
         scores = jnp.einsum("bqhns,bqh->bqns", jax.nn.relu(logits), wf)  # [B, Q, nb, ps]
         local = blk_index * nb + jnp.arange(nb, dtype=jnp.int32)      # [nb]
-        key_pos = (local[:, None] * num_shards + shard) * ps + offsets  # [nb, ps]
-        visible = key_pos[None, None] <= q_pos[:, :, None, None]      # [B, Q, nb, ps]
+        page = local[None, :] * num_shards + shard - rotation[:, None]  # [B, nb] logical
+        key_pos = (page * ps)[..., None] + offsets                    # [B, nb, ps]
+        q_col = q_pos[:, :, None, None]                               # [B, Q, 1, 1]
+        visible = (key_pos[:, None] <= q_col) & (key_pos[:, None] >= 0)  # [B, Q, nb, ps]
         return carry, jnp.where(visible, scores, NEG_INF).max(axis=-1)  # [B, Q, nb]
 
     _, out = lax.scan(block, None, (pages, jnp.arange(num_blocks, dtype=jnp.int32)))

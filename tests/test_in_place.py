@@ -4,15 +4,17 @@ every pool buffer to its output and allocates no pool-sized temporary."""
 import pytest
 
 from conftest import make_engine, random_tokens
+from cp_runtime.engine.core import _Row
 
 
 def _compiled_step(engine, q):
+    """The compiled step of one segment of q queries (a decode row, or a prefill chunk)."""
     ex = engine.executor
     s = engine.create_session()
     engine._reserve(s, q)
-    plan = engine._plan([s], [random_tokens(engine.model, q, 0)], q, 1)
-    args = plan.to_device(ex.mesh, engine.runtime.num_shards)
-    return ex._steps[False].lower(ex.params, ex.pool, *args).compile(), ex, plan
+    segment = engine._segment("logits", [_Row(s, random_tokens(engine.model, q, 0), 0)])
+    args = (segment.to_device(ex.mesh, engine.runtime.num_shards),)
+    return ex._step.lower(ex.params, ex.pool, args, kinds=("logits",)).compile(), ex
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "bf16"])
@@ -22,7 +24,7 @@ def test_compiled_step_has_no_pool_sized_temporary(tiny, tiny_params, dtype, q):
     for pages in (64, 1024):
         engine = make_engine(tiny, tiny_params, kv_cache_dtype=dtype, num_shards=16,
                              pages_per_shard=pages, page_size=16, chunk_size=32)
-        compiled, ex, _ = _compiled_step(engine, q)
+        compiled, ex = _compiled_step(engine, q)
         mem = compiled.memory_analysis()
         # Donation honoured: every pool buffer (per device) is aliased to an output.
         assert mem.alias_size_in_bytes >= ex.pool.nbytes() // 16

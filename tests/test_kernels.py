@@ -209,6 +209,20 @@ def test_indexer_matches_reference(name, shard):
     assert np.isfinite(np.asarray(out)).any() and np.isneginf(np.asarray(out)).any()
 
 
+def test_indexer_rotation_matches_reference_and_shifts_logical_pages():
+    """Rotated rows: local page j of shard s holds logical page j * S + s - r. The kernel agrees
+    with the reference, and (S = 2) shard 1 at rotation 1 scores what shard 0 does at 0."""
+    args = indexer_inputs(jnp.bfloat16, shard=0, num_shards=2, nq=6)
+    statics = dict(num_shards=2, key_block_pages=2)
+    rotation = jnp.asarray([1, 0, 1], jnp.int32)
+    out = indexer_page_scores(*args, jnp.int32(1), rotation, **statics, interpret=True)
+    ref = reference.indexer_page_scores(*args, jnp.int32(1), rotation, **statics)
+    assert_matches(out, ref, "indexer", "bf16")
+    unrotated = reference.indexer_page_scores(*args, jnp.int32(0), **statics)
+    for row in (0, 2):
+        np.testing.assert_array_equal(np.asarray(ref[row]), np.asarray(unrotated[row]))
+
+
 def test_indexer_spans_query_blocks():
     # 40 queries: two query blocks of 32, the second mostly padding.
     args = indexer_inputs(jnp.bfloat16, shard=0, num_shards=1, nq=40)

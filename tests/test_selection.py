@@ -95,11 +95,11 @@ def _selector(num_shards: int, k: int, page_size: int):
     mesh = jax.make_mesh((num_shards,), ("cp",), devices=jax.devices()[:num_shards])
 
     @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P()), out_specs=P(),
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P(), P()), out_specs=P(),
                        check_vma=False)
-    def select(local_scores, pos):
+    def select(local_scores, pos, rotation):
         shard = jax.lax.axis_index("cp")
-        s, p = local_candidates(local_scores[0], pos, shard, num_shards=num_shards,
+        s, p = local_candidates(local_scores[0], pos, shard, rotation, num_shards=num_shards,
                                 page_size=page_size, k=k)
         return global_top_pages(s, p, k=k, axis_name="cp")
 
@@ -107,17 +107,20 @@ def _selector(num_shards: int, k: int, page_size: int):
 
 
 def _sharded_selection(scores: np.ndarray, q_pos: np.ndarray, *, num_shards: int, k: int,
-                       page_size: int) -> np.ndarray:
-    """scores f32[B, Q, M] split by owner (page j*S + r on shard r) and selected on S devices."""
+                       page_size: int, rotation=(0, 0)) -> np.ndarray:
+    """scores f32[B, Q, M] split by owner (row b's page p on shard (p + rotation[b]) % S, as
+    local page (p + rotation[b]) // S) and selected on S devices."""
     b, q, m = scores.shape
     mesh, select = _selector(num_shards, k, page_size)
-    width = -(-m // num_shards) * num_shards
-    padded = np.full((b, q, width), -np.inf, np.float32)
-    padded[..., :m] = scores
-    local = padded.reshape(b, q, width // num_shards, num_shards).transpose(3, 0, 1, 2)
+    width = -(-(m + num_shards) // num_shards) * num_shards
+    rotated = np.full((b, q, width), -np.inf, np.float32)
+    for row, r in enumerate(rotation):
+        rotated[row, :, r: r + m] = scores[row]
+    local = rotated.reshape(b, q, width // num_shards, num_shards).transpose(3, 0, 1, 2)
     local = jax.device_put(local, NamedSharding(mesh, P("cp")))
     q_pos = jax.device_put(q_pos, NamedSharding(mesh, P()))
-    return np.asarray(select(local, q_pos))
+    rotation = jax.device_put(np.asarray(rotation, np.int32), NamedSharding(mesh, P()))
+    return np.asarray(select(local, q_pos, rotation))
 
 
 def _cases():
@@ -139,8 +142,10 @@ def test_global_top_k_equals_single_device(name, scores, length):
                       np.full(5, length - 1, np.int32)])
     q_pos[1, 0] = -1                                                # a padding query
     one = _sharded_selection(scores, q_pos, num_shards=1, k=k, page_size=ps)
-    many = _sharded_selection(scores, q_pos, num_shards=16, k=k, page_size=ps)
-    np.testing.assert_array_equal(one, many)
+    for rotation in [(0, 0), (5, 15)]:      # rotated rows select exactly as unrotated ones
+        many = _sharded_selection(scores, q_pos, num_shards=16, k=k, page_size=ps,
+                                  rotation=rotation)
+        np.testing.assert_array_equal(one, many)
     for bi in range(2):
         for qi in range(5):
             own = q_pos[bi, qi] // ps if q_pos[bi, qi] >= 0 else 0

@@ -1,39 +1,83 @@
-"""The engine: sessions (token log + page table) and the step plans that advance them.
+"""The engine: sessions (token log + page table), requests in, one device step at a time out.
 
-Every host-side decision (pages, positions, padding, batch composition) is made here, once, and
-handed to the executor as a `StepInputs` plan, so multi-process workers stay in lockstep.
+    engine.submit(Extend(...)) / engine.submit(Generate(...))   queue work (checked first)
+    events = engine.step()                                      one device step -> events
 
-A session's token log is the source of truth; its KV is derived data. Requests that cannot be
-served (too many tokens for the pool) are refused before anything changes.
+Every host-side decision (pages, positions, padding, batch composition, sampling seeds) is made
+here, once, and handed to the executor as a plan of `Segment`s, so multi-process workers stay
+in lockstep. A session's token log is the source of truth; its KV is derived data.
+
+Cache state: `kv_len` tokens of a session's log are in the cache, and `kv_len` is `length` or
+`length - 1`. A generation step always runs the log's last token at position `length - 1` and
+samples the next; the sampled token joins the log and is written by the following step. So a
+generation leaves its last token unwritten (the next extend or generation writes it), and a
+generation that starts on a fully written session writes its last token a second time, with
+the same value: that costs one token and needs no saved logits. `PageAllocator.fork` never
+shares a session's last page, so neither write touches a page another session reads.
+
+Admission: an extend reserves the pages of all its tokens and a generation those of
+`max_tokens`, when submitted; a request that does not fit raises `CapacityError` and changes
+nothing. A finished generation gives back the pages it did not use.
+
+`extend` and `decode` are the direct path for scoring (benchmarks, tests): they run at once,
+synchronously, and return logits; they refuse sessions that have queued work.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
+import logging
+import secrets
+import time
 
 import numpy as np
 
-from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
 from cp_runtime.engine.executor import Executor
-from cp_runtime.layout import cdiv
-from cp_runtime.pages import CapacityError, PageAllocator
-from cp_runtime.step import StepInputs
+from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
+                                        Progress, Token, check_token_ids)
+from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
+from cp_runtime.layout import cdiv, rotated_row
+from cp_runtime.pages import CapacityError, PageAllocator, PageTable
+from cp_runtime.sampler import SamplingArrays
+from cp_runtime.step import Segment, StepInputs
 
-__all__ = ["Session", "Engine"]
+__all__ = ["Session", "Engine", "StepTiming"]
+
+log = logging.getLogger(__name__)
+STATS_WINDOW_S = 60.0
 
 
 @dataclasses.dataclass
 class Session:
-    """A session's token log (all tokens whose KV is in the pool) and its page table."""
+    """A session's token log, how much of it is in the cache, and its pages."""
 
-    id: int
+    id: str
+    table: PageTable
     tokens: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
+    kv_len: int = 0
+    busy: object = None            # the id of the request working on it, if any
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return self.table.slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """One step: when it ended, tokens it wrote, host seconds (planning and applying results)
+    and device seconds (the executor's run, transfers included)."""
+
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+    host_s: float
+    device_s: float
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -44,123 +88,357 @@ def _bucket(n: int, multiple: int) -> int:
     return size
 
 
-class Engine:
-    """Owns sessions and the allocator; drives an executor with step plans."""
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One row of a segment: `tokens` written from position `start` of `session`."""
 
-    def __init__(self, model: ModelConfig, runtime: RuntimeConfig, executor: Executor):
+    session: Session
+    tokens: list[int]
+    start: int
+
+
+class Engine:
+    """Owns sessions, the allocator and the scheduler; drives an executor with step plans."""
+
+    def __init__(self, model: ModelConfig, runtime: RuntimeConfig, executor: Executor,
+                 *, seed: int | None = None):
+        check_runtime_for_model(model, runtime)
         self.model, self.runtime, self.executor = model, runtime, executor
         self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard)
-        self.sessions: dict[int, Session] = {}
-        self._ids = itertools.count(1)
+        self.scheduler = Scheduler(chunk_size=runtime.chunk_size, max_batch=runtime.max_batch,
+                                   token_budget=runtime.step_token_budget
+                                   or runtime.chunk_size + runtime.max_batch)
+        self.sessions: dict[str, Session] = {}
+        self._work: dict[object, ExtendWork | GenerateWork] = {}
+        self._rng = np.random.default_rng(seed)
+        self.timings: collections.deque[StepTiming] = collections.deque()   # the last minute
+        self.totals = collections.Counter()          # steps, tokens, host and device seconds
 
     # -- sessions -------------------------------------------------------------------------
     def create_session(self) -> Session:
-        session = Session(id=next(self._ids))
+        """A new empty session with an unguessable id (128 random bits)."""
+        session = Session(id=secrets.token_hex(16), table=self.allocator.new_table())
         self.sessions[session.id] = session
         return session
 
-    def get(self, session_id: int) -> Session:
-        if session_id not in self.sessions:
-            raise KeyError(f"no session {session_id}")
-        return self.sessions[session_id]
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise NotFound(f"no session {session_id!r}")
+        return session
 
-    def close_session(self, session_id: int) -> None:
-        session = self.sessions.pop(session_id)
-        self.allocator.free(session.pages)
+    def _idle(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.busy is not None:
+            raise BadRequest(f"session {session_id} is busy with request {session.busy!r}; "
+                             "one request per session at a time")
+        return session
 
-    def fork(self, session_id: int) -> Session:
-        parent = self.get(session_id)
-        pages, copy = self.allocator.fork(parent.pages, parent.length, self.runtime.page_size)
+    def close_session(self, session_id: str) -> list:
+        """Free a session's pages. Its queued or running request, if any, ends: the returned
+        events say so."""
+        session = self.get(session_id)
+        events = []
+        if session.busy is not None:
+            events.append(Failed(request=session.busy, code="not_found",
+                                 message=f"session {session_id} was closed"))
+            self._drop(self._work[session.busy])
+        self.allocator.free(session.table)
+        del self.sessions[session_id]
+        return events
+
+    def fork(self, session_id: str) -> Session:
+        """A new session with the same log, sharing the parent's full pages."""
+        parent = self._idle(session_id)
+        table, copy = self.allocator.fork(parent.table, parent.length, self.runtime.page_size)
         if copy is not None:
             self.executor.copy_page(copy.shard, copy.src, copy.dst)
-        child = Session(id=next(self._ids), tokens=list(parent.tokens), pages=pages)
+        child = Session(id=secrets.token_hex(16), table=table, tokens=list(parent.tokens),
+                        kv_len=parent.kv_len)
         self.sessions[child.id] = child
         return child
 
-    def _reserve(self, session: Session, new_tokens: int) -> None:
-        """Grow the page table to hold `new_tokens` more tokens (atomic; may raise
-        CapacityError, leaving everything as it was)."""
-        want = cdiv(session.length + new_tokens, self.runtime.page_size)
-        if want > len(session.pages):
-            session.pages = self.allocator.grow(session.pages, want)
-
-    # -- step plans -----------------------------------------------------------------------
-    def _page_table(self, sessions: list[Session], chunks: list[list[int]],
-                    rows: int) -> np.ndarray:
-        """i32[rows, M]: each session's pages up to the end of its chunk (not every reserved
-        page: later pages hold no keys yet, and the indexer's work grows with M)."""
-        used = [cdiv(s.length + len(c), self.runtime.page_size) for s, c in zip(sessions, chunks)]
-        width = _bucket(max(used), self.runtime.num_shards)
-        table = np.full((rows, width), self.allocator.sentinel, np.int32)
-        for row, (s, n) in enumerate(zip(sessions, used)):
-            table[row, :n] = s.pages[:n]
-        return table
-
-    def _plan(self, sessions: list[Session], chunks: list[list[int]], width: int,
-              rows: int) -> StepInputs:
-        tokens = np.zeros((rows, width), np.int32)
-        positions = np.full((rows, width), -1, np.int32)
-        last = np.zeros((rows,), np.int32)
-        for row, (s, chunk) in enumerate(zip(sessions, chunks)):
-            tokens[row, : len(chunk)] = chunk
-            positions[row, : len(chunk)] = np.arange(s.length, s.length + len(chunk))
-            last[row] = len(chunk) - 1
-        return StepInputs(tokens=tokens, positions=positions,
-                          page_table=self._page_table(sessions, chunks, rows), logit_index=last)
-
-    def _advance(self, sessions: list[Session], chunks: list[list[int]], width: int,
-                 all_logits: bool) -> np.ndarray:
-        rows = _bucket(len(sessions), 1)
-        plan = self._plan(sessions, chunks, width, rows)
-        out = self.executor.run(plan, all_logits=all_logits)
-        for s, chunk in zip(sessions, chunks):
-            s.tokens.extend(chunk)
-        return out[: len(sessions)]
-
-    def extend(self, session_id: int, tokens: list[int], *, all_logits: bool = False,
-               progress=None) -> np.ndarray:
-        """Chunked prefill of `tokens` into a session. Returns the logits of the last token
-        f32[V] (or of every token, f32[len(tokens), V], with all_logits)."""
+    def info(self, session_id: str) -> dict:
         session = self.get(session_id)
-        if not tokens:
-            raise ValueError("extend needs at least one token")
-        self._check_tokens(tokens)
-        self._reserve(session, len(tokens))
-        chunk_size = self.runtime.chunk_size
-        outs = []
-        for start in range(0, len(tokens), chunk_size):
-            chunk = list(tokens[start: start + chunk_size])
-            out = self._advance([session], [chunk], chunk_size, all_logits)[0]
-            outs.append(out[: len(chunk)] if all_logits else out)
-            if progress is not None:
-                progress(len(chunk))
-        return np.concatenate(outs) if all_logits else outs[-1]
+        per_shard = np.bincount(session.table.shards(self.runtime.num_shards),
+                                minlength=self.runtime.num_shards)
+        return {"session": session.id, "length": session.length, "cached": session.kv_len,
+                "pages": len(session.table), "pages_per_shard": per_shard.tolist(),
+                "start_shard": session.table.rotation, "busy": session.busy is not None}
 
-    def decode(self, session_ids: list[int], tokens: list[int]) -> np.ndarray:
-        """Append one token to each session in one batched step; returns logits f32[B, V]."""
+    # -- requests -------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def submit(self, request: Extend | Generate) -> None:
+        """Queue a request, or raise (BadRequest, NotFound, CapacityError) changing nothing."""
+        if request.id in self._work:
+            raise BadRequest(f"request id {request.id!r} is already in use")
+        session = self._idle(request.session)
+        if isinstance(request, Extend):
+            work = self._admit_extend(session, request)
+        elif isinstance(request, Generate):
+            work = self._admit_generate(session, request)
+        else:
+            raise BadRequest(f"unknown request type {type(request).__name__}")
+        session.busy = request.id
+        self._work[request.id] = work
+        self.scheduler.add(work)
+
+    def _admit_extend(self, session: Session, request: Extend) -> ExtendWork:
+        tokens = check_token_ids(request.tokens, self.model.vocab_size)
+        self._reserve(session, session.length + len(tokens))
+        session.tokens.extend(tokens.tolist())
+        return ExtendWork(request=request, session=session, target=session.length)
+
+    def _admit_generate(self, session: Session, request: Generate) -> GenerateWork:
+        if session.length == 0:
+            raise BadRequest(f"session {session.id} is empty: extend it before generating")
+        # Steps write positions length - 1 ... length + max_tokens - 2.
+        self._reserve(session, session.length + request.sampling.max_tokens - 1)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = int(self._rng.integers(0, 2 ** 32))
+        return GenerateWork(request=request, session=session, seed=seed)
+
+    def _reserve(self, session: Session, tokens: int) -> None:
+        """Grow the session's table to hold `tokens` tokens (atomic: CapacityError changes
+        nothing)."""
+        want = cdiv(tokens, self.runtime.page_size)
+        if want > len(session.table):
+            # A session's start shard is picked when it first takes pages, so sessions created
+            # together still spread out.
+            table = session.table if len(session.table) else self.allocator.new_table()
+            session.table = self.allocator.grow(table, want)
+
+    def cancel(self, request_id: object) -> None:
+        """Stop a queued or running request (its client went away); no event follows."""
+        work = self._work.get(request_id)
+        if work is not None:
+            self._drop(work)
+
+    def _drop(self, work: ExtendWork | GenerateWork) -> None:
+        self.scheduler.remove(work)
+        self._finish(work)
+
+    def _finish(self, work: ExtendWork | GenerateWork) -> None:
+        """Release a request: the session is idle again and unused pages go back."""
+        del self._work[work.request.id]
+        session = work.session
+        session.busy = None
+        keep = cdiv(session.length, self.runtime.page_size)
+        if len(session.table) > keep:
+            session.table = self.allocator.shrink(session.table, keep)
+
+    # -- steps ----------------------------------------------------------------------------
+    def step(self) -> list:
+        """Run one device step of the scheduler's next batch; returns its events."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.next_batch()
+        if not batch:
+            return []
+        segments = self._segments(batch)
+        t1 = time.perf_counter()
+        try:
+            outputs = self.executor.run(tuple(segments))
+        except Exception as e:          # noqa: BLE001 - every request in the step must hear
+            log.exception("step failed")
+            return self._fail(batch, e)
+        t2 = time.perf_counter()
+        events = self._apply(batch, outputs)
+        t3 = time.perf_counter()
+        self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
+                                decode_tokens=len(batch.decodes), host_s=(t1 - t0) + (t3 - t2),
+                                device_s=t2 - t1))
+        return events
+
+    def _segments(self, batch: Batch) -> list[Segment]:
+        segments = []
+        if batch.decodes:
+            rows = [_Row(w.session, [w.session.tokens[-1]], w.session.length - 1)
+                    for w in batch.decodes]
+            segments.append(self._segment("sample", rows, self._sampling(batch.decodes)))
+        if batch.prefill is not None:
+            s = batch.prefill.session
+            rows = [_Row(s, s.tokens[s.kv_len: s.kv_len + batch.prefill_tokens], s.kv_len)]
+            segments.append(self._segment("fill", rows, width=self.runtime.chunk_size))
+        return segments
+
+    def _sampling(self, decodes: tuple[GenerateWork, ...]) -> SamplingArrays:
+        rows = _bucket(len(decodes), 1)
+        arrays = SamplingArrays.greedy(rows)
+        for i, w in enumerate(decodes):
+            p = w.request.sampling
+            arrays.temperature[i], arrays.top_p[i], arrays.top_k[i] = p.temperature, p.top_p, p.top_k
+            arrays.seed[i] = w.seed
+        return arrays
+
+    def _segment(self, kind: str, rows: list[_Row], sampling: SamplingArrays | None = None,
+                 width: int | None = None) -> Segment:
+        """A segment of `rows` (padded to a power-of-two row count and `width` queries)."""
+        num_rows = _bucket(len(rows), 1)
+        width = width or max(len(r.tokens) for r in rows)
+        ps, shards = self.runtime.page_size, self.runtime.num_shards
+        tokens = np.zeros((num_rows, width), np.int32)
+        positions = np.full((num_rows, width), -1, np.int32)
+        last = np.zeros((num_rows,), np.int32)
+        rotation = np.zeros((num_rows,), np.int32)
+        # Pages up to each row's last token only: later pages hold no keys yet, and the
+        # indexer's work grows with the table width.
+        used = [cdiv(r.start + len(r.tokens), ps) for r in rows]
+        table_width = _bucket(max(u + r.session.table.rotation for u, r in zip(used, rows)),
+                              shards)
+        table = np.full((num_rows, table_width), self.allocator.sentinel, np.int32)
+        for i, (r, n) in enumerate(zip(rows, used)):
+            tokens[i, : len(r.tokens)] = r.tokens
+            positions[i, : len(r.tokens)] = np.arange(r.start, r.start + len(r.tokens))
+            last[i] = len(r.tokens) - 1
+            rotation[i] = r.session.table.rotation
+            table[i] = rotated_row(r.session.table.slots[:n], rotation[i], table_width,
+                                   self.allocator.sentinel)
+        inputs = StepInputs(tokens=tokens, positions=positions, page_table=table,
+                            logit_index=last, rotation=rotation)
+        return Segment(kind=kind, inputs=inputs, sampling=sampling)
+
+    def _apply(self, batch: Batch, outputs: list) -> list:
+        events: list = []
+        if batch.decodes:
+            tokens, logprobs = outputs[0]
+            for i, work in enumerate(batch.decodes):
+                events += self._advance_generation(work, int(tokens[i]), float(logprobs[i]))
+        if batch.prefill is not None:
+            events += self._advance_extend(batch.prefill, batch.prefill_tokens)
+        return events
+
+    def _advance_generation(self, work: GenerateWork, token: int, logprob: float) -> list:
+        session, params = work.session, work.request.sampling
+        session.kv_len = session.length            # the step wrote the log's last token
+        session.tokens.append(token)
+        work.produced += 1
+        events = [Token(request=work.request.id, token=token, logprob=logprob,
+                        index=work.produced - 1)]
+        reason = ("stop" if token in params.stop else
+                  "length" if work.produced >= params.max_tokens else None)
+        if reason is not None:
+            self.scheduler.remove(work)
+            self._finish(work)
+            events.append(Done(request=work.request.id,
+                               info={"length": session.length, "tokens": work.produced,
+                                     "finish_reason": reason}))
+        return events
+
+    def _advance_extend(self, work: ExtendWork, n: int) -> list:
+        session = work.session
+        session.kv_len += n
+        total = len(work.request.tokens)
+        done = total - (work.target - session.kv_len)
+        events = [Progress(request=work.request.id, done=done, total=total)]
+        if session.kv_len == work.target:
+            self.scheduler.remove(work)
+            self._finish(work)
+            events.append(Done(request=work.request.id, info={"length": session.length}))
+        return events
+
+    def fail_all(self, code: str, message: str) -> list:
+        """End every queued or running request with an error event (shutdown, a broken
+        engine); sessions stay, idle."""
+        work = self.scheduler.work()
+        for w in work:
+            self._drop(w)
+        return [Failed(request=w.request.id, code=code, message=message) for w in work]
+
+    def _fail(self, batch: Batch, error: Exception) -> list:
+        """Every request of a failed step ends with an `internal` error."""
+        failed = [*batch.decodes, *([batch.prefill] if batch.prefill else [])]
+        for work in failed:
+            self._drop(work)
+        message = f"device step failed: {type(error).__name__}: {error}"
+        return [Failed(request=w.request.id, code="internal", message=message) for w in failed]
+
+    def _record(self, timing: StepTiming) -> None:
+        self.totals.update(steps=1, prefill_tokens=timing.prefill_tokens,
+                           decode_tokens=timing.decode_tokens, host_s=timing.host_s,
+                           device_s=timing.device_s)
+        self.timings.append(timing)
+        while self.timings and self.timings[0].end < timing.end - STATS_WINDOW_S:
+            self.timings.popleft()
+
+    def stats(self) -> dict:
+        """Pool pages per shard, sessions, and tokens/s and step time split over the last
+        minute."""
+        now = time.perf_counter()
+        recent = [t for t in self.timings if t.end >= now - STATS_WINDOW_S]
+        span = (now - recent[0].end + recent[0].host_s + recent[0].device_s) if recent else 0.0
+        tokens = sum(t.prefill_tokens + t.decode_tokens for t in recent)
+        return {
+            "sessions": len(self.sessions),
+            "requests": len(self._work),
+            "pages_used_per_shard": self.allocator.used_per_shard(),
+            "pages_per_shard": self.runtime.pages_per_shard,
+            "steps_last_minute": len(recent),
+            "tokens_per_s": tokens / span if span > 0 else 0.0,
+            "prefill_tokens_last_minute": sum(t.prefill_tokens for t in recent),
+            "decode_tokens_last_minute": sum(t.decode_tokens for t in recent),
+            "host_s_last_minute": sum(t.host_s for t in recent),
+            "device_s_last_minute": sum(t.device_s for t in recent),
+            **{f"{name}_total": value for name, value in self.totals.items()},
+        }
+
+    # -- direct path (scoring) -------------------------------------------------------------
+    def extend(self, session_id: str, tokens, *, all_logits: bool = False,
+               progress=None) -> np.ndarray:
+        """Prefill `tokens` into an idle session now, in chunks. Returns the logits of the last
+        token f32[V] (or of every new token, f32[N, V], with all_logits)."""
+        session = self._idle(session_id)
+        ids = check_token_ids(tokens, self.model.vocab_size).tolist()
+        self._reserve(session, session.length + len(ids))
+        session.tokens.extend(ids)
+        pending = session.length - session.kv_len      # includes an unwritten last token
+        chunk, outs = self.runtime.chunk_size, []
+        while session.kv_len < session.length:
+            start = session.kv_len
+            piece = session.tokens[start: start + chunk]
+            final = start + len(piece) == session.length
+            kind = "all_logits" if all_logits else ("logits" if final else "fill")
+            out = self.executor.run((self._segment(kind, [_Row(session, piece, start)],
+                                                   width=chunk),))[0]
+            session.kv_len += len(piece)
+            if all_logits:
+                outs.append(out[0, : len(piece)])
+            if progress is not None:
+                progress(len(piece))
+        if all_logits:
+            return np.concatenate(outs)[pending - len(ids):]
+        return out[0]
+
+    def decode(self, session_ids: list[str], tokens: list[int]) -> np.ndarray:
+        """Append one token to each of several idle, fully written sessions in one step;
+        returns logits f32[B, V]."""
         if len(session_ids) != len(tokens) or len(set(session_ids)) != len(session_ids):
-            raise ValueError("decode needs one token per distinct session")
+            raise BadRequest("decode needs one token per distinct session")
         if len(session_ids) > self.runtime.max_batch:
-            raise ValueError(f"batch of {len(session_ids)} exceeds "
+            raise BadRequest(f"batch of {len(session_ids)} exceeds "
                              f"max_batch={self.runtime.max_batch}")
-        self._check_tokens(tokens)
-        sessions = [self.get(i) for i in session_ids]
+        ids = check_token_ids(list(tokens), self.model.vocab_size).tolist()
+        sessions = [self._idle(i) for i in session_ids]
+        if any(s.kv_len != s.length for s in sessions):
+            raise BadRequest("decode needs sessions whose every token is in the cache")
         self._reserve_all(sessions)
-        return self._advance(sessions, [[t] for t in tokens], 1, False)
+        rows = [_Row(s, [t], s.length) for s, t in zip(sessions, ids)]
+        out = self.executor.run((self._segment("logits", rows),))[0]
+        for s, t in zip(sessions, ids):
+            s.tokens.append(t)
+            s.kv_len += 1
+        return out[: len(sessions)]
 
     def _reserve_all(self, sessions: list[Session]) -> None:
         """Reserve one more token for each session, all or nothing."""
-        before = [list(s.pages) for s in sessions]
+        before = [len(s.table) for s in sessions]
         try:
             for s in sessions:
-                self._reserve(s, 1)
+                self._reserve(s, s.length + 1)
         except CapacityError:
             for s, pages in zip(sessions, before):
-                s.pages = self.allocator.shrink(s.pages, len(pages))
+                s.table = self.allocator.shrink(s.table, pages)
             raise
-
-    def _check_tokens(self, tokens: list[int]) -> None:
-        bad = [t for t in tokens if not 0 <= int(t) < self.model.vocab_size]
-        if bad:
-            raise ValueError(f"token {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model.vocab_size})")

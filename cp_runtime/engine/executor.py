@@ -1,8 +1,8 @@
-"""Executors run step plans on devices. The engine decides everything (pages, positions, batch);
-an executor only turns a plan into a device step and hands back logits.
+"""Executors run step plans on devices. The engine decides everything (pages, positions, batch,
+sampling seeds); an executor only turns a plan into a device step and hands back its outputs.
 
-`LocalExecutor` runs on S devices of this process. `cluster.RayExecutor` implements the same
-interface over Ray worker actors, one per host, each running the same SPMD program.
+`LocalExecutor` runs on S devices of this process. An executor spanning several hosts
+implements the same interface, running the same SPMD program on every host in lockstep.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import select_kernels
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
-from cp_runtime.step import StepInputs, make_step
+from cp_runtime.step import Segment, make_step
 from cp_runtime.weights import Params
 
 __all__ = ["Executor", "LocalExecutor", "pool_spec_for"]
@@ -29,14 +29,16 @@ def pool_spec_for(model: ModelConfig, runtime: RuntimeConfig) -> PoolSpec:
 
 
 class Executor(abc.ABC):
-    """Contract: `run` executes one step plan and returns its logits as host f32 arrays
-    ([B, V], or [B, Q, V] with all_logits); `copy_page` copies one physical page (all layers)
-    on one shard, for forks. Calls are made in order and never concurrently."""
+    """Contract: `run` executes one step plan (a tuple of `Segment`s, in order, in one program)
+    and returns each segment's output as host arrays (None for "fill"; a (tokens i32[B],
+    logprobs f32[B]) pair for "sample"; f32 logits for "logits"/"all_logits"); `copy_page`
+    copies one physical page (all layers) on one shard, for forks. Calls are made in order and
+    never concurrently."""
 
     pool_spec: PoolSpec
 
     @abc.abstractmethod
-    def run(self, inputs: StepInputs, *, all_logits: bool = False) -> np.ndarray: ...
+    def run(self, plan: tuple[Segment, ...]) -> list: ...
 
     @abc.abstractmethod
     def copy_page(self, shard: int, src: int, dst: int) -> None: ...
@@ -82,14 +84,27 @@ class LocalExecutor(Executor):
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
-        self._steps = {flag: make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
-                                        all_logits=flag)
-                       for flag in (False, True)}
+        self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels)
 
-    def run(self, inputs: StepInputs, *, all_logits: bool = False) -> np.ndarray:
-        args = inputs.to_device(self.mesh, self.runtime.num_shards)
-        out, self.pool = self._steps[all_logits](self.params, self.pool, *args)
-        return np.asarray(out)
+    def run(self, plan: tuple[Segment, ...]) -> list:
+        args = tuple(seg.to_device(self.mesh, self.runtime.num_shards) for seg in plan)
+        outs, self.pool = self._step(self.params, self.pool, args,
+                                     kinds=tuple(seg.kind for seg in plan))
+        # Wait for the step even when it returns nothing ("fill"): two SPMD programs in flight
+        # at once deadlock XLA:CPU's collectives (their 16 device threads each wait in a
+        # rendezvous the other program's threads never reach), and the caller times steps.
+        jax.block_until_ready(self.pool)
+        return [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
 
     def copy_page(self, shard: int, src: int, dst: int) -> None:
         self.pool = self._copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))
+        jax.block_until_ready(self.pool)
+
+
+def _to_host(out, kind: str):
+    if kind == "fill":
+        return None
+    if kind == "sample":
+        tokens, logprobs = out
+        return np.asarray(tokens), np.asarray(logprobs)
+    return np.asarray(out)

@@ -1,0 +1,95 @@
+"""The scheduler: what each engine step runs.
+
+A step holds the next token of every running generation (up to `max_batch` of them, oldest
+first) plus at most one prefill chunk, from the oldest unfinished extend, of at most
+`chunk_size` tokens and at most what the step's token budget leaves after the decode rows. So a
+long upload advances one chunk per step while every running generation gets a token every
+step: a million-token extend never stalls other sessions' decoding.
+
+The scheduler only orders work; the engine owns sessions and pages, and decides admission
+(pages are reserved when a request is submitted, so nothing here can run out of them).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from cp_runtime.engine.requests import Extend, Generate
+
+__all__ = ["ExtendWork", "GenerateWork", "Batch", "Scheduler"]
+
+
+@dataclasses.dataclass
+class ExtendWork:
+    """An extend in progress: its session's cache must reach `target` tokens."""
+
+    request: Extend
+    session: "object"            # engine.core.Session
+    target: int
+
+    @property
+    def remaining(self) -> int:
+        return self.target - self.session.kv_len
+
+
+@dataclasses.dataclass
+class GenerateWork:
+    """A generation in progress: `produced` tokens so far, drawn with `seed`."""
+
+    request: Generate
+    session: "object"
+    seed: int
+    produced: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's work: decode rows, then at most one prefill chunk of `prefill_tokens`."""
+
+    decodes: tuple[GenerateWork, ...]
+    prefill: ExtendWork | None
+    prefill_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes) or self.prefill is not None
+
+
+class Scheduler:
+    """FIFO queues of extends and generations."""
+
+    def __init__(self, *, chunk_size: int, max_batch: int, token_budget: int):
+        if min(chunk_size, max_batch, token_budget) <= 0:
+            raise ValueError(f"{chunk_size=}, {max_batch=} and {token_budget=} must be positive")
+        self.chunk_size, self.max_batch, self.token_budget = chunk_size, max_batch, token_budget
+        self._extends: collections.deque[ExtendWork] = collections.deque()
+        self._generations: list[GenerateWork] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._extends or self._generations)
+
+    def add(self, work: ExtendWork | GenerateWork) -> None:
+        if isinstance(work, ExtendWork):
+            self._extends.append(work)
+        else:
+            self._generations.append(work)
+
+    def remove(self, work: ExtendWork | GenerateWork) -> None:
+        if isinstance(work, ExtendWork):
+            self._extends.remove(work)
+        else:
+            self._generations.remove(work)
+
+    def work(self) -> list[ExtendWork | GenerateWork]:
+        """Everything queued or running, oldest first within each kind."""
+        return [*self._generations, *self._extends]
+
+    def next_batch(self) -> Batch:
+        decodes = tuple(self._generations[: self.max_batch])
+        room = min(self.chunk_size, self.token_budget - len(decodes))
+        if not self._extends or room <= 0:
+            return Batch(decodes=decodes, prefill=None)
+        extend = self._extends[0]
+        return Batch(decodes=decodes, prefill=extend,
+                     prefill_tokens=min(room, extend.remaining))
