@@ -12,24 +12,10 @@ import platform
 import jax
 
 from cp_runtime.cli_args import parse_length  # re-exported; the one copy is in cli_args
+from cp_runtime.devices import init_cpu_devices  # re-exported
 
 __all__ = ["init_cpu_devices", "init_shard_devices", "machine", "parse_length", "print_table",
            "write_json"]
-
-
-def init_cpu_devices(count: int = 16) -> None:
-    """Ask for `count` virtual CPU devices; call before JAX is first used. If JAX has already
-    started (inside the report, or a test session), keep what it has and refuse if that is
-    fewer than `count`. Sizes XLA's CPU thread pool one past the device count (interpret-mode
-    kernels on every device at once deadlock otherwise: kernels/packing.py)."""
-    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, count + 1)))
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:              # JAX refuses a different count once it has started
-        pass
-    if jax.device_count() < count:
-        raise ValueError(f"{count} devices needed, JAX has {jax.device_count()} (on CPU, set "
-                         "the count before any other JAX use)")
 
 
 def init_shard_devices(parser: argparse.ArgumentParser, shards: int) -> None:

@@ -1,8 +1,12 @@
 """cp-runtime: a long-context serving runtime for DeepSeek Sparse Attention (DSA) models.
 
 The KV cache is an MLA latent cache (fp8 by default) plus a bf16 indexer cache, paged and sharded
-by position over a `cp` mesh axis; see DESIGN.md for the math and README.md for the layout.
+by position over a `cp` mesh axis; docs/architecture.md describes the layers. `Client` and
+`AsyncClient` talk to a running server (`cp-runtime serve`).
 """
 
-__all__ = ["__version__"]
+from cp_runtime.serving.client import AsyncClient, Client, Generation
+from cp_runtime.serving.protocol import ServerError
+
+__all__ = ["__version__", "AsyncClient", "Client", "Generation", "ServerError"]
 __version__ = "0.1.0"

@@ -1,40 +1,108 @@
 """The `cp-runtime` command line.
 
-    cp-runtime capacity --model glm-5.2 --kv-cache-dtype fp8_e4m3 --json
-    cp-runtime demo                 run the quick needle sweep on 16 local CPU shards
-    cp-runtime bench NAME [...]     run a benchmark (niah, capacity, kernel_error, ...)
+    cp-runtime serve --model NAME --shards 16 ...     serve sessions over TCP (prints
+                                                     "listening on HOST:PORT")
+    cp-runtime demo [--tokens 1m]                    a served long-context session, end to end
+    cp-runtime capacity --model glm-5.2 --json       bytes per token and tokens that fit
+    cp-runtime bench NAME [...]                      a benchmark (niah, serving, throughput, ...)
+
+The same flag means the same thing in every subcommand and benchmark (cp_runtime.cli_args).
+Benchmarks load on demand, by name: nothing else in cp_runtime imports them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
+import os
 import sys
 
-from cp_runtime.capacity import capacity_report
-from cp_runtime.config import ConfigError, load_model_config, model_names
-from cp_runtime.dtypes import KV_CACHE_DTYPES
+from cp_runtime import demo
+from cp_runtime.capacity import TOPOLOGIES, WEIGHT_DTYPES, capacity_report, deployment_report
+from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size,
+                                 add_kv_cache_dtype, add_model, add_page_size,
+                                 add_pages_per_shard, add_shards, finite_positive_float,
+                                 positive_int)
+from cp_runtime.config import BACKENDS, ConfigError, RuntimeConfig, load_model_config
+from cp_runtime.devices import init_cpu_devices
+from cp_runtime.serving.app import build_server, check_bind, serve_forever
+from cp_runtime.serving.server import ServerLimits
+from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["main", "build_parser"]
 
-BENCHMARKS = ("niah", "capacity", "kernel_error", "selection", "throughput", "kernels", "merge",
-              "roofline", "million", "tpu_model", "all")
+BENCHMARKS = ("niah", "serving", "capacity", "kernel_error", "selection", "throughput",
+              "kernels", "merge", "roofline", "million", "tpu_model", "all")
+EXECUTORS = ("local",)
+TOKEN_ENV = "CP_RUNTIME_TOKEN"
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve sessions over TCP (msgpack frames)",
+                       formatter_class=HelpFormatter,
+                       description="Start a server: load the model, build the sharded KV pool "
+                                   "on local devices, and serve the protocol of "
+                                   "docs/protocol.md. Prints 'listening on HOST:PORT' once it "
+                                   "accepts connections; SIGINT or SIGTERM end it cleanly.")
+    add_model(p, "tiny")
+    add_checkpoint(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of a config's random weights")
+    add_shards(p, 16)
+    add_kv_cache_dtype(p, "fp8_e4m3")
+    add_page_size(p, 16)
+    add_pages_per_shard(p, 1024)
+    add_chunk_size(p, 1024)
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="generations decoded together in one step")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="kernel backend (auto: pallas on TPU, xla elsewhere)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but loopback needs --auth-token")
+    p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where shards run: local = the devices of this process")
+    p.add_argument("--auth-token", default=None,
+                   help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
+    for f in dataclasses.fields(ServerLimits):
+        p.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=f.default,
+                       help=f"limit: {f.name.replace('_', ' ')}")
+
+
+def _run_serve(args) -> int:
+    token = args.auth_token or os.environ.get(TOKEN_ENV) or None
+    check_bind(args.host, token)                     # before any loading
+    source = WeightsSource(model=args.model, checkpoint=args.checkpoint, seed=args.seed)
+    runtime = RuntimeConfig(model=source.config().name, kv_cache_dtype=args.kv_cache_dtype,
+                            page_size=args.page_size, num_shards=args.shards,
+                            pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
+                            max_batch=args.max_batch, backend=args.backend)
+    limits = ServerLimits(**{f.name: getattr(args, f.name)
+                             for f in dataclasses.fields(ServerLimits)})
+    init_cpu_devices(args.shards)
+    server = build_server(source, runtime, host=args.host, port=args.port,
+                          auth_token=token, limits=limits)
+    serve_forever(server)
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="a served long-context session on 16 local CPU shards",
+                       description=demo.__doc__)
+    demo.add_arguments(p)
 
 
 def _add_capacity(sub) -> None:
-    from cp_runtime.capacity import TOPOLOGIES, WEIGHT_DTYPES
-    from cp_runtime.cli_args import finite_positive_float, positive_int
-
     p = sub.add_parser("capacity", help="bytes per token and tokens that fit, per cache dtype",
                        description="Per device of a deployment: HBM, the weights' shard (from "
                                    "the config's tensors and weight dtype), a reserve for "
                                    "activations, the KV bytes left, and the tokens that fit "
                                    "at bf16 and fp8 (cache bytes per token: latent + indexer, "
                                    "all layers). See cp_runtime.capacity for the rules.")
-    p.add_argument("--model", default="glm-5.2", help=f"model config: {', '.join(model_names())}")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=list(KV_CACHE_DTYPES),
-                   help="latent cache dtype (the indexer cache stays bf16 for fp8)")
+    p.formatter_class = HelpFormatter
+    add_model(p, "glm-5.2")
+    add_kv_cache_dtype(p, "fp8_e4m3")
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="a known slice (TPU v7x: 96 GiB per device, 2 devices per chip); "
                         "default tpu7x-16 unless --devices and --hbm-gib are given")
@@ -54,8 +122,6 @@ def _add_capacity(sub) -> None:
 
 
 def _run_capacity(args) -> int:
-    from cp_runtime.capacity import TOPOLOGIES, deployment_report
-
     model = load_model_config(args.model)
     if (args.devices is None) != (args.hbm_gib is None):
         raise ValueError("--devices and --hbm-gib go together")
@@ -92,13 +158,13 @@ def _run_capacity(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cp-runtime",
+        prog="cp-runtime", formatter_class=HelpFormatter,
         description="Long-context serving runtime for DeepSeek Sparse Attention models: a paged "
                     "fp8 MLA cache sharded by position over a context-parallel mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_demo(sub)
     _add_capacity(sub)
-    demo = sub.add_parser("demo", help="quick needle-in-a-haystack sweep on 16 local CPU shards")
-    demo.add_argument("rest", nargs=argparse.REMAINDER, help="extra arguments for benchmarks.niah")
     bench = sub.add_parser("bench", help="run a benchmark of the long-context suite")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark "
@@ -107,17 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_benchmark(name: str, argv: list[str]) -> int:
-    module = __import__(f"cp_runtime.benchmarks.{name}", fromlist=["main"])  # benchmarks load on demand
+    module = importlib.import_module(f"cp_runtime.benchmarks.{name}")
     return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            return _run_serve(args)
+        if args.command == "demo":
+            return demo.run(args)
         if args.command == "capacity":
             return _run_capacity(args)
-        if args.command == "demo":
-            return _run_benchmark("niah", ["--quick", *args.rest])
         return _run_benchmark("report" if args.name == "all" else args.name, args.rest)
     except (ConfigError, ValueError) as e:
         print(f"cp-runtime: error: {e}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""The serving wing: wire protocol, server (with its device loop) and Python clients."""

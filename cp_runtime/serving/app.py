@@ -1,0 +1,103 @@
+"""Putting a server together: weights source + runtime config -> engine -> server, run either as
+the `cp-runtime serve` process (uvloop, SIGINT/SIGTERM end it cleanly) or embedded in a thread
+of another program (`cp-runtime demo`, tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+
+import uvloop
+
+from cp_runtime.config import RuntimeConfig
+from cp_runtime.engine.core import Engine
+from cp_runtime.engine.executor import LocalExecutor
+from cp_runtime.serving.server import Server, ServerLimits
+from cp_runtime.weights_source import WeightsSource
+
+__all__ = ["EmbeddedServer", "build_server", "check_bind", "is_loopback", "serve_forever"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except socket.gaierror:
+            return False
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def check_bind(host: str, auth_token: str | None) -> None:
+    """Refuse to bind a non-loopback address without an auth token."""
+    if not is_loopback(host) and not auth_token:
+        raise ValueError(f"binding {host} would expose the server beyond this machine: give "
+                         "--auth-token (or set CP_RUNTIME_TOKEN), or bind 127.0.0.1")
+
+
+def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "127.0.0.1",
+                 port: int = 7777, auth_token: str | None = None,
+                 limits: ServerLimits = ServerLimits(), seed: int | None = None) -> Server:
+    """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
+    server."""
+    check_bind(host, auth_token)
+    loaded = source.load()
+    executor = LocalExecutor(loaded.config, runtime, loaded.params)
+    engine = Engine(loaded.config, runtime, executor, seed=seed)
+    return Server(engine, model_name=source.name, tokenizer=loaded.tokenizer, host=host,
+                  port=port, auth_token=auth_token, limits=limits)
+
+
+async def _serve_until_signalled(server: Server) -> None:
+    host, port = await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"listening on {host}:{port}", flush=True)
+    await stop.wait()
+    print("shutting down", file=sys.stderr, flush=True)
+    await server.close()
+
+
+def serve_forever(server: Server) -> None:
+    """Run `server` on uvloop until SIGINT or SIGTERM; prints `listening on HOST:PORT` once it
+    accepts connections."""
+    uvloop.run(_serve_until_signalled(server))
+
+
+class EmbeddedServer:
+    """A server on an event loop in a background thread of this process."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="cp-runtime-server")
+
+    def start(self) -> str:
+        """Start serving; returns "HOST:PORT"."""
+        self._thread.start()
+        host, port = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        return f"{host}:{port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,334 @@
+"""Python clients of the server: `AsyncClient` (asyncio) and `Client` (blocking, for scripts and
+notebooks; it runs an `AsyncClient` on a background event loop).
+
+    with cp_runtime.Client("127.0.0.1:7777") as client:
+        session = client.create_session()
+        session.extend(document_tokens, progress=True)      # chunked upload, progress bar
+        answer = session.generate(max_tokens=32, temperature=0.7, seed=1)
+        for token in session.stream(max_tokens=32):          # tokens as they come
+            ...
+        child = session.fork(); print(session.info()); session.close()
+
+Server errors raise `ServerError` subclasses named after their codes (`BadRequestError`,
+`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `InternalError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from cp_runtime.serving.protocol import (BadRequestError, ServerError, encode_frame,
+                                         encode_tokens, error_class, read_frame)
+
+__all__ = ["AsyncClient", "AsyncSession", "Client", "Generation", "Session"]
+
+UPLOAD_CHUNK = 1 << 16          # tokens per extend request of a long upload (256 KiB of int32)
+MAX_REPLY_BYTES = 64 << 20
+ProgressArg = bool | Callable[[int, int], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A finished generation: its tokens, their text (models with a tokenizer), the model's
+    log-probability of each token (when asked for), and why it stopped ("stop", "length")."""
+
+    tokens: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    finish_reason: str
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} must be HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class AsyncClient:
+    """One connection to a server; requests on it may run concurrently."""
+
+    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None):
+        self.host, self.port = _split_address(address)
+        self.token = token
+        self.server: dict = {}                 # the hello reply: model, limits, ...
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._reader = self._writer = self._pump = None
+
+    async def connect(self) -> "AsyncClient":
+        self._reader, self._writer = await asyncio.open_connection(self.host, self.port,
+                                                                   limit=1 << 20)
+        self._pump = asyncio.get_running_loop().create_task(self._read_replies())
+        hello = {"token": self.token} if self.token else {}
+        self.server = await self.call("hello", **hello)
+        return self
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+        if self._pump is not None:
+            await asyncio.gather(self._pump, return_exceptions=True)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _read_replies(self) -> None:
+        error: Exception = ConnectionError("the server closed the connection")
+        try:
+            while (message := await read_frame(self._reader, MAX_REPLY_BYTES)) is not None:
+                queue = self._queues.get(message.get("id"))
+                if queue is not None:
+                    queue.put_nowait(message)
+                elif message.get("event") == "error":         # about no request of ours
+                    error = error_class(message.get("code"))(message.get("message", ""))
+        except Exception as e:                                 # noqa: BLE001 - told below
+            error = ConnectionError(f"connection lost: {e}")
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def events(self, op: str, **fields) -> AsyncIterator[dict]:
+        """Send one request; yield its events up to and including `done` (an error event
+        raises its ServerError)."""
+        rid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            self._writer.write(encode_frame({"id": rid, "op": op, **fields}))
+            await self._writer.drain()
+            while True:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                if event.get("event") == "error":
+                    raise error_class(event.get("code"))(event.get("message", ""),
+                                                         event.get("code"))
+                yield event
+                if event.get("event") == "done":
+                    return
+        finally:
+            self._queues.pop(rid, None)
+
+    async def call(self, op: str, **fields) -> dict:
+        """Send one request and return its `done` event's fields."""
+        async for event in self.events(op, **fields):
+            if event["event"] == "done":
+                return {k: v for k, v in event.items() if k not in ("id", "event")}
+        raise ServerError(f"{op}: no done event")
+
+    async def create_session(self) -> "AsyncSession":
+        return AsyncSession(self, (await self.call("create"))["session"])
+
+    def session(self, session_id: str) -> "AsyncSession":
+        """A handle on an existing session (no request is sent)."""
+        return AsyncSession(self, session_id)
+
+    async def stats(self) -> dict:
+        return await self.call("stats")
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
+    fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  stop=list(stop or ()), logprobs=logprobs)
+    if seed is not None:
+        fields["seed"] = seed
+    return fields
+
+
+class _Progress:
+    """Reports an upload's progress to a tqdm bar, a callback, or nothing."""
+
+    def __init__(self, progress: ProgressArg, total: int | None):
+        self.callback = progress if callable(progress) else None
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True) if progress is True else None
+
+    def update(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+        if self.callback is not None:
+            self.callback(done, total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class AsyncSession:
+    """A session on the server, by id."""
+
+    def __init__(self, client: AsyncClient, session_id: str):
+        self.client, self.id = client, session_id
+
+    def __repr__(self) -> str:
+        return f"AsyncSession({self.id!r})"
+
+    async def extend(self, tokens_or_text, *, progress: ProgressArg = None,
+                     chunk_tokens: int = UPLOAD_CHUNK) -> dict:
+        """Append token ids (a list or integer array) or text (models with a tokenizer) and
+        wait until they are in the cache. Long token uploads go in requests of `chunk_tokens`.
+        progress: True for a progress bar, or a callback(done, total). Returns `info()`-like
+        fields (`length`)."""
+        if isinstance(tokens_or_text, str):
+            parts, total = [{"text": tokens_or_text}], None
+        else:
+            ids = np.asarray(tokens_or_text)
+            if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+                raise BadRequestError(f"tokens must be a 1-D sequence of integers, got "
+                                      f"{ids.dtype} with shape {ids.shape}")
+            parts = [{"tokens": encode_tokens(ids[i: i + chunk_tokens])}
+                     for i in range(0, max(len(ids), 1), chunk_tokens)]
+            total = len(ids)
+        report, before, result = _Progress(progress, total), 0, {}
+        try:
+            for part in parts:
+                async for event in self.client.events("extend", session=self.id, **part):
+                    if event["event"] == "progress":
+                        report.update(before + event["done"], total or event["total"])
+                    elif event["event"] == "done":
+                        result = {k: v for k, v in event.items() if k not in ("id", "event")}
+                before += len(part.get("tokens", b"")) // 4
+        finally:
+            report.close()
+        return result
+
+    async def stream(self, *, max_tokens: int = 16, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                     stop=None, logprobs: bool = False) -> AsyncIterator[int]:
+        """Generate, yielding each token id as it comes."""
+        fields = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
+        async for event in self.client.events("generate", session=self.id, **fields):
+            if event["event"] == "token":
+                yield event["token"]
+
+    async def generate(self, *, max_tokens: int = 16, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop=None, logprobs: bool = False) -> Generation:
+        """Generate and return the whole result."""
+        fields = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
+        tokens, lps, done = [], [], {}
+        async for event in self.client.events("generate", session=self.id, **fields):
+            if event["event"] == "token":
+                tokens.append(event["token"])
+                lps.append(event.get("logprob"))
+            elif event["event"] == "done":
+                done = event
+        return Generation(tokens=tokens, text=done.get("text"),
+                          logprobs=lps if logprobs else None,
+                          finish_reason=done.get("finish_reason", ""))
+
+    async def fork(self) -> "AsyncSession":
+        return AsyncSession(self.client, (await self.client.call("fork", session=self.id))
+                            ["session"])
+
+    async def info(self) -> dict:
+        return await self.client.call("info", session=self.id)
+
+    async def close(self) -> None:
+        await self.client.call("close", session=self.id)
+
+
+class Client:
+    """Blocking client: an `AsyncClient` on an event loop in a background thread."""
+
+    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="cp-runtime-client")
+        self._thread.start()
+        self._async = AsyncClient(address, token=token)
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def server(self) -> dict:
+        return self._async.server
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _iterate(self, agen) -> Iterator:
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._stop_loop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create_session(self) -> "Session":
+        return Session(self, self._run(self._async.create_session()))
+
+    def session(self, session_id: str) -> "Session":
+        return Session(self, self._async.session(session_id))
+
+    def stats(self) -> dict:
+        return self._run(self._async.stats())
+
+
+class Session:
+    """Blocking twin of `AsyncSession`; the same methods and arguments."""
+
+    def __init__(self, client: Client, inner: AsyncSession):
+        self._client, self._inner = client, inner
+
+    @property
+    def id(self) -> str:
+        return self._inner.id
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"
+
+    def extend(self, tokens_or_text, *, progress: ProgressArg = None,
+               chunk_tokens: int = UPLOAD_CHUNK) -> dict:
+        return self._client._run(self._inner.extend(tokens_or_text, progress=progress,
+                                                    chunk_tokens=chunk_tokens))
+
+    def generate(self, **sampling) -> Generation:
+        return self._client._run(self._inner.generate(**sampling))
+
+    def stream(self, **sampling) -> Iterator[int]:
+        return self._client._iterate(self._inner.stream(**sampling))
+
+    def fork(self) -> "Session":
+        return Session(self._client, self._client._run(self._inner.fork()))
+
+    def info(self) -> dict:
+        return self._client._run(self._inner.info())
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())

@@ -1,0 +1,393 @@
+"""The server: asyncio (uvloop in `cp-runtime serve`) over TCP, msgpack frames, one `EngineLoop`.
+
+Each connection reads frames in order and runs each request as its own task, so a client may
+have several requests in flight (on different sessions). Request ids are the client's; the
+engine sees (connection, id), so clients never collide. Replies are written as they come; a
+connection whose unread replies exceed `max_pending_bytes` is closed (a client that never reads
+cannot make the server buffer without bound), and a closed connection cancels its requests.
+
+Security: the server binds loopback unless told otherwise, and `cp-runtime serve` refuses
+another address without an auth token. With a token, a connection's first request must be
+`hello` carrying it; a wrong token is refused (compared in constant time) and the connection
+closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import logging
+import time
+
+from cp_runtime.engine.core import Engine
+from cp_runtime.engine.requests import (Done, EngineError, Extend, Failed, Generate, Progress,
+                                        SamplingParams, Token)
+from cp_runtime.pages import CapacityError
+from cp_runtime.serving.engine_loop import EngineLoop
+from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
+                                         decode_tokens, encode_frame, read_frame)
+
+__all__ = ["ServerLimits", "Server"]
+
+log = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Limits on what clients may ask; each refusal is an error event naming the limit."""
+
+    max_frame_bytes: int = 64 << 20          # one request frame (a 1M-token upload is ~4 MiB)
+    max_sessions: int = 4096
+    max_tokens_per_request: int = 1 << 20    # tokens in one extend (the client splits uploads)
+    max_connections: int = 64
+    max_pending_bytes: int = 16 << 20        # unread replies buffered for one connection
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{f.name}={value!r} must be a positive integer")
+
+
+class _Refused(Exception):
+    """A request refused by the server itself; `code` is the error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _error_code(e: Exception) -> str:
+    if isinstance(e, _Refused):
+        return e.code
+    if isinstance(e, EngineError):
+        return e.code
+    if isinstance(e, CapacityError):
+        return "capacity"
+    if isinstance(e, ProtocolError):
+        return "bad_request"
+    return "internal"
+
+
+class Server:
+    """Serves one engine. `start()` binds; `close()` stops accepting, fails what is in flight
+    with `unavailable`, and stops the device loop."""
+
+    def __init__(self, engine: Engine, *, model_name: str, tokenizer=None,
+                 host: str = "127.0.0.1", port: int = 7777, auth_token: str | None = None,
+                 limits: ServerLimits = ServerLimits()):
+        self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.host, self.port, self.limits = host, port, limits
+        self._token = auth_token.encode() if auth_token else None
+        self._sinks: dict[tuple, asyncio.Queue] = {}
+        self._connections: set[_Connection] = set()
+        self._ids = itertools.count()
+        self._started = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self.engine_loop = EngineLoop(engine, self._events_from_device)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> tuple[str, int]:
+        """Bind and start the device loop; returns the bound (host, port)."""
+        self._loop = asyncio.get_running_loop()
+        self.engine_loop.start()
+        self._server = await asyncio.start_server(self._accept, self.host, self.port,
+                                                  limit=1 << 20)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.port = port
+        return host, port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.abort()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30.0)
+        await asyncio.sleep(0)                       # let failure events reach their tasks
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    # -- device thread -> event loop ---------------------------------------------------------
+    def _events_from_device(self, events: list) -> None:
+        self._loop.call_soon_threadsafe(self._route, events)
+
+    def _route(self, events: list) -> None:
+        for event in events:
+            sink = self._sinks.get(event.request)
+            if sink is not None:
+                sink.put_nowait(event)
+
+    async def on_engine(self, fn):
+        """Run fn(engine) on the device thread and await its result."""
+        return await asyncio.wrap_future(self.engine_loop.call(fn))
+
+    # -- connections ------------------------------------------------------------------------
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(self, reader, writer, next(self._ids))
+        if len(self._connections) >= self.limits.max_connections:
+            conn.send({"id": None, "event": "error", "code": "unavailable",
+                       "message": f"too many connections (max_connections="
+                                  f"{self.limits.max_connections}); retry later"})
+            await conn.finish()
+            return
+        self._connections.add(conn)
+        try:
+            await conn.run()
+        finally:
+            self._connections.discard(conn)
+
+    def authorized(self, token) -> bool:
+        if self._token is None:
+            return True
+        given = token.encode() if isinstance(token, str) else b""
+        return hmac.compare_digest(given, self._token)
+
+    @property
+    def requires_auth(self) -> bool:
+        return self._token is not None
+
+    def stats_extra(self) -> dict:
+        """Server-side figures; call on the event loop's thread (its CPU time is measured)."""
+        return {"connections": len(self._connections),
+                "uptime_s": time.monotonic() - self._started,
+                "server_cpu_s": time.thread_time()}
+
+
+class _Connection:
+    """One client: reads frames, runs each request as a task, writes replies."""
+
+    def __init__(self, server: Server, reader, writer, number: int):
+        self.server, self.reader, self.writer, self.number = server, reader, writer, number
+        self.authorized = not server.requires_auth
+        self.tasks: dict[object, asyncio.Task] = {}
+        self.closed = False
+
+    def send(self, message: dict) -> None:
+        if self.closed:
+            return
+        self.writer.write(encode_frame(message))
+        if self.writer.transport.get_write_buffer_size() > self.server.limits.max_pending_bytes:
+            log.warning("connection %d: client is not reading; closing it", self.number)
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the connection now; its requests are cancelled."""
+        if not self.closed:
+            self.closed = True
+            self.writer.transport.abort()
+        for task in self.tasks.values():
+            task.cancel()
+
+    async def finish(self) -> None:
+        self.closed = True
+        try:
+            await self.writer.drain()
+            self.writer.close()
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+    async def run(self) -> None:
+        try:
+            while not self.closed:
+                try:
+                    message = await read_frame(self.reader, self.server.limits.max_frame_bytes)
+                except ProtocolError as e:
+                    self.send({"id": None, "event": "error", "code": "bad_request",
+                               "message": str(e)})
+                    continue
+                if message is None:
+                    break
+                self._start(message)
+        except FrameError as e:
+            self.send({"id": None, "event": "error", "code": "bad_request", "message": str(e)})
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for task in list(self.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await self.finish()
+
+    def _start(self, message: dict) -> None:
+        rid = message.get("id")
+        if not isinstance(rid, (int, str)) or isinstance(rid, bool):
+            self.send({"id": None, "event": "error", "code": "bad_request",
+                       "message": f"request needs an integer or string 'id', got {rid!r}"})
+            return
+        if rid in self.tasks:
+            self._error(rid, "bad_request", f"request id {rid!r} is already in flight")
+            return
+        self.tasks[rid] = asyncio.get_running_loop().create_task(self._serve(rid, message))
+
+    def _error(self, rid, code: str, message: str) -> None:
+        self.send({"id": rid, "event": "error", "code": code, "message": message})
+
+    async def _serve(self, rid, message: dict) -> None:
+        try:
+            op = message.get("op")
+            if op not in OPS:
+                raise _Refused("bad_request", f"unknown op {op!r}; ops: {', '.join(OPS)}")
+            if not self.authorized and op != "hello":
+                raise _Refused("unauthorized", "authenticate first: send hello with a token")
+            handler = getattr(_Handlers, op)
+            await handler(self, rid, message)
+        except asyncio.CancelledError:
+            await self._cancel(rid)
+        except Exception as e:                       # noqa: BLE001 - answered, never fatal
+            code = _error_code(e)
+            if code == "internal":
+                log.exception("request %r failed", rid)
+            self._error(rid, code, str(e))
+            if code == "unauthorized" and message.get("op") == "hello":
+                self.abort()
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def _cancel(self, rid) -> None:
+        key = (self.number, rid)
+        self.server._sinks.pop(key, None)
+        try:
+            await asyncio.shield(self.server.on_engine(lambda e: e.cancel(key)))
+        except RuntimeError:                         # the engine loop has stopped
+            pass
+
+    async def stream(self, rid, request) -> dict:
+        """Submit an engine request and forward its events; returns its Done info."""
+        key = request.id
+        sink: asyncio.Queue = asyncio.Queue()
+        self.server._sinks[key] = sink
+        try:
+            await self.server.on_engine(lambda e: e.submit(request))
+            while True:
+                event = await sink.get()
+                if isinstance(event, Progress):
+                    self.send({"id": rid, "event": "progress", "done": event.done,
+                               "total": event.total})
+                elif isinstance(event, Token):
+                    self.send(self._token_event(rid, request, event))
+                elif isinstance(event, Done):
+                    return event.info
+                elif isinstance(event, Failed):
+                    raise _Refused(event.code, event.message)
+        finally:
+            self.server._sinks.pop(key, None)
+
+    @staticmethod
+    def _token_event(rid, request, event: Token) -> dict:
+        out = {"id": rid, "event": "token", "token": event.token, "index": event.index}
+        if request.sampling.logprobs:
+            out["logprob"] = event.logprob
+        return out
+
+    def done(self, rid, **fields) -> None:
+        self.send({**fields, "id": rid, "event": "done"})
+
+
+def _session_field(message: dict) -> str:
+    session = message.get("session")
+    if not isinstance(session, str):
+        raise _Refused("bad_request", f"'session' must be a session id string, got {session!r}")
+    return session
+
+
+class _Handlers:
+    """One coroutine per op: (connection, request id, message)."""
+
+    @staticmethod
+    async def hello(conn: _Connection, rid, message: dict) -> None:
+        if not conn.server.authorized(message.get("token")):
+            raise _Refused("unauthorized", "wrong or missing token")
+        conn.authorized = True
+        server, engine = conn.server, conn.server.engine
+        rt = engine.runtime
+        conn.done(rid, version=PROTOCOL_VERSION, model=server.model_name,
+                  vocab_size=engine.model.vocab_size, text=server.tokenizer is not None,
+                  shards=rt.num_shards, page_size=rt.page_size,
+                  pages_per_shard=rt.pages_per_shard, kv_cache_dtype=rt.kv_cache_dtype,
+                  capacity_tokens=rt.num_shards * rt.pages_per_shard * rt.page_size,
+                  limits=dataclasses.asdict(server.limits))
+
+    @staticmethod
+    async def create(conn: _Connection, rid, message: dict) -> None:
+        limit = conn.server.limits.max_sessions
+
+        def create(engine: Engine):
+            if len(engine.sessions) >= limit:
+                raise _Refused("capacity", f"session limit reached (max_sessions={limit})")
+            return engine.create_session().id
+
+        conn.done(rid, session=await conn.server.on_engine(create))
+
+    @staticmethod
+    async def extend(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        if "text" in message:
+            tokens = _encode_text(conn.server.tokenizer, message["text"])
+        else:
+            tokens = decode_tokens(message.get("tokens"))
+        limit = conn.server.limits.max_tokens_per_request
+        if len(tokens) > limit:
+            raise _Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
+                                          f"max_tokens_per_request={limit}; send them in parts")
+        info = await conn.stream(rid, Extend(id=(conn.number, rid), session=session,
+                                             tokens=tokens))
+        conn.done(rid, **info)
+
+    @staticmethod
+    async def generate(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        try:
+            sampling = SamplingParams(**{k: message[k] for k in SAMPLING_FIELDS if k in message})
+        except TypeError as e:
+            raise _Refused("bad_request", str(e)) from None
+        request = Generate(id=(conn.number, rid), session=session, sampling=sampling)
+        info = await conn.stream(rid, request)
+        tokenizer = conn.server.tokenizer
+        if tokenizer is not None:
+            generated = await conn.server.on_engine(
+                lambda e: e.get(session).tokens[-info["tokens"]:])
+            info = {**info, "text": tokenizer.decode(generated)}
+        conn.done(rid, **info)
+
+    @staticmethod
+    async def fork(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        limit = conn.server.limits.max_sessions
+
+        def fork(engine: Engine):
+            if len(engine.sessions) >= limit:
+                raise _Refused("capacity", f"session limit reached (max_sessions={limit})")
+            return engine.fork(session).id
+
+        conn.done(rid, session=await conn.server.on_engine(fork))
+
+    @staticmethod
+    async def info(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        conn.done(rid, **await conn.server.on_engine(lambda e: e.info(session)))
+
+    @staticmethod
+    async def close(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        events = await conn.server.on_engine(lambda e: e.close_session(session))
+        conn.server._route(events)
+        conn.done(rid)
+
+    @staticmethod
+    async def stats(conn: _Connection, rid, message: dict) -> None:
+        stats = await conn.server.on_engine(lambda e: e.stats())
+        conn.done(rid, **stats, **conn.server.stats_extra())
+
+
+def _encode_text(tokenizer, text) -> list[int]:
+    if tokenizer is None:
+        raise _Refused("bad_request", "this model has no tokenizer: send token ids")
+    if not isinstance(text, str):
+        raise _Refused("bad_request", f"'text' must be a string, got {type(text).__name__}")
+    return tokenizer.encode(text)

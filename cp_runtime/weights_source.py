@@ -1,0 +1,62 @@
+"""Where a served model's weights come from: a description that every process can load on its
+own (an executor is built from a source, never from another process's arrays).
+
+    WeightsSource(model="tiny", seed=0)          random weights of a config (reproducible)
+    WeightsSource(model="recall")                the hand-built retrieval model
+                                                 (cp_runtime.recall_model)
+    WeightsSource(checkpoint="DIR")              a Hugging Face checkpoint: config, weights,
+                                                 tokenizer (cp_runtime.checkpoint)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cp_runtime.checkpoint import load_checkpoint, read_hf_config
+from cp_runtime.config import ModelConfig, load_model_config
+from cp_runtime.recall_model import build_recall_model
+from cp_runtime.weights import Params, init_params
+
+__all__ = ["LoadedModel", "WeightsSource", "RECALL_MODEL"]
+
+RECALL_MODEL = "recall"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to serve: its config, its weights (host or device arrays, HF names) and its
+    tokenizer (None when the model has none: token ids only)."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsSource:
+    """A model config name (random weights from `seed`, or the recall model's hand-set ones),
+    or a checkpoint directory, which wins when given."""
+
+    model: str = "tiny"
+    checkpoint: str | None = None
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.checkpoint or self.model
+
+    def config(self) -> ModelConfig:
+        """The model config alone, without loading any weight."""
+        if self.checkpoint is not None:
+            return read_hf_config(self.checkpoint)
+        return load_model_config(self.model)
+
+    def load(self) -> LoadedModel:
+        if self.checkpoint is not None:
+            cfg, params, tokenizer = load_checkpoint(self.checkpoint)
+            return LoadedModel(cfg, params, tokenizer)
+        cfg = load_model_config(self.model)
+        if self.model == RECALL_MODEL:
+            return LoadedModel(cfg, build_recall_model(cfg, seed=self.seed).params)
+        return LoadedModel(cfg, init_params(cfg, seed=self.seed))

@@ -1,0 +1,215 @@
+"""End to end: a real `cp-runtime serve` process, real sockets, the Python clients."""
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+
+import cp_runtime
+from conftest import random_tokens
+from cp_runtime.oracle import oracle_logits
+from cp_runtime.serving.protocol import (BadRequestError, CapacityError, NotFoundError,
+                                         ServerError, UnauthorizedError)
+
+SERVE = [sys.executable, "-m", "cp_runtime.cli", "serve", "--model", "tiny", "--shards", "16",
+         "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
+         "--port", "0"]
+STARTUP_S = 120
+
+
+def start_server(*extra: str, env=None) -> tuple[subprocess.Popen, str]:
+    """A server process and its "HOST:PORT", read from its 'listening on' line."""
+    proc = subprocess.Popen([*SERVE, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("listening on "):
+            return proc, line.split()[-1]
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()}")
+    proc.kill()
+    raise TimeoutError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, address = start_server()
+    yield address
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()   # SIGTERM ends it cleanly
+
+
+@pytest.fixture
+def client(server):
+    with cp_runtime.Client(server) as c:
+        yield c
+
+
+def test_hello_reports_the_model_and_limits(client):
+    info = client.server
+    assert (info["model"], info["shards"], info["page_size"]) == ("tiny", 16, 16)
+    assert info["capacity_tokens"] == 16 * 24 * 16 and info["text"] is False
+    assert info["limits"]["max_frame_bytes"] > 0
+
+
+def test_served_greedy_generation_equals_the_oracle(client, tiny, tiny_params):
+    prompt = random_tokens(tiny, 150, 0)
+    session = client.create_session()
+    seen = []
+    assert session.extend(prompt, progress=lambda done, total: seen.append((done, total))) == {
+        "length": 150}
+    assert seen[-1] == (150, 150) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    gen = session.generate(max_tokens=5, logprobs=True)
+    assert gen.finish_reason == "length" and len(gen.logprobs) == 5
+    ref = np.asarray(oracle_logits(tiny_params, jnp.asarray(prompt + gen.tokens[:-1]), cfg=tiny,
+                                   page_size=16))
+    assert gen.tokens == ref[149:].argmax(-1).tolist()
+    info = session.info()
+    assert info["length"] == 155 and sum(info["pages_per_shard"]) == info["pages"] == 10
+    session.close()
+
+
+def test_stream_and_generate_agree_for_a_seed_and_forks_are_independent(client, tiny):
+    session = client.create_session()
+    session.extend(random_tokens(tiny, 40, 1))
+    a, b = session.fork(), session.fork()
+    sampling = dict(max_tokens=6, temperature=0.9, top_p=0.95, top_k=50, seed=42)
+    streamed = list(a.stream(**sampling))
+    assert b.generate(**sampling).tokens == streamed
+    assert a.info()["length"] == b.info()["length"] == 46 and session.info()["length"] == 40
+    for s in (a, b, session):
+        s.close()
+
+
+def test_errors_are_typed_and_change_nothing(client, tiny):
+    session = client.create_session()
+    session.extend(random_tokens(tiny, 20, 2))
+    before = client.stats()["pages_used_per_shard"]
+    for bad, error in [(dict(temperature=-1), BadRequestError), (dict(top_p=0), BadRequestError),
+                       (dict(max_tokens=10 ** 9), CapacityError)]:
+        with pytest.raises(error):
+            session.generate(**bad)
+    with pytest.raises(BadRequestError, match="outside the vocabulary"):
+        session.extend([tiny.vocab_size])
+    with pytest.raises(BadRequestError, match="no tokenizer"):
+        session.extend("some text")
+    with pytest.raises(CapacityError):
+        session.extend(np.zeros(16 * 24 * 16, np.int32))
+    with pytest.raises(NotFoundError):
+        client.session("0" * 32).info()
+    assert client.stats()["pages_used_per_shard"] == before
+    assert session.info()["length"] == 20
+    session.close()
+
+
+def test_a_long_upload_does_not_stall_another_clients_generation(server, tiny):
+    """One client uploads 4K tokens (64 steps of 64) while another generates 12 tokens: the
+    generation finishes first, a token per step."""
+    done = {}
+
+    def upload():
+        with cp_runtime.Client(server) as c:
+            s = c.create_session()
+            s.extend(random_tokens(tiny, 4096, 3))
+            done["upload"] = time.monotonic()
+            s.close()
+
+    with cp_runtime.Client(server) as c:
+        chat = c.create_session()
+        chat.extend(random_tokens(tiny, 30, 4))
+        thread = threading.Thread(target=upload)
+        thread.start()
+        time.sleep(0.5)
+        assert len(chat.generate(max_tokens=12).tokens) == 12
+        done["chat"] = time.monotonic()
+        thread.join()
+        chat.close()
+    assert done["chat"] < done["upload"]
+
+
+def test_async_client_runs_requests_concurrently(server, tiny):
+    async def main():
+        async with cp_runtime.AsyncClient(server) as c:
+            sessions = [await c.create_session() for _ in range(3)]
+            await asyncio.gather(*(s.extend(random_tokens(tiny, 33, 5)) for s in sessions))
+            gens = await asyncio.gather(*(s.generate(max_tokens=4) for s in sessions))
+            for s in sessions:
+                await s.close()
+            return gens
+
+    gens = asyncio.run(main())
+    assert gens[0].tokens == gens[1].tokens == gens[2].tokens     # same prompt, greedy
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _reply(sock: socket.socket) -> dict | None:
+    head = sock.recv(4, socket.MSG_WAITALL)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return msgpack.unpackb(sock.recv(n, socket.MSG_WAITALL))
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def test_bad_frames_get_errors_and_the_server_lives_on(server, client):
+    with _raw(server) as sock:
+        sock.sendall(_frame(b"\xc1not msgpack"))                   # 0xc1 is never valid
+        assert _reply(sock)["code"] == "bad_request"
+        sock.sendall(_frame(msgpack.packb([1, 2, 3])))             # not a map
+        assert _reply(sock)["code"] == "bad_request"
+        sock.sendall(_frame(msgpack.packb({"op": "stats"})))       # no id
+        assert _reply(sock)["code"] == "bad_request"
+        sock.sendall(_frame(msgpack.packb({"id": 1, "op": "launch"})))
+        reply = _reply(sock)
+        assert (reply["id"], reply["code"]) == (1, "bad_request")
+        sock.sendall(struct.pack(">I", 2 ** 32 - 1))                # a 4 GiB frame
+        assert _reply(sock)["code"] == "bad_request"
+        assert _reply(sock) is None                                 # and the connection ends
+    assert client.stats()["sessions"] >= 0
+
+
+def test_no_token_is_needed_on_loopback_and_a_token_is_checked(tiny):
+    env = {**os.environ, "CP_RUNTIME_TOKEN": "s3cret"}
+    proc, address = start_server("--pages-per-shard", "4", env=env)
+    try:
+        with pytest.raises(UnauthorizedError):
+            cp_runtime.Client(address)
+        with pytest.raises(UnauthorizedError):
+            cp_runtime.Client(address, token="wrong")
+        with cp_runtime.Client(address, token="s3cret") as c:
+            assert c.stats()["sessions"] == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_binding_beyond_loopback_without_a_token_is_refused():
+    out = subprocess.run([*SERVE[:-2], "--host", "0.0.0.0", "--port", "0"], capture_output=True,
+                         text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                      if k != "CP_RUNTIME_TOKEN"})
+    assert out.returncode == 2 and "--auth-token" in out.stderr
+    assert "listening" not in out.stdout
+
+
+def test_server_error_classes_mirror_the_codes():
+    from cp_runtime.serving.protocol import ERROR_CODES, error_class
+    assert {error_class(code).code for code in ERROR_CODES} == set(ERROR_CODES)
+    assert all(issubclass(error_class(code), ServerError) for code in ERROR_CODES)
