@@ -29,6 +29,7 @@ from cp_runtime.config import BACKENDS, ConfigError, RuntimeConfig, load_model_c
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.serving.app import build_server, check_bind, serve_forever
 from cp_runtime.serving.server import ServerLimits
+from cp_runtime.serving.state import FSYNC_POLICIES, TokenStore
 from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["main", "build_parser"]
@@ -65,6 +66,14 @@ def _add_serve(sub) -> None:
                    help="where shards run: local = the devices of this process")
     p.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep every session's token log here; a server restarted on the same "
+                        "directory brings its sessions back (docs/state.md)")
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default="interval",
+                   help="when token logs are fsynced: always (every step), interval (at most "
+                        "every --fsync-interval s; a killed process loses nothing), never")
+    p.add_argument("--fsync-interval", type=finite_positive_float, default=1.0,
+                   help="seconds between fsyncs under --fsync interval")
     for f in dataclasses.fields(ServerLimits):
         p.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=f.default,
                        help=f"limit: {f.name.replace('_', ' ')}")
@@ -81,8 +90,10 @@ def _run_serve(args) -> int:
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
     init_cpu_devices(args.shards)
+    state = (TokenStore(args.state_dir, fsync=args.fsync, interval_s=args.fsync_interval)
+             if args.state_dir else None)
     server = build_server(source, runtime, host=args.host, port=args.port,
-                          auth_token=token, limits=limits)
+                          auth_token=token, limits=limits, state=state)
     serve_forever(server)
     return 0
 

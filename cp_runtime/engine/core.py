@@ -19,6 +19,11 @@ Admission: an extend reserves the pages of all its tokens and a generation those
 `max_tokens`, when submitted; a request that does not fit raises `CapacityError` and changes
 nothing. A finished generation gives back the pages it did not use.
 
+Durability: every change of a token log goes to the `journal` (a store under a state
+directory, or nothing), which is committed before any event acknowledges the tokens. A failed
+device step gets the executor a fresh pool and rebuilds every session's cache from its log
+(docs/state.md); `restore_session` does the same for sessions read back after a restart.
+
 `extend` and `decode` are the direct path for scoring (benchmarks, tests): they run at once,
 synchronously, and return logits; they refuse sessions that have queued work.
 """
@@ -35,8 +40,9 @@ import numpy as np
 
 from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
 from cp_runtime.engine.executor import Executor
+from cp_runtime.engine.journal import Journal
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
-                                        Progress, Token, check_token_ids)
+                                        Progress, Token, Unavailable, check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
 from cp_runtime.layout import cdiv, rotated_row
 from cp_runtime.pages import CapacityError, PageAllocator, PageTable
@@ -101,9 +107,10 @@ class Engine:
     """Owns sessions, the allocator and the scheduler; drives an executor with step plans."""
 
     def __init__(self, model: ModelConfig, runtime: RuntimeConfig, executor: Executor,
-                 *, seed: int | None = None):
+                 *, seed: int | None = None, journal: Journal | None = None):
         check_runtime_for_model(model, runtime)
         self.model, self.runtime, self.executor = model, runtime, executor
+        self.journal = journal or Journal()
         self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard)
         self.scheduler = Scheduler(chunk_size=runtime.chunk_size, max_batch=runtime.max_batch,
                                    token_budget=runtime.step_token_budget
@@ -119,7 +126,34 @@ class Engine:
         """A new empty session with an unguessable id (128 random bits)."""
         session = Session(id=secrets.token_hex(16), table=self.allocator.new_table())
         self.sessions[session.id] = session
+        self.journal.created(session.id)
+        self.journal.commit()
         return session
+
+    def restore_session(self, session_id: str, tokens: list[int]) -> Session:
+        """Bring back a session from its token log (after a restart): its pages are reserved
+        now and its cache is rebuilt by a prefill queued like any other work; until that is
+        done its requests are refused as `unavailable` (retryable)."""
+        if session_id in self.sessions:
+            raise BadRequest(f"session {session_id} already exists")
+        session = Session(id=session_id, table=self.allocator.new_table())
+        self._reserve(session, len(tokens))
+        session.tokens = list(tokens)
+        self.sessions[session_id] = session
+        self._queue_restore(session)
+        return session
+
+    def _queue_restore(self, session: Session) -> None:
+        """Rebuild a session's cache from its log: an internal extend over the whole log."""
+        session.kv_len = 0
+        if not session.tokens:
+            return
+        request = Extend(id=("restore", session.id), session=session.id,
+                         tokens=np.asarray(session.tokens, np.int32))
+        work = ExtendWork(request=request, session=session, target=session.length)
+        session.busy = request.id
+        self._work[request.id] = work
+        self.scheduler.add(work)
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -129,10 +163,17 @@ class Engine:
 
     def _idle(self, session_id: str) -> Session:
         session = self.get(session_id)
+        if self._restoring(session):
+            raise Unavailable(f"session {session_id} is being restored from its token log; "
+                              "retry in a moment")
         if session.busy is not None:
             raise BadRequest(f"session {session_id} is busy with request {session.busy!r}; "
                              "one request per session at a time")
         return session
+
+    @staticmethod
+    def _restoring(session: Session) -> bool:
+        return isinstance(session.busy, tuple) and session.busy[:1] == ("restore",)
 
     def close_session(self, session_id: str) -> list:
         """Free a session's pages. Its queued or running request, if any, ends: the returned
@@ -145,6 +186,8 @@ class Engine:
             self._drop(self._work[session.busy])
         self.allocator.free(session.table)
         del self.sessions[session_id]
+        self.journal.closed(session_id)
+        self.journal.commit()
         return events
 
     def fork(self, session_id: str) -> Session:
@@ -156,6 +199,8 @@ class Engine:
         child = Session(id=secrets.token_hex(16), table=table, tokens=list(parent.tokens),
                         kv_len=parent.kv_len)
         self.sessions[child.id] = child
+        self.journal.forked(parent.id, child.id, child.tokens)
+        self.journal.commit()
         return child
 
     def info(self, session_id: str) -> dict:
@@ -164,7 +209,8 @@ class Engine:
                                 minlength=self.runtime.num_shards)
         return {"session": session.id, "length": session.length, "cached": session.kv_len,
                 "pages": len(session.table), "pages_per_shard": per_shard.tolist(),
-                "start_shard": session.table.rotation, "busy": session.busy is not None}
+                "start_shard": session.table.rotation, "busy": session.busy is not None,
+                "restoring": self._restoring(session)}
 
     # -- requests -------------------------------------------------------------------------
     @property
@@ -185,11 +231,13 @@ class Engine:
         session.busy = request.id
         self._work[request.id] = work
         self.scheduler.add(work)
+        self.journal.commit()
 
     def _admit_extend(self, session: Session, request: Extend) -> ExtendWork:
         tokens = check_token_ids(request.tokens, self.model.vocab_size)
         self._reserve(session, session.length + len(tokens))
         session.tokens.extend(tokens.tolist())
+        self.journal.appended(session.id, tokens.tolist())
         return ExtendWork(request=request, session=session, target=session.length)
 
     def _admit_generate(self, session: Session, request: Generate) -> GenerateWork:
@@ -244,9 +292,10 @@ class Engine:
             outputs = self.executor.run(tuple(segments))
         except Exception as e:          # noqa: BLE001 - every request in the step must hear
             log.exception("step failed")
-            return self._fail(batch, e)
+            return self._recover(e)
         t2 = time.perf_counter()
         events = self._apply(batch, outputs)
+        self.journal.commit()           # before any token of this step is acknowledged
         t3 = time.perf_counter()
         self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
                                 decode_tokens=len(batch.decodes), host_s=(t1 - t0) + (t3 - t2),
@@ -315,6 +364,7 @@ class Engine:
         session, params = work.session, work.request.sampling
         session.kv_len = session.length            # the step wrote the log's last token
         session.tokens.append(token)
+        self.journal.appended(session.id, [token])
         work.produced += 1
         events = [Token(request=work.request.id, token=token, logprob=logprob,
                         index=work.produced - 1)]
@@ -348,13 +398,16 @@ class Engine:
             self._drop(w)
         return [Failed(request=w.request.id, code=code, message=message) for w in work]
 
-    def _fail(self, batch: Batch, error: Exception) -> list:
-        """Every request of a failed step ends with an `internal` error."""
-        failed = [*batch.decodes, *([batch.prefill] if batch.prefill else [])]
-        for work in failed:
-            self._drop(work)
-        message = f"device step failed: {type(error).__name__}: {error}"
-        return [Failed(request=w.request.id, code="internal", message=message) for w in failed]
+    def _recover(self, error: Exception) -> list:
+        """A step failed, and the pool it was given may be gone (donated): get a fresh pool,
+        end every request with a retryable `unavailable`, and rebuild every session's cache
+        from its token log (queued prefills; token logs and page tables are untouched)."""
+        self.executor.rebuild()
+        events = self.fail_all("unavailable", f"a device step failed ({type(error).__name__}: "
+                                              f"{error}); the cache is being rebuilt, retry")
+        for session in self.sessions.values():
+            self._queue_restore(session)
+        return events
 
     def _record(self, timing: StepTiming) -> None:
         self.totals.update(steps=1, prefill_tokens=timing.prefill_tokens,
@@ -394,6 +447,8 @@ class Engine:
         ids = check_token_ids(tokens, self.model.vocab_size).tolist()
         self._reserve(session, session.length + len(ids))
         session.tokens.extend(ids)
+        self.journal.appended(session.id, ids)
+        self.journal.commit()
         pending = session.length - session.kv_len      # includes an unwritten last token
         chunk, outs = self.runtime.chunk_size, []
         while session.kv_len < session.length:
@@ -430,6 +485,8 @@ class Engine:
         for s, t in zip(sessions, ids):
             s.tokens.append(t)
             s.kv_len += 1
+            self.journal.appended(s.id, [t])
+        self.journal.commit()
         return out[: len(sessions)]
 
     def _reserve_all(self, sessions: list[Session]) -> None:

@@ -43,6 +43,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def copy_page(self, shard: int, src: int, dst: int) -> None: ...
 
+    @abc.abstractmethod
+    def rebuild(self) -> None:
+        """After a failed `run` (whose pool may be gone: it was donated), get a fresh, empty
+        pool; the engine then rebuilds every session's cache from its token log."""
+
     def close(self) -> None:
         """Release devices/workers. Default: nothing to release."""
 
@@ -95,6 +100,9 @@ class LocalExecutor(Executor):
         # rendezvous the other program's threads never reach), and the caller times steps.
         jax.block_until_ready(self.pool)
         return [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
+
+    def rebuild(self) -> None:
+        self.pool = KVPool.allocate(self.pool_spec, self.mesh)
 
     def copy_page(self, shard: int, src: int, dst: int) -> None:
         self.pool = self._copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))

@@ -18,6 +18,7 @@ from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.serving.server import Server, ServerLimits
+from cp_runtime.serving.state import TokenStore
 from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "is_loopback", "serve_forever"]
@@ -46,13 +47,17 @@ def check_bind(host: str, auth_token: str | None) -> None:
 
 def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "127.0.0.1",
                  port: int = 7777, auth_token: str | None = None,
-                 limits: ServerLimits = ServerLimits(), seed: int | None = None) -> Server:
+                 limits: ServerLimits = ServerLimits(), seed: int | None = None,
+                 state: TokenStore | None = None) -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
-    server."""
+    server. With a token store, the sessions it holds come back (their caches rebuilt from
+    their logs by prefills queued before the first connection)."""
     check_bind(host, auth_token)
     loaded = source.load()
     executor = LocalExecutor(loaded.config, runtime, loaded.params)
-    engine = Engine(loaded.config, runtime, executor, seed=seed)
+    engine = Engine(loaded.config, runtime, executor, seed=seed, journal=state)
+    for session_id, tokens in (state.load() if state is not None else {}).items():
+        engine.restore_session(session_id, tokens)
     return Server(engine, model_name=source.name, tokenizer=loaded.tokenizer, host=host,
                   port=port, auth_token=auth_token, limits=limits)
 

@@ -140,6 +140,10 @@ class AsyncClient:
     async def stats(self) -> dict:
         return await self.call("stats")
 
+    async def sessions(self) -> list[dict]:
+        """Every session on the server: `session` (its id), `length`, `restoring`."""
+        return (await self.call("sessions"))["sessions"]
+
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
     fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -298,6 +302,9 @@ class Client:
 
     def stats(self) -> dict:
         return self._run(self._async.stats())
+
+    def sessions(self) -> list[dict]:
+        return self._run(self._async.sessions())
 
 
 class Session:

@@ -39,7 +39,7 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
-OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats")
+OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats", "sessions")
 EVENTS = ("progress", "token", "done", "error")
 ERROR_CODES = ("bad_request", "not_found", "capacity", "unauthorized", "unavailable",
                "internal")

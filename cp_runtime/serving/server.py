@@ -380,6 +380,14 @@ class _Handlers:
         conn.done(rid)
 
     @staticmethod
+    async def sessions(conn: _Connection, rid, message: dict) -> None:
+        def listing(engine: Engine):
+            return [{"session": s.id, "length": s.length, "restoring": engine._restoring(s)}
+                    for s in engine.sessions.values()]
+
+        conn.done(rid, sessions=await conn.server.on_engine(listing))
+
+    @staticmethod
     async def stats(conn: _Connection, rid, message: dict) -> None:
         stats = await conn.server.on_engine(lambda e: e.stats())
         conn.done(rid, **stats, **conn.server.stats_extra())

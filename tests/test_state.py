@@ -1,0 +1,179 @@
+"""Sessions that survive: durable token logs, restart after kill -9, recovery from a failed
+step."""
+
+import asyncio
+import os
+import signal
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cp_runtime
+from conftest import make_engine, random_tokens
+from cp_runtime.engine.requests import Extend, Failed, Generate, SamplingParams, Token
+from cp_runtime.oracle import oracle_logits
+from cp_runtime.serving.protocol import UnavailableError
+from cp_runtime.serving.state import TokenStore
+from test_serving import start_server
+
+SID = "0123456789abcdef0123456789abcdef"
+
+
+def test_token_store_appends_commits_forks_and_drops_a_cut_short_token(tmp_path):
+    store = TokenStore(tmp_path, fsync="always")
+    store.created(SID)
+    store.appended(SID, [1, 2, 3])
+    assert store.load() == {SID: []}                  # nothing before commit
+    store.commit()
+    child = "f" * 32
+    store.forked(SID, child, [1, 2, 3])
+    store.appended(SID, [4])
+    store.commit()
+    assert store.load() == {SID: [1, 2, 3, 4], child: [1, 2, 3]}
+    with store.path(SID).open("ab") as f:
+        f.write(b"\x05\x00")                           # a write cut short by a kill
+    assert store.load()[SID] == [1, 2, 3, 4]
+    store.closed(child)
+    assert set(store.load()) == {SID}
+    with pytest.raises(ValueError, match="not a session id"):
+        store.path("../../etc/passwd")
+
+
+def greedy_continuation(params, cfg, tokens, n):
+    """The oracle's greedy next n tokens after `tokens`."""
+    out = list(tokens)
+    for _ in range(n):
+        logits = oracle_logits(params, jnp.asarray(out), cfg=cfg, page_size=16)
+        out.append(int(np.argmax(np.asarray(logits)[-1])))
+    return out[len(tokens):]
+
+
+class FailOnce:
+    """Wraps an executor's jitted step: the call runs (so the pool is donated and gone), then
+    raises, once."""
+
+    def __init__(self, step):
+        self.step, self.armed = step, True
+
+    def __call__(self, *args, **kwargs):
+        out = self.step(*args, **kwargs)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected device failure")
+        return out
+
+
+def test_a_failed_step_rebuilds_the_pool_and_every_session(tiny, tiny_params):
+    engine = make_engine(tiny, tiny_params, kv_cache_dtype="f32", num_shards=4,
+                         pages_per_shard=16, chunk_size=32)
+    a, b = engine.create_session(), engine.create_session()
+    engine.extend(a.id, random_tokens(tiny, 50, 0))
+    engine.extend(b.id, random_tokens(tiny, 30, 1))
+    engine.executor._step = FailOnce(engine.executor._step)
+    engine.submit(Generate(id="g", session=a.id, sampling=SamplingParams(max_tokens=4)))
+    engine.submit(Extend(id="x", session=b.id, tokens=np.asarray(random_tokens(tiny, 40, 2))))
+    events = engine.step()
+    assert sorted((e.request, e.code) for e in events) == [("g", "unavailable"),
+                                                           ("x", "unavailable")]
+    assert engine.info(a.id)["restoring"] and b.length == 30 + 40   # accepted tokens stay
+    with pytest.raises(Exception, match="being restored"):
+        engine.submit(Generate(id="early", session=a.id, sampling=SamplingParams()))
+    while engine.has_work:
+        engine.step()
+    assert (a.kv_len, b.kv_len) == (a.length, b.length)
+    engine.submit(Generate(id="retry", session=a.id, sampling=SamplingParams(max_tokens=4)))
+    out = []
+    while engine.has_work:
+        out += [e.token for e in engine.step() if isinstance(e, Token)]
+    assert out == greedy_continuation(tiny_params, tiny, a.tokens[:50], 4)
+    engine.allocator.check_invariants()
+
+
+def _kill(proc):
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def _when_restored(fn, timeout=120):
+    """fn() once the restarted server has rebuilt the session (retrying `unavailable`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    return str(tmp_path / "state")
+
+
+def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_dir, tiny,
+                                                                       tiny_params):
+    args = ("--state-dir", state_dir, "--fsync", "never")
+    proc, address = start_server(*args)
+    prompt = random_tokens(tiny, 200, 5)
+    acked: dict[str, list[int]] = {}
+
+    async def upload_then_kill(client):
+        """Acknowledged 200 tokens, then a 3000-token extend killed after its first chunk."""
+        s = await client.create_session()
+        await s.extend(prompt)
+        acked["upload"] = list(prompt)
+        async for event in client.events("extend", session=s.id,
+                                         tokens=random_tokens(tiny, 3000, 6)):
+            if event["event"] == "progress":
+                _kill(proc)
+                break
+        return s.id
+
+    async def generate_then_kill(client):
+        s = await client.create_session()
+        await s.extend(prompt)
+        got = []
+        async for event in client.events("generate", session=s.id, max_tokens=60):
+            if event["event"] == "token":
+                got.append(event["token"])
+            if len(got) == 5:
+                _kill(proc)
+                break
+        acked["chat"] = list(prompt) + got
+        return s.id
+
+    async def main():
+        async with cp_runtime.AsyncClient(address) as c:
+            chat = await generate_then_kill(c)
+        return chat
+
+    chat_id = asyncio.run(main())
+    proc, address = start_server(*args)
+    async def second():
+        async with cp_runtime.AsyncClient(address) as c:
+            return await upload_then_kill(c)
+    try:
+        upload_id = asyncio.run(second())
+    except (ConnectionError, OSError):
+        pytest.fail("the upload's client lost the connection before the kill")
+    t_restart = time.monotonic()
+    proc, address = start_server(*args)
+    try:
+        with cp_runtime.Client(address) as client:
+            listed = {s["session"]: s["length"] for s in client.sessions()}
+            assert set(listed) == {chat_id, upload_id}
+            logs = TokenStore(state_dir).load()
+            for sid, name in ((chat_id, "chat"), (upload_id, "upload")):
+                assert logs[sid][: len(acked[name])] == acked[name]   # nothing acknowledged lost
+                assert listed[sid] == len(logs[sid])
+            chat = client.session(chat_id)
+            cont = _when_restored(lambda: chat.generate(max_tokens=3)).tokens
+            first_token_s = time.monotonic() - t_restart
+            assert cont == greedy_continuation(tiny_params, tiny, logs[chat_id], 3)
+            print(f"restart to first token of the restored session: {first_token_s:.1f} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
