@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cp_runtime.capacity import bytes_per_token
@@ -24,7 +25,7 @@ from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels.storage import storage_dtype
 
-__all__ = ["KVPool", "PoolSpec", "CP_AXIS"]
+__all__ = ["CacheRows", "KVPool", "PoolSpec", "CP_AXIS"]
 
 CP_AXIS = "cp"
 
@@ -98,3 +99,20 @@ class KVPool:
 
 
 jax.tree_util.register_dataclass(KVPool, data_fields=["latent", "indexer"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRows:
+    """The cached rows of N tokens, in storage form (cp_runtime.kernels.storage), on the host:
+    what a session's cache is, independent of pages and shards.
+
+    latent:  u8/u16/f32[L, N, D_lat_pad]     every layer
+    indexer: u16/f32[F, N, D_idx]            every `full` layer
+    """
+
+    latent: np.ndarray
+    indexer: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return self.latent.shape[1]

@@ -177,3 +177,31 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, tiny,
+                                                                   tiny_params):
+    proc, address = start_server("--state-dir", state_dir)
+    try:
+        with cp_runtime.Client(address) as client:
+            s = client.create_session()
+            s.extend(random_tokens(tiny, 300, 7))
+            snap = s.snapshot()
+            assert (snap["length"], snap["cached"]) == (300, 300)
+            s.extend(random_tokens(tiny, 20, 8))                    # after the snapshot
+            sid, log = s.id, TokenStore(state_dir).load()[s.id]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    proc, address = start_server("--state-dir", state_dir, "--shards", "4")
+    try:
+        with cp_runtime.Client(address) as client:
+            assert client.server["shards"] == 4
+            s = client.session(sid)
+            out = _when_restored(lambda: s.generate(max_tokens=3)).tokens
+            assert out == greedy_continuation(tiny_params, tiny, log, 3)
+            # Only the 20 tokens past the snapshot were prefilled (then one decode per token).
+            assert client.stats()["prefill_tokens_total"] == 20
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0

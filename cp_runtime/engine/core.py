@@ -44,8 +44,10 @@ from cp_runtime.engine.journal import Journal
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
                                         Progress, Token, Unavailable, check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
-from cp_runtime.layout import cdiv, rotated_row
+from cp_runtime.kernels.storage import storage_dtype
+from cp_runtime.layout import cdiv, owner_shard, rotated_row
 from cp_runtime.pages import CapacityError, PageAllocator, PageTable
+from cp_runtime.pool import CacheRows
 from cp_runtime.sampler import SamplingArrays
 from cp_runtime.step import Segment, StepInputs
 
@@ -130,26 +132,63 @@ class Engine:
         self.journal.commit()
         return session
 
-    def restore_session(self, session_id: str, tokens: list[int]) -> Session:
+    def restore_session(self, session_id: str, tokens: list[int],
+                        cache: CacheRows | None = None) -> Session:
         """Bring back a session from its token log (after a restart): its pages are reserved
-        now and its cache is rebuilt by a prefill queued like any other work; until that is
-        done its requests are refused as `unavailable` (retryable)."""
+        now; the cached rows of its first tokens, if given (a snapshot, from a pool of any
+        shard count), are written at once, and the rest of its cache is rebuilt by a prefill
+        queued like any other work. Until that is done its requests are refused as
+        `unavailable` (retryable)."""
         if session_id in self.sessions:
             raise BadRequest(f"session {session_id} already exists")
+        if cache is not None:
+            self._check_rows(cache)
         session = Session(id=session_id, table=self.allocator.new_table())
         self._reserve(session, len(tokens))
         session.tokens = list(tokens)
         self.sessions[session_id] = session
-        self._queue_restore(session)
+        cached = 0
+        if cache is not None and len(tokens):
+            cached = min(cache.num_tokens, len(tokens))
+            self.executor.write_rows(*self._locations(session, cached),
+                                     CacheRows(latent=cache.latent[:, :cached],
+                                               indexer=cache.indexer[:, :cached]))
+        self._queue_restore(session, start=cached)
         return session
 
-    def _queue_restore(self, session: Session) -> None:
-        """Rebuild a session's cache from its log: an internal extend over the whole log."""
-        session.kv_len = 0
-        if not session.tokens:
+    def export_session(self, session_id: str) -> tuple[list[int], CacheRows]:
+        """An idle session's token log and the cached rows of its first `kv_len` tokens."""
+        session = self._idle(session_id)
+        return list(session.tokens), self.executor.read_rows(*self._locations(
+            session, session.kv_len))
+
+    def _locations(self, session: Session, count: int) -> tuple[np.ndarray, ...]:
+        """(shard, slot, offset) i32[count] of a session's first `count` tokens."""
+        ps = self.runtime.page_size
+        page = np.arange(count) // ps
+        shard = owner_shard(page, self.runtime.num_shards, session.table.rotation)
+        slot = np.asarray(session.table.slots, np.int32)[page]
+        return shard.astype(np.int32), slot, (np.arange(count) % ps).astype(np.int32)
+
+    def _check_rows(self, rows: CacheRows) -> None:
+        spec = self.executor.pool_spec
+        want = ((self.model.num_hidden_layers, self.model.latent_dim,
+                 storage_dtype(spec.latent_dtype)),
+                (self.model.num_full_layers, self.model.index_head_dim,
+                 storage_dtype(spec.indexer_dtype)))
+        for name, arr, (layers, dim, dtype) in zip(("latent", "indexer"),
+                                                   (rows.latent, rows.indexer), want):
+            if arr.ndim != 3 or (arr.shape[0], arr.shape[2], arr.dtype) != (layers, dim, dtype):
+                raise BadRequest(f"cached {name} rows {arr.dtype}{list(arr.shape)} do not fit "
+                                 f"this pool ({np.dtype(dtype)}[{layers}, N, {dim}])")
+
+    def _queue_restore(self, session: Session, start: int = 0) -> None:
+        """Rebuild a session's cache from its log past `start`: an internal extend."""
+        session.kv_len = start
+        if session.length == start:
             return
         request = Extend(id=("restore", session.id), session=session.id,
-                         tokens=np.asarray(session.tokens, np.int32))
+                         tokens=np.asarray(session.tokens[start:], np.int32))
         work = ExtendWork(request=request, session=session, target=session.length)
         session.busy = request.id
         self._work[request.id] = work

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import select_kernels
-from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
+from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.step import Segment, make_step
 from cp_runtime.weights import Params
 
@@ -42,6 +42,15 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def copy_page(self, shard: int, src: int, dst: int) -> None: ...
+
+    def read_rows(self, shard: np.ndarray, slot: np.ndarray, offset: np.ndarray) -> CacheRows:
+        """The cached rows at (shard, slot, offset) i32[N] each, every layer (snapshots)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read cache rows")
+
+    def write_rows(self, shard: np.ndarray, slot: np.ndarray, offset: np.ndarray,
+                   rows: CacheRows) -> None:
+        """Write rows (from `read_rows`, any pool) at (shard, slot, offset) i32[N] each."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write cache rows")
 
     @abc.abstractmethod
     def rebuild(self) -> None:
@@ -73,6 +82,37 @@ def make_page_copy(mesh):
     return jax.jit(spmd, donate_argnums=(0,))
 
 
+def make_row_io(mesh):
+    """(read, write) of cached rows at (shard, slot, offset) i32[N], every layer:
+
+    read(bufs, shard, slot, offset) -> T[N, D] per buffer, replicated (each shard reads the
+        rows it holds, zeros elsewhere, and a psum joins them);
+    write(pool, shard, slot, offset, latent rows, indexer rows) -> pool, in place (donated):
+        each shard writes its own rows, the others go to its sentinel page.
+    """
+    sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
+
+    def read_body(bufs, shard, slot, offset):
+        mine = (shard == jax.lax.axis_index(CP_AXIS))[:, None]
+        return tuple(jax.lax.psum(jnp.where(mine, b[0, slot, offset], 0), CP_AXIS)
+                     for b in bufs)
+
+    def write_body(kv: KVPool, shard, slot, offset, latent, indexer) -> KVPool:
+        mine = shard == jax.lax.axis_index(CP_AXIS)
+
+        def put(bufs, rows):                                  # bufs: [1, P + 1, ps, D] each
+            return tuple(b.at[0, jnp.where(mine, slot, b.shape[1] - 1), offset].set(r)
+                         for b, r in zip(bufs, rows))
+
+        return KVPool(latent=put(kv.latent, latent), indexer=put(kv.indexer, indexer))
+
+    read = jax.shard_map(read_body, mesh=mesh, in_specs=(sharded, rep, rep, rep), out_specs=rep,
+                         check_vma=False)
+    write = jax.shard_map(write_body, mesh=mesh, in_specs=(sharded, rep, rep, rep, rep, rep),
+                          out_specs=sharded, check_vma=False)
+    return jax.jit(read), jax.jit(write, donate_argnums=(0,))
+
+
 class LocalExecutor(Executor):
     """Runs steps on the first S devices of this process."""
 
@@ -89,6 +129,7 @@ class LocalExecutor(Executor):
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
+        self._read_rows, self._write_rows = make_row_io(self.mesh)
         self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels)
 
     def run(self, plan: tuple[Segment, ...]) -> list:
@@ -103,6 +144,18 @@ class LocalExecutor(Executor):
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
+
+    def read_rows(self, shard, slot, offset) -> CacheRows:
+        where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))
+        latent, indexer = (self._read_rows(bufs, *where)
+                           for bufs in (self.pool.latent, self.pool.indexer))
+        return CacheRows(latent=np.stack([np.asarray(x) for x in latent]),
+                         indexer=np.stack([np.asarray(x) for x in indexer]))
+
+    def write_rows(self, shard, slot, offset, rows: CacheRows) -> None:
+        where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))
+        self.pool = self._write_rows(self.pool, *where, tuple(rows.latent), tuple(rows.indexer))
+        jax.block_until_ready(self.pool)
 
     def copy_page(self, shard: int, src: int, dst: int) -> None:
         self.pool = self._copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))

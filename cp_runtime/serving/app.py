@@ -18,7 +18,7 @@ from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.serving.server import Server, ServerLimits
-from cp_runtime.serving.state import TokenStore
+from cp_runtime.serving.state import TokenStore, restore_sessions
 from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "is_loopback", "serve_forever"]
@@ -56,10 +56,10 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
     loaded = source.load()
     executor = LocalExecutor(loaded.config, runtime, loaded.params)
     engine = Engine(loaded.config, runtime, executor, seed=seed, journal=state)
-    for session_id, tokens in (state.load() if state is not None else {}).items():
-        engine.restore_session(session_id, tokens)
+    if state is not None:
+        restore_sessions(engine, state)
     return Server(engine, model_name=source.name, tokenizer=loaded.tokenizer, host=host,
-                  port=port, auth_token=auth_token, limits=limits)
+                  port=port, auth_token=auth_token, limits=limits, state=state)
 
 
 async def _serve_until_signalled(server: Server) -> None:

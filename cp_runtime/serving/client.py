@@ -242,6 +242,11 @@ class AsyncSession:
     async def info(self) -> dict:
         return await self.client.call("info", session=self.id)
 
+    async def snapshot(self) -> dict:
+        """Write the session's log and cache under the server's state directory (`path`,
+        `length`, `cached`); a restarted server, of any shard count, restores from it."""
+        return await self.client.call("snapshot", session=self.id)
+
     async def close(self) -> None:
         await self.client.call("close", session=self.id)
 
@@ -336,6 +341,9 @@ class Session:
 
     def info(self) -> dict:
         return self._client._run(self._inner.info())
+
+    def snapshot(self) -> dict:
+        return self._client._run(self._inner.snapshot())
 
     def close(self) -> None:
         self._client._run(self._inner.close())

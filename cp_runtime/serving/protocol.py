@@ -39,7 +39,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
-OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats", "sessions")
+OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats", "sessions",
+       "snapshot")
 EVENTS = ("progress", "token", "done", "error")
 ERROR_CODES = ("bad_request", "not_found", "capacity", "unauthorized", "unavailable",
                "internal")

@@ -26,6 +26,7 @@ from cp_runtime.engine.requests import (Done, EngineError, Extend, Failed, Gener
                                         SamplingParams, Token)
 from cp_runtime.pages import CapacityError
 from cp_runtime.serving.engine_loop import EngineLoop
+from cp_runtime.serving.state import TokenStore
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
                                          decode_tokens, encode_frame, read_frame)
 
@@ -79,8 +80,9 @@ class Server:
 
     def __init__(self, engine: Engine, *, model_name: str, tokenizer=None,
                  host: str = "127.0.0.1", port: int = 7777, auth_token: str | None = None,
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(), state: TokenStore | None = None):
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.state = state
         self.host, self.port, self.limits = host, port, limits
         self._token = auth_token.encode() if auth_token else None
         self._sinks: dict[tuple, asyncio.Queue] = {}
@@ -378,6 +380,20 @@ class _Handlers:
         events = await conn.server.on_engine(lambda e: e.close_session(session))
         conn.server._route(events)
         conn.done(rid)
+
+    @staticmethod
+    async def snapshot(conn: _Connection, rid, message: dict) -> None:
+        session = _session_field(message)
+        store = conn.server.state
+        if store is None:
+            raise _Refused("bad_request", "this server keeps no state: start it with "
+                                          "--state-dir to take snapshots")
+        tokens, rows = await conn.server.on_engine(lambda e: e.export_session(session))
+        rt = conn.server.engine.runtime
+        meta = {"model": conn.server.engine.model.name, "kv_cache_dtype": rt.kv_cache_dtype}
+        path = await asyncio.get_running_loop().run_in_executor(
+            None, store.write_snapshot, session, tokens, rows, meta)
+        conn.done(rid, path=str(path), length=len(tokens), cached=rows.num_tokens)
 
     @staticmethod
     async def sessions(conn: _Connection, rid, message: dict) -> None:

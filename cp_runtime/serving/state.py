@@ -3,6 +3,9 @@ engine's `Journal` (docs/state.md describes the format).
 
     DIR/sessions/<session id>.tokens     the session's token log: little-endian int32,
                                          append-only; one file per session, deleted on close
+    DIR/snapshots/<session id>/          the `snapshot` op: the log and the cached rows
+        meta.json, tokens.i32,           (latent, indexer: .npy in the pool's storage dtypes)
+        latent.npy, indexer.npy          at that moment; a restart restores from it
 
 A session's tokens reach its file, through `commit`, before the engine acknowledges any of them,
 so a server killed at any point (kill -9 included) restarts with every acknowledged token; a
@@ -23,19 +26,26 @@ Fsync policy (`--fsync`):
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pathlib
 import re
+import shutil
 import time
+
+import logging
 
 import numpy as np
 
 from cp_runtime.engine.journal import Journal
+from cp_runtime.pool import CacheRows
 
-__all__ = ["FSYNC_POLICIES", "TokenStore"]
+__all__ = ["FSYNC_POLICIES", "TokenStore", "restore_sessions"]
 
 FSYNC_POLICIES = ("always", "interval", "never")
+log = logging.getLogger(__name__)
 SUFFIX = ".tokens"
+SNAPSHOT_FORMAT = 1
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -67,6 +77,45 @@ class TokenStore(Journal):
             logs[path.stem] = np.frombuffer(raw[:whole], "<i4").tolist()
         return logs
 
+    # -- snapshots --------------------------------------------------------------------------
+    def snapshot_dir(self, session_id: str) -> pathlib.Path:
+        self.path(session_id)                          # checks the id
+        return self.dir.parent / "snapshots" / session_id
+
+    def write_snapshot(self, session_id: str, tokens: list[int], rows: CacheRows,
+                       meta: dict) -> pathlib.Path:
+        """Write (atomically: a complete new snapshot replaces the old one) and fsync."""
+        final = self.snapshot_dir(session_id)
+        tmp, old = final.with_suffix(".tmp"), final.with_suffix(".old")
+        for leftover in (tmp, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        meta = {"format": SNAPSHOT_FORMAT, "session": session_id, "tokens": len(tokens),
+                "cached": rows.num_tokens, "latent_dtype": str(rows.latent.dtype),
+                "indexer_dtype": str(rows.indexer.dtype), **meta}
+        (tmp / "tokens.i32").write_bytes(np.asarray(tokens, "<i4").tobytes())
+        np.save(tmp / "latent.npy", rows.latent)
+        np.save(tmp / "indexer.npy", rows.indexer)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for path in tmp.iterdir():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def read_snapshot(self, session_id: str) -> tuple[dict, list[int], CacheRows] | None:
+        """(meta, tokens, rows) of a session's snapshot, or None if it has none."""
+        d = self.snapshot_dir(session_id)
+        if not (d / "meta.json").exists():
+            return None
+        meta = json.loads((d / "meta.json").read_text())
+        tokens = np.frombuffer((d / "tokens.i32").read_bytes(), "<i4").tolist()
+        rows = CacheRows(latent=np.load(d / "latent.npy"), indexer=np.load(d / "indexer.npy"))
+        return meta, tokens, rows
+
     # -- Journal ----------------------------------------------------------------------------
     def created(self, session_id: str) -> None:
         self.path(session_id).touch()
@@ -83,6 +132,7 @@ class TokenStore(Journal):
         self._pending.pop(session_id, None)
         self._unsynced.discard(session_id)
         self.path(session_id).unlink(missing_ok=True)
+        shutil.rmtree(self.snapshot_dir(session_id), ignore_errors=True)
 
     def commit(self) -> None:
         for session_id, tokens in self._pending.items():
@@ -113,3 +163,21 @@ class TokenStore(Journal):
             os.close(dir_fd)
         self._unsynced.clear()
         self._last_sync = time.monotonic()
+
+
+def restore_sessions(engine, store: TokenStore) -> None:
+    """Bring back every session of `store` into `engine`: from its snapshot where one matches
+    (same model and cache dtype, its tokens a prefix of the log), the rest by prefill."""
+    for session_id, tokens in store.load().items():
+        snap = store.read_snapshot(session_id)
+        cache = None
+        if snap is not None:
+            meta, snap_tokens, rows = snap
+            if (meta.get("model"), meta.get("kv_cache_dtype")) != (
+                    engine.model.name, engine.runtime.kv_cache_dtype):
+                log.warning("session %s: snapshot of %s/%s does not fit %s/%s; re-prefilling",
+                            session_id, meta.get("model"), meta.get("kv_cache_dtype"),
+                            engine.model.name, engine.runtime.kv_cache_dtype)
+            elif tokens[: len(snap_tokens)] == snap_tokens:
+                cache = rows
+        engine.restore_session(session_id, tokens, cache=cache)
