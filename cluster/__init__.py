@@ -1,6 +1,8 @@
-"""Ray deployment: per-host worker actors and a `RayExecutor` that plugs into the engine through
-the `cp_runtime.engine.executor.Executor` interface, sending every step plan to all hosts in lockstep.
+"""Ray deployment: one `HostWorker` actor per host (cluster.worker) owning that host's devices,
+its shards of the pool and its own weights, and a `RayExecutor` (cluster.executor) that plugs
+into the engine through the `cp_runtime.engine.executor.Executor` interface, sending every step
+plan to all hosts in lockstep (one SPMD program over jax.distributed).
 
-Not built yet: the runtime runs on one host through `LocalExecutor`. Nothing in cp_runtime
-imports this package (cp_runtime knows nothing of Ray).
+Nothing in cp_runtime imports this package at module level (cp_runtime knows nothing of Ray):
+`cp-runtime serve --executor ray` imports it by name when asked to.
 """
