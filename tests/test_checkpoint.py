@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import signal
 import struct
 import sys
 
@@ -22,6 +23,9 @@ import numpy as np
 import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from safetensors.numpy import save_file
+from test_serving import start_server
+
+import cp_runtime
 
 from cp_runtime.benchmarks import needles, niah
 from cp_runtime.checkpoint import (
@@ -716,3 +720,20 @@ def test_niah_runs_checkpoint(ckpt, tmp_path):
     assert report["model"] == ckpt.dir.name
     assert len(report["cells"]) == 2 and all(c["trials"] == 1 for c in report["cells"])
     assert all(np.isfinite(c["logprob"]) for c in report["cells"])
+
+
+def test_a_served_checkpoint_takes_text_and_returns_text(ckpt):
+    """`cp-runtime serve --checkpoint DIR`: extend takes text through the checkpoint's
+    tokenizer and generate returns the generated tokens' text."""
+    proc, address = start_server("--checkpoint", str(ckpt.dir))
+    try:
+        with cp_runtime.Client(address) as client:
+            assert client.server["text"] is True and client.server["model"] == str(ckpt.dir)
+            session = client.create_session()
+            text = "The river pilot walked past the grey harbour wall"
+            assert session.extend(text)["length"] == len(load_tokenizer(ckpt.dir).encode(text))
+            gen = session.generate(max_tokens=5)
+            assert gen.text == load_tokenizer(ckpt.dir).decode(gen.tokens)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
