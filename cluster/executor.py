@@ -339,8 +339,9 @@ class RayExecutor(Executor):
         """The current worker actor handles, by rank (for fault tests)."""
         return list(self._group.workers)
 
-    def stats(self) -> dict:
-        """Every worker's health and place, the recoveries so far, and dispatch cost."""
+    def stats(self, pages_used_per_shard: list[int] | None = None) -> dict:
+        """Every worker's health and place (its shards, and with the engine's pages in use
+        per shard, its host's pool usage), the recoveries so far, and dispatch cost."""
         group = self._group
         now = time.monotonic()
         workers = []
@@ -348,13 +349,19 @@ class RayExecutor(Executor):
             for rank, ident in enumerate(group.identities):
                 h = group.health[rank] or {}
                 info = group.infos[rank] if group.infos else {}
-                workers.append({
+                shards = info.get("shards", [])
+                usage = {}
+                if pages_used_per_shard is not None:
+                    used = [int(pages_used_per_shard[i]) for i in shards]
+                    usage = {"pages_used_per_shard": used, "pages_used": sum(used),
+                             "pages": len(shards) * self.runtime.pages_per_shard}
+                workers.append({**usage,
                     "rank": rank, "node_ip": ident["node_ip"], "pid": ident["pid"],
                     "healthy": group.failure is None,
                     "state": h.get("state", "ready"),
                     "last_heartbeat_s": now - group.last_seen[rank],
                     "steps": h.get("steps", 0), "busy_s": h.get("busy_s", 0.0),
-                    "shards": info.get("shards", []), "pool_bytes": info.get("pool_bytes", 0)})
+                    "shards": shards, "pool_bytes": info.get("pool_bytes", 0)})
         d = self.dispatch
         return {"executor": "ray", "platform": self.platform, "hosts": self.hosts,
                 "devices_per_host": self.devices_per_host,

@@ -34,9 +34,9 @@ from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["main", "build_parser"]
 
-BENCHMARKS = ("niah", "serving", "capacity", "kernel_error", "selection", "throughput",
+BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "all")
-EXECUTORS = ("local",)
+EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
 
 
@@ -63,7 +63,31 @@ def _add_serve(sub) -> None:
                    help="address to bind; anything but loopback needs --auth-token")
     p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
-                   help="where shards run: local = the devices of this process")
+                   help="where shards run: local = the devices of this process; ray = one "
+                        "worker process per host (--hosts x --devices-per-host = --shards), "
+                        "an embedded Ray or the cluster at --ray-address")
+    p.add_argument("--hosts", type=positive_int, default=2,
+                   help="--executor ray: worker processes, one per host")
+    p.add_argument("--devices-per-host", type=positive_int, default=8,
+                   help="--executor ray: devices each worker owns (CPU: virtual devices)")
+    p.add_argument("--ray-address", default=None,
+                   help="--executor ray: attach to this Ray cluster ('auto': the one this "
+                        "machine belongs to) instead of starting an embedded one")
+    p.add_argument("--platform", choices=("auto", "cpu", "tpu"), default="auto",
+                   help="--executor ray: the workers' devices (auto: tpu when the Ray "
+                        "cluster has TPU resources)")
+    p.add_argument("--tpu-topology", default=None,
+                   help="--executor ray on TPU: the slice topology (e.g. 2x2x2), reserved "
+                        "whole through ray.util.tpu slice placement (with --tpu-version)")
+    p.add_argument("--tpu-version", default=None,
+                   help="--executor ray on TPU: the accelerator generation (e.g. v7x)")
+    p.add_argument("--heartbeat-s", type=finite_positive_float, default=1.0,
+                   help="--executor ray: seconds between worker heartbeats")
+    p.add_argument("--heartbeat-timeout-s", type=finite_positive_float, default=10.0,
+                   help="--executor ray: a worker silent this long is dead")
+    p.add_argument("--step-timeout-s", type=finite_positive_float, default=600.0,
+                   help="--executor ray: a step (compilation included) running longer "
+                        "than this fails its worker group")
     p.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
     p.add_argument("--state-dir", metavar="DIR", default=None,
@@ -89,13 +113,39 @@ def _run_serve(args) -> int:
                             max_batch=args.max_batch, backend=args.backend)
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
-    init_cpu_devices(args.shards)
+    factory = None
+    if args.executor == "ray":
+        factory = _ray_executor_factory(args)
+    else:
+        init_cpu_devices(args.shards)
     state = (TokenStore(args.state_dir, fsync=args.fsync, interval_s=args.fsync_interval)
              if args.state_dir else None)
     server = build_server(source, runtime, host=args.host, port=args.port,
-                          auth_token=token, limits=limits, state=state)
-    serve_forever(server)
+                          auth_token=token, limits=limits, state=state,
+                          executor_factory=factory)
+    try:
+        serve_forever(server)
+    finally:
+        server.engine.executor.close()
     return 0
+
+
+def _ray_executor_factory(args):
+    """RayExecutor(source, runtime) with the serve flags; cp_runtime.cluster (and Ray) load
+    only here, by name."""
+    if args.hosts * args.devices_per_host != args.shards:
+        raise ValueError(f"--hosts {args.hosts} x --devices-per-host {args.devices_per_host} "
+                         f"must equal --shards {args.shards}")
+    cluster = importlib.import_module("cp_runtime.cluster.executor")
+
+    def factory(source, runtime):
+        return cluster.RayExecutor(
+            source, runtime, hosts=args.hosts, devices_per_host=args.devices_per_host,
+            address=args.ray_address, platform=args.platform, heartbeat_s=args.heartbeat_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s, step_timeout_s=args.step_timeout_s,
+            tpu_topology=args.tpu_topology, tpu_version=args.tpu_version)
+
+    return factory
 
 
 def _add_demo(sub) -> None:

@@ -468,6 +468,7 @@ class Engine:
             "requests": len(self._work),
             "pages_used_per_shard": self.allocator.used_per_shard(),
             "pages_per_shard": self.runtime.pages_per_shard,
+            "executor": self.executor.stats(self.allocator.used_per_shard()),
             "steps_last_minute": len(recent),
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "prefill_tokens_last_minute": sum(t.prefill_tokens for t in recent),

@@ -57,6 +57,11 @@ class Executor(abc.ABC):
         """After a failed `run` (whose pool may be gone: it was donated), get a fresh, empty
         pool; the engine then rebuilds every session's cache from its token log."""
 
+    def stats(self, pages_used_per_shard: list[int] | None = None) -> dict:
+        """What `stats` shows of the executor (a multi-host one: every worker's health and
+        its hosts' pool usage, from the engine's pages in use per shard)."""
+        return {"executor": type(self).__name__}
+
     def close(self) -> None:
         """Release devices/workers. Default: nothing to release."""
 

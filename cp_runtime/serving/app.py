@@ -14,6 +14,7 @@ import threading
 
 import uvloop
 
+from cp_runtime.checkpoint import load_tokenizer
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
@@ -48,17 +49,25 @@ def check_bind(host: str, auth_token: str | None) -> None:
 def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "127.0.0.1",
                  port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
-                 state: TokenStore | None = None) -> Server:
+                 state: TokenStore | None = None, executor_factory=None) -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
     server. With a token store, the sessions it holds come back (their caches rebuilt from
-    their logs by prefills queued before the first connection)."""
+    their logs by prefills queued before the first connection). `executor_factory(source,
+    runtime) -> Executor` replaces the local executor (its workers load the weights: this
+    process reads only the config and the tokenizer)."""
     check_bind(host, auth_token)
-    loaded = source.load()
-    executor = LocalExecutor(loaded.config, runtime, loaded.params)
-    engine = Engine(loaded.config, runtime, executor, seed=seed, journal=state)
+    if executor_factory is None:
+        loaded = source.load()
+        config, tokenizer = loaded.config, loaded.tokenizer
+        executor = LocalExecutor(loaded.config, runtime, loaded.params)
+    else:
+        config = source.config()
+        tokenizer = load_tokenizer(source.checkpoint) if source.checkpoint else None
+        executor = executor_factory(source, runtime)
+    engine = Engine(config, runtime, executor, seed=seed, journal=state)
     if state is not None:
         restore_sessions(engine, state)
-    return Server(engine, model_name=source.name, tokenizer=loaded.tokenizer, host=host,
+    return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
                   port=port, auth_token=auth_token, limits=limits, state=state)
 
 

@@ -1,0 +1,202 @@
+"""The Ray executor: 2 worker processes x 8 CPU devices (gloo collectives) give the local
+executor's results at S = 16, `cp-runtime serve --executor ray` serves them, and a worker killed
+mid-prefill or mid-decode (actor kill, process kill) costs a retryable error and a re-prefill,
+never a token. One Ray start and one worker group for the module (faults replace the group)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import cp_runtime  # noqa: E402
+from conftest import random_tokens  # noqa: E402
+from cp_runtime.config import RuntimeConfig  # noqa: E402
+from cp_runtime.engine import Engine  # noqa: E402
+from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
+from cp_runtime.engine.requests import (Done, Extend, Failed, Generate,  # noqa: E402
+                                        SamplingParams, Token)
+from cp_runtime.weights_source import WeightsSource  # noqa: E402
+
+SOURCE = WeightsSource(model="tiny", seed=0)
+RUNTIME = RuntimeConfig(model="tiny", kv_cache_dtype="f32", pages_per_shard=24, chunk_size=64)
+PROMPT = 150
+GENERATE = 10
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Two workers for the executor and two for the served process that attaches to it.
+    ray.init(num_cpus=6, include_dashboard=False, logging_level="warning",
+             log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def executor(ray_cluster, tmp_path_factory):
+    from cp_runtime.cluster.executor import RayExecutor
+    ex = RayExecutor(SOURCE, RUNTIME, hosts=2, devices_per_host=8, heartbeat_s=0.5,
+                     heartbeat_timeout_s=5.0, step_timeout_s=120.0,
+                     compilation_cache_dir=str(tmp_path_factory.mktemp("xla-cache")))
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
+def local(tiny, tiny_params):
+    return LocalExecutor(tiny, RUNTIME, tiny_params)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, local):
+    """The local executor's greedy continuation of the prompt (and its logits)."""
+    engine = Engine(tiny, RUNTIME, local)
+    prompt = random_tokens(tiny, PROMPT, 0)
+    s = engine.create_session()
+    prefill = engine.extend(s.id, prompt, all_logits=True)
+    tokens, decode = [int(prefill[-1].argmax())], []
+    for _ in range(GENERATE - 1):
+        decode.append(engine.decode([s.id], [tokens[-1]])[0])
+        tokens.append(int(decode[-1].argmax()))
+    engine.close_session(s.id)
+    return {"prompt": prompt, "prefill": prefill, "decode": np.stack(decode), "tokens": tokens}
+
+
+def test_prefill_and_decode_equal_the_local_executor(tiny, executor, reference):
+    engine = Engine(executor.model, RUNTIME, executor)
+    s = engine.create_session()
+    prefill = engine.extend(s.id, reference["prompt"], all_logits=True)
+    tokens, decode = [int(prefill[-1].argmax())], []
+    for _ in range(GENERATE - 1):
+        decode.append(engine.decode([s.id], [tokens[-1]])[0])
+        tokens.append(int(decode[-1].argmax()))
+    decode = np.stack(decode)
+    assert prefill.shape == reference["prefill"].shape == (PROMPT, tiny.vocab_size)
+    assert np.abs(prefill - reference["prefill"]).max() <= 1e-5
+    assert np.abs(decode - reference["decode"]).max() <= 1e-5
+    assert tokens == reference["tokens"]
+    stats = executor.stats()
+    assert [w["shards"] for w in stats["workers"]] == [list(range(8)), list(range(8, 16))]
+    assert stats["healthy"] and all(w["healthy"] for w in stats["workers"])
+    engine.close_session(s.id)
+
+
+# -- faults -----------------------------------------------------------------------------------
+def _kill(executor, how: str, rank: int = 1) -> None:
+    if how == "actor":
+        ray.kill(executor.workers()[rank], no_restart=True)
+    else:
+        os.kill(executor.worker_pids()[rank], signal.SIGKILL)
+
+
+def _run_until_quiet(engine, events: list, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.has_work:
+        assert time.monotonic() < deadline, "the engine did not finish its work"
+        events += [(time.monotonic(), e) for e in engine.step()]
+
+
+SLOW = pytest.mark.slow          # each kill point restarts the group (~15 s here)
+
+
+@pytest.mark.parametrize("how, during", [("actor", "decode"), ("process", "prefill"),
+                                         pytest.param("actor", "prefill", marks=SLOW),
+                                         pytest.param("process", "decode", marks=SLOW)])
+def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, how, during):
+    """Kill worker 1 while a step is in flight: the request fails `unavailable` within the
+    bounded time, a fresh group is up, the session is rebuilt from its token log, and
+    retrying gives the unfaulted greedy tokens."""
+    engine = Engine(executor.model, RUNTIME, executor)
+    s = engine.create_session()
+    prompt = reference["prompt"]
+    generations_before = len(executor.recoveries)
+    if during == "decode":
+        engine.submit(Extend(id="prompt", session=s.id, tokens=np.asarray(prompt, np.int32)))
+        _run_until_quiet(engine, [])
+        engine.submit(Generate(id="gen", session=s.id,
+                               sampling=SamplingParams(max_tokens=GENERATE)))
+        kill_at = 3                                     # the third decode step
+    else:
+        engine.submit(Extend(id="prompt", session=s.id, tokens=np.asarray(prompt, np.int32)))
+        kill_at = 2                                     # the second prefill chunk
+    run, calls, killed = executor.run, [0], []
+
+    def run_and_kill(plan):
+        calls[0] += 1
+        if calls[0] == kill_at:                         # lands while this step is in flight
+            threading.Timer(0.01, lambda: (killed.append(time.monotonic()),
+                                           _kill(executor, how))).start()
+        return run(plan)
+
+    executor.run = run_and_kill
+    events: list = []
+    try:
+        _run_until_quiet(engine, events)
+    finally:
+        del executor.run
+    failed = [(t, e) for t, e in events if isinstance(e, Failed)]
+    assert len(failed) == 1 and failed[0][1].code == "unavailable", events
+    assert len(executor.recoveries) == generations_before + 1
+    recovery = executor.recoveries[-1]
+    assert recovery["restart_error"] is None and recovery["detect_s"] < 30.0
+    detected = failed[0][0] - killed[0]
+    # The re-prefill of the token log ran (the engine queued it) and the session is whole.
+    assert not engine.info(s.id)["restoring"] and engine.info(s.id)["cached"] >= PROMPT - 1
+    if during == "prefill":
+        assert s.tokens == prompt                        # every token stayed in the log
+        engine.submit(Generate(id="gen", session=s.id,
+                               sampling=SamplingParams(max_tokens=GENERATE)))
+    else:
+        made = s.tokens[PROMPT:]
+        assert 0 < len(made) < GENERATE and made == reference["tokens"][: len(made)]
+        engine.submit(Generate(id="gen2", session=s.id,
+                               sampling=SamplingParams(max_tokens=GENERATE - len(made))))
+    after: list = []
+    _run_until_quiet(engine, after)
+    assert any(isinstance(e, Done) for _, e in after)
+    assert s.tokens == prompt + reference["tokens"], "greedy tokens after recovery differ"
+    assert all(not isinstance(e, Failed) for _, e in after)
+    print(f"\nkill {how} mid-{during}: failed after {detected:.2f} s (detect "
+          f"{recovery['detect_s']:.2f} s, fresh group {recovery['restart_s']:.2f} s)")
+    stats = executor.stats()
+    assert stats["healthy"] and stats["generation"] == recovery["generation"] + 1
+    engine.close_session(s.id)
+
+
+# -- serving ----------------------------------------------------------------------------------
+def test_serve_with_ray_executor(ray_cluster, reference):
+    """`cp-runtime serve --executor ray --ray-address ADDR` serves the same greedy tokens;
+    `stats` shows both workers."""
+    cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--model", "tiny", "--shards", "16",
+           "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
+           "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",
+           "--ray-address", ray_cluster]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline, address = time.monotonic() + 180, None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("listening on "):
+                address = line.split()[-1]
+                break
+            assert proc.poll() is None, "server exited"
+        assert address, "server did not start"
+        with cp_runtime.Client(address) as client:
+            session = client.create_session()
+            session.extend(reference["prompt"])
+            gen = session.generate(max_tokens=GENERATE)
+            assert gen.tokens == reference["tokens"]
+            workers = client.stats()["executor"]["workers"]
+            assert [w["rank"] for w in workers] == [0, 1]
+            assert all(w["healthy"] for w in workers)
+            assert sum(w["pages_used"] for w in workers) == 10     # 160 tokens, 16 a page
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
