@@ -132,13 +132,21 @@ class RayExecutor(Executor):
             tpu = getattr(ray.util, "tpu", None)
             if (self.tpu_topology and self.tpu_version and tpu is not None
                     and hasattr(tpu, "slice_placement_group")):
-                spg = tpu.slice_placement_group(self.tpu_topology, self.tpu_version)
-                if spg.num_hosts != h:
-                    spg.shutdown()
-                    raise ValueError(f"a {self.tpu_version} {self.tpu_topology} slice has "
-                                     f"{spg.num_hosts} hosts, --hosts is {h}")
-                chips = spg.devices_per_host
-                return spg, spg.placement_group, {"num_cpus": 0, "resources": {"TPU": chips}}
+                try:
+                    spg = tpu.slice_placement_group(self.tpu_topology, self.tpu_version)
+                except Exception:                               # noqa: BLE001
+                    # Hosts without slice labels (an on-prem Ray over TPU VMs whose metadata
+                    # Ray cannot read): place by TPU resources alone, below.
+                    log.warning("TPU slice placement failed; spreading over TPU hosts",
+                                exc_info=True)
+                else:
+                    if spg.num_hosts != h:
+                        spg.shutdown()
+                        raise ValueError(f"a {self.tpu_version} {self.tpu_topology} slice has "
+                                         f"{spg.num_hosts} hosts, --hosts is {h}")
+                    chips = spg.devices_per_host
+                    return spg, spg.placement_group, {"num_cpus": 0,
+                                                      "resources": {"TPU": chips}}
             chips = self._tpu_chips_per_host()
             pg = placement_group([{"TPU": chips, "CPU": 1}] * h, strategy="STRICT_SPREAD")
             return pg, pg, {"num_cpus": 1, "resources": {"TPU": chips}}

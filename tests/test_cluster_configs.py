@@ -1,0 +1,91 @@
+"""configs/cluster/: the `ray up` YAML (local provider over a tpu7x-16 slice's two hosts) and the
+KubeRay RayCluster for GKE TPU v7x parse, have the keys a deployment needs, and every value a
+user must fill in is a <PLACEHOLDER> that docs/deploy.md documents."""
+
+import pathlib
+import re
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "configs" / "cluster"
+RAY_UP = CLUSTER / "tpu7x-16-ray-up.yaml"
+KUBERAY = CLUSTER / "tpu7x-16-kuberay.yaml"
+DEPLOY = ROOT / "docs" / "deploy.md"
+PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
+SERVE = ("cp-runtime serve --executor ray --hosts 2 --devices-per-host 8 --ray-address auto "
+         "--host 0.0.0.0")
+
+
+def _load(path):
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _words(command: str) -> str:
+    return " ".join(command.replace("~/cp-runtime-venv/bin/", "").split())
+
+
+def test_ray_up_uses_the_local_provider_over_two_hosts():
+    (cfg,) = _load(RAY_UP)
+    assert cfg["cluster_name"]
+    provider = cfg["provider"]
+    assert provider["type"] == "local"
+    assert provider["head_ip"] == "<HEAD_IP>" and provider["worker_ips"] == ["<WORKER_IP>"]
+    assert cfg["auth"]["ssh_user"] and cfg["auth"]["ssh_private_key"]
+    assert cfg["min_workers"] == cfg["max_workers"] == 1       # host 1; host 0 is the head
+
+
+def test_ray_up_installs_the_tpu_extra_and_starts_the_server_with_a_token_from_env():
+    (cfg,) = _load(RAY_UP)
+    setup = " ".join(cfg["setup_commands"])
+    assert re.search(r"pip install \S*\[tpu\]", setup)
+    head = [_words(c) for c in cfg["head_start_ray_commands"]]
+    assert any("ray start --head" in c for c in head)
+    serve = [c for c in head if SERVE in c]
+    assert len(serve) == 1
+    assert "CP_RUNTIME_TOKEN=" in serve[0] and "--auth-token" not in serve[0]
+    assert "--tpu-topology 2x2x2 --tpu-version v7x" in serve[0]
+    assert any("ray start --address=$RAY_HEAD_IP:6379" in _words(c)
+               for c in cfg["worker_start_ray_commands"])
+    assert set(cfg["file_mounts"].values()) == {"<TOKEN_FILE>"}
+
+
+def test_kuberay_cluster_places_one_pod_per_tpu7x_host():
+    cluster, service = _load(KUBERAY)
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert group["numOfHosts"] == 2 and group["replicas"] == 1
+    pod = group["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
+                                   "cloud.google.com/gke-tpu-topology": "2x2x2"}
+    (container,) = pod["containers"]
+    for kind in ("requests", "limits"):
+        assert str(container["resources"][kind]["google.com/tpu"]) == "4"
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in head["env"]}
+    assert "secretKeyRef" in env["CP_RUNTIME_TOKEN"]["valueFrom"]
+    start = _words(" ".join(head["lifecycle"]["postStart"]["exec"]["command"]))
+    assert SERVE in start
+    assert service["kind"] == "Service"
+
+
+@pytest.mark.parametrize("path", [RAY_UP, KUBERAY], ids=lambda p: p.name)
+def test_every_placeholder_is_documented(path):
+    found = set(PLACEHOLDER.findall(path.read_text()))
+    assert found, f"{path.name} has no <PLACEHOLDER>: values to fill in must be marked"
+    documented = set(re.findall(r"^\| `(<[A-Z][A-Z0-9_]*>)` \|", DEPLOY.read_text(), re.M))
+    assert not found - documented, f"undocumented in docs/deploy.md: {found - documented}"
+
+
+def test_deploy_walks_through_both_files():
+    text = DEPLOY.read_text()
+    for needle in ("tpu7x-16-ray-up.yaml", "tpu7x-16-kuberay.yaml", "ray up", "kubectl apply",
+                   "numOfHosts", "google.com/tpu: 4", "Cloud TPU API"):
+        assert needle in text, needle
+
+
+def test_configs_ship_as_package_data():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"cluster/*.yaml"' in text and re.search(r"(?m)^\s*\"pyyaml", text)
