@@ -4,7 +4,7 @@ every pool buffer to its output and allocates no pool-sized temporary."""
 import pytest
 
 from conftest import make_engine, random_tokens
-from cp_runtime.engine.core import _Row
+from cp_runtime.engine.plans import Row
 
 
 def _compiled_step(engine, q):
@@ -12,7 +12,7 @@ def _compiled_step(engine, q):
     ex = engine.executor
     s = engine.create_session()
     engine._reserve(s, q)
-    segment = engine._segment("logits", [_Row(s, random_tokens(engine.model, q, 0), 0)])
+    segment = engine._segment("logits", [Row(s.table, random_tokens(engine.model, q, 0), 0)])
     args = (segment.to_device(ex.mesh, engine.runtime.num_shards),)
     return ex._step.lower(ex.params, ex.pool, args, kinds=("logits",)).compile(), ex
 

@@ -41,15 +41,15 @@ import numpy as np
 from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
 from cp_runtime.engine.executor import Executor
 from cp_runtime.engine.journal import Journal
+from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
                                         Progress, Token, Unavailable, check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
 from cp_runtime.kernels.storage import storage_dtype
-from cp_runtime.layout import cdiv, owner_shard, rotated_row
+from cp_runtime.layout import cdiv, owner_shard
 from cp_runtime.pages import CapacityError, PageAllocator, PageTable
 from cp_runtime.pool import CacheRows
-from cp_runtime.sampler import SamplingArrays
-from cp_runtime.step import Segment, StepInputs
+from cp_runtime.step import Segment
 
 __all__ = ["Session", "Engine", "StepTiming"]
 
@@ -86,23 +86,6 @@ class StepTiming:
     decode_tokens: int
     host_s: float
     device_s: float
-
-
-def _bucket(n: int, multiple: int) -> int:
-    """Round n up to multiple * 2^k, so step shapes (and compiles) stay few."""
-    size = multiple
-    while size < n:
-        size *= 2
-    return size
-
-
-@dataclasses.dataclass(frozen=True)
-class _Row:
-    """One row of a segment: `tokens` written from position `start` of `session`."""
-
-    session: Session
-    tokens: list[int]
-    start: int
 
 
 class Engine:
@@ -344,50 +327,21 @@ class Engine:
     def _segments(self, batch: Batch) -> list[Segment]:
         segments = []
         if batch.decodes:
-            rows = [_Row(w.session, [w.session.tokens[-1]], w.session.length - 1)
+            rows = [Row(w.session.table, [w.session.tokens[-1]], w.session.length - 1)
                     for w in batch.decodes]
-            segments.append(self._segment("sample", rows, self._sampling(batch.decodes)))
+            sampling = sampling_arrays([w.request.sampling for w in batch.decodes],
+                                       [w.seed for w in batch.decodes])
+            segments.append(self._segment("sample", rows, sampling=sampling))
         if batch.prefill is not None:
             s = batch.prefill.session
-            rows = [_Row(s, s.tokens[s.kv_len: s.kv_len + batch.prefill_tokens], s.kv_len)]
+            rows = [Row(s.table, s.tokens[s.kv_len: s.kv_len + batch.prefill_tokens], s.kv_len)]
             segments.append(self._segment("fill", rows, width=self.runtime.chunk_size))
         return segments
 
-    def _sampling(self, decodes: tuple[GenerateWork, ...]) -> SamplingArrays:
-        rows = _bucket(len(decodes), 1)
-        arrays = SamplingArrays.greedy(rows)
-        for i, w in enumerate(decodes):
-            p = w.request.sampling
-            arrays.temperature[i], arrays.top_p[i], arrays.top_k[i] = p.temperature, p.top_p, p.top_k
-            arrays.seed[i] = w.seed
-        return arrays
-
-    def _segment(self, kind: str, rows: list[_Row], sampling: SamplingArrays | None = None,
-                 width: int | None = None) -> Segment:
-        """A segment of `rows` (padded to a power-of-two row count and `width` queries)."""
-        num_rows = _bucket(len(rows), 1)
-        width = width or max(len(r.tokens) for r in rows)
-        ps, shards = self.runtime.page_size, self.runtime.num_shards
-        tokens = np.zeros((num_rows, width), np.int32)
-        positions = np.full((num_rows, width), -1, np.int32)
-        last = np.zeros((num_rows,), np.int32)
-        rotation = np.zeros((num_rows,), np.int32)
-        # Pages up to each row's last token only: later pages hold no keys yet, and the
-        # indexer's work grows with the table width.
-        used = [cdiv(r.start + len(r.tokens), ps) for r in rows]
-        table_width = _bucket(max(u + r.session.table.rotation for u, r in zip(used, rows)),
-                              shards)
-        table = np.full((num_rows, table_width), self.allocator.sentinel, np.int32)
-        for i, (r, n) in enumerate(zip(rows, used)):
-            tokens[i, : len(r.tokens)] = r.tokens
-            positions[i, : len(r.tokens)] = np.arange(r.start, r.start + len(r.tokens))
-            last[i] = len(r.tokens) - 1
-            rotation[i] = r.session.table.rotation
-            table[i] = rotated_row(r.session.table.slots[:n], rotation[i], table_width,
-                                   self.allocator.sentinel)
-        inputs = StepInputs(tokens=tokens, positions=positions, page_table=table,
-                            logit_index=last, rotation=rotation)
-        return Segment(kind=kind, inputs=inputs, sampling=sampling)
+    def _segment(self, kind: str, rows: list[Row], **kw) -> Segment:
+        return build_segment(kind, rows, page_size=self.runtime.page_size,
+                             num_shards=self.runtime.num_shards,
+                             sentinel=self.allocator.sentinel, **kw)
 
     def _apply(self, batch: Batch, outputs: list) -> list:
         events: list = []
@@ -496,7 +450,7 @@ class Engine:
             piece = session.tokens[start: start + chunk]
             final = start + len(piece) == session.length
             kind = "all_logits" if all_logits else ("logits" if final else "fill")
-            out = self.executor.run((self._segment(kind, [_Row(session, piece, start)],
+            out = self.executor.run((self._segment(kind, [Row(session.table, piece, start)],
                                                    width=chunk),))[0]
             session.kv_len += len(piece)
             if all_logits:
@@ -520,7 +474,7 @@ class Engine:
         if any(s.kv_len != s.length for s in sessions):
             raise BadRequest("decode needs sessions whose every token is in the cache")
         self._reserve_all(sessions)
-        rows = [_Row(s, [t], s.length) for s, t in zip(sessions, ids)]
+        rows = [Row(s.table, [t], s.length) for s, t in zip(sessions, ids)]
         out = self.executor.run((self._segment("logits", rows),))[0]
         for s, t in zip(sessions, ids):
             s.tokens.append(t)

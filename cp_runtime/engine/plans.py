@@ -1,0 +1,72 @@
+"""Step plans from engine rows: the host arrays of one `Segment` (cp_runtime.step).
+
+A row is `tokens` of one session written from position `start`; a segment pads its rows to a
+power-of-two count and a common width, and its page table to S * 2^k entries, so step shapes
+(and compiles) stay few. Page tables are in rotated coordinates (cp_runtime.layout) and stop at
+each row's last token: later pages hold no keys yet, and the indexer's work grows with the
+table width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cp_runtime.engine.requests import SamplingParams
+from cp_runtime.layout import cdiv, rotated_row
+from cp_runtime.pages import PageTable
+from cp_runtime.sampler import SamplingArrays
+from cp_runtime.step import Segment, StepInputs
+
+__all__ = ["Row", "bucket", "build_segment", "sampling_arrays"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """`tokens` written from position `start` of the session whose pages are `table`."""
+
+    table: PageTable
+    tokens: list[int]
+    start: int
+
+
+def bucket(n: int, multiple: int) -> int:
+    """Round n up to multiple * 2^k."""
+    size = multiple
+    while size < n:
+        size *= 2
+    return size
+
+
+def sampling_arrays(params: list[SamplingParams], seeds: list[int]) -> SamplingArrays:
+    """Per-row sampling settings, padded like the rows (padding rows are greedy)."""
+    arrays = SamplingArrays.greedy(bucket(len(params), 1))
+    for i, (p, seed) in enumerate(zip(params, seeds)):
+        arrays.temperature[i], arrays.top_p[i], arrays.top_k[i] = p.temperature, p.top_p, p.top_k
+        arrays.seed[i] = seed
+    return arrays
+
+
+def build_segment(kind: str, rows: list[Row], *, page_size: int, num_shards: int,
+                  sentinel: int, sampling: SamplingArrays | None = None,
+                  width: int | None = None) -> Segment:
+    """A segment of `rows`, each padded to `width` queries (default: the longest row)."""
+    num_rows = bucket(len(rows), 1)
+    width = width or max(len(r.tokens) for r in rows)
+    tokens = np.zeros((num_rows, width), np.int32)
+    positions = np.full((num_rows, width), -1, np.int32)
+    last = np.zeros((num_rows,), np.int32)
+    rotation = np.zeros((num_rows,), np.int32)
+    used = [cdiv(r.start + len(r.tokens), page_size) for r in rows]
+    table_width = bucket(max(u + r.table.rotation for u, r in zip(used, rows)), num_shards)
+    table = np.full((num_rows, table_width), sentinel, np.int32)
+    for i, (r, n) in enumerate(zip(rows, used)):
+        tokens[i, : len(r.tokens)] = r.tokens
+        positions[i, : len(r.tokens)] = np.arange(r.start, r.start + len(r.tokens))
+        last[i] = len(r.tokens) - 1
+        rotation[i] = r.table.rotation
+        table[i] = rotated_row(r.table.slots[:n], r.table.rotation, table_width, sentinel)
+    inputs = StepInputs(tokens=tokens, positions=positions, page_table=table, logit_index=last,
+                        rotation=rotation)
+    return Segment(kind=kind, inputs=inputs, sampling=sampling)
