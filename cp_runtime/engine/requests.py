@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 MAX_SEED = 2 ** 32          # seeds are u32 on the device
+MAX_TOP_K = 2 ** 31         # top_k is i32 on the device
+MAX_F32 = float(np.finfo(np.float32).max)   # temperature is f32 on the device
 
 
 class EngineError(Exception):
@@ -72,6 +74,10 @@ def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
         bad = next((t for t in items if not _is_int(t)), None)
         if bad is not None:
             raise BadRequest(f"token {bad!r} is not an integer")
+        # Range first: ids beyond int64 (msgpack carries up to 2**64 - 1) cannot be converted.
+        bad = next((t for t in items if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"token {int(bad)} is outside the vocabulary [0, {vocab_size})")
         ids = np.asarray(items, np.int64)
     if ids.size == 0:
         raise BadRequest("tokens is empty: send at least one token")
@@ -104,12 +110,12 @@ class SamplingParams:
         need(_is_int(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         need(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-             and 0 <= self.temperature < float("inf"),
-             f"temperature={self.temperature!r} must be a finite number >= 0")
+             and 0 <= self.temperature <= MAX_F32,
+             f"temperature={self.temperature!r} must be a finite number >= 0 (float32)")
         need(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
              and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
-        need(_is_int(self.top_k) and self.top_k >= 0,
-             f"top_k={self.top_k!r} must be an integer >= 0 (0 = no limit)")
+        need(_is_int(self.top_k) and 0 <= self.top_k < MAX_TOP_K,
+             f"top_k={self.top_k!r} must be an integer in [0, 2**31) (0 = no limit)")
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
              f"seed={self.seed!r} must be an integer in [0, 2**32)")
         need(isinstance(self.stop, (tuple, list)) and all(_is_int(t) for t in self.stop),

@@ -73,7 +73,7 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> dict | Non
         raise FrameError("connection closed inside a frame header") from None
     (length,) = HEADER.unpack(head)
     if length > max_bytes:
-        raise FrameError(f"frame of {length} bytes exceeds the limit of {max_bytes}")
+        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes={max_bytes}")
     try:
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError:

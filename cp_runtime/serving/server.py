@@ -19,6 +19,7 @@ import dataclasses
 import hmac
 import itertools
 import logging
+import socket
 import time
 
 from cp_runtime.engine.core import Engine
@@ -35,6 +36,7 @@ __all__ = ["ServerLimits", "Server"]
 log = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+MAX_MESSAGE_CHARS = 1000          # an error message quoting a request is cut here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,10 @@ class Server:
     # -- connections ------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(self, reader, writer, next(self._ids))
+        sock = writer.get_extra_info("socket")
+        if sock is not None:     # the kernel's buffer of unread replies is bounded too
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                            min(self.limits.max_pending_bytes, 1 << 22))
         if len(self._connections) >= self.limits.max_connections:
             conn.send({"id": None, "event": "error", "code": "unavailable",
                        "message": f"too many connections (max_connections="
@@ -220,7 +226,7 @@ class _Connection:
         rid = message.get("id")
         if not isinstance(rid, (int, str)) or isinstance(rid, bool):
             self.send({"id": None, "event": "error", "code": "bad_request",
-                       "message": f"request needs an integer or string 'id', got {rid!r}"})
+                       "message": f"request needs an integer or string 'id', got {rid!r:.100}"})
             return
         if rid in self.tasks:
             self._error(rid, "bad_request", f"request id {rid!r} is already in flight")
@@ -228,6 +234,8 @@ class _Connection:
         self.tasks[rid] = asyncio.get_running_loop().create_task(self._serve(rid, message))
 
     def _error(self, rid, code: str, message: str) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:         # messages may quote the request
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
         self.send({"id": rid, "event": "error", "code": code, "message": message})
 
     async def _serve(self, rid, message: dict) -> None:
@@ -240,7 +248,9 @@ class _Connection:
             handler = getattr(_Handlers, op)
             await handler(self, rid, message)
         except asyncio.CancelledError:
-            await self._cancel(rid)
+            # An accepted extend's tokens are in the session's log already: it runs on without
+            # its client (cancelling it would leave the log ahead of the cache).
+            await self._cancel(rid, in_engine=message.get("op") != "extend")
         except Exception as e:                       # noqa: BLE001 - answered, never fatal
             code = _error_code(e)
             if code == "internal":
@@ -251,9 +261,11 @@ class _Connection:
         finally:
             self.tasks.pop(rid, None)
 
-    async def _cancel(self, rid) -> None:
+    async def _cancel(self, rid, in_engine: bool = True) -> None:
         key = (self.number, rid)
         self.server._sinks.pop(key, None)
+        if not in_engine:
+            return
         try:
             await asyncio.shield(self.server.on_engine(lambda e: e.cancel(key)))
         except RuntimeError:                         # the engine loop has stopped
