@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -44,12 +45,14 @@ from cp_runtime.pool import CacheRows
 from cp_runtime.step import Segment
 from cp_runtime.weights_source import WeightsSource
 
+from cp_runtime.cluster import channel as channel_io
 from cp_runtime.cluster.worker import HostWorker
 
-__all__ = ["RayExecutor", "WorkerLost", "PLATFORMS"]
+__all__ = ["RayExecutor", "WorkerLost", "CHANNELS", "PLATFORMS"]
 
 log = logging.getLogger(__name__)
 PLATFORMS = ("auto", "cpu", "tpu")
+CHANNELS = ("socket", "actor")
 _POLL_S = 0.05
 
 
@@ -71,6 +74,7 @@ class _Group:
     failure: str | None = None                  # set by the heartbeat thread
     health: list[dict | None] = dataclasses.field(default_factory=list)
     last_seen: list[float] = dataclasses.field(default_factory=list)
+    sockets: list | None = None                 # the persistent channels, when open
 
 
 class RayExecutor(Executor):
@@ -82,10 +86,12 @@ class RayExecutor(Executor):
                  heartbeat_timeout_s: float = 10.0, step_timeout_s: float = 600.0,
                  setup_timeout_s: float = 900.0, tpu_topology: str | None = None,
                  tpu_version: str | None = None, compilation_cache_dir: str | None = None,
-                 ray_init: dict | None = None):
+                 channel: str = "socket", ray_init: dict | None = None):
         if hosts * devices_per_host != runtime.num_shards:
             raise ValueError(f"hosts x devices per host = {hosts} x {devices_per_host} must "
                              f"equal the shard count {runtime.num_shards}")
+        if channel not in CHANNELS:
+            raise ValueError(f"channel {channel!r} is not one of {CHANNELS}")
         if platform not in PLATFORMS:
             raise ValueError(f"platform {platform!r} is not one of {PLATFORMS}")
         for name, v in (("heartbeat_s", heartbeat_s), ("heartbeat_timeout_s", heartbeat_timeout_s),
@@ -102,6 +108,8 @@ class RayExecutor(Executor):
         self.compilation_cache_dir = compilation_cache_dir
         self.recoveries: list[dict] = []        # one entry per worker group replaced
         self.dispatch = {"steps": 0, "wall_s": 0.0, "worker_s": 0.0}
+        self.channel = channel
+        self.last_worker_s = 0.0                # the last step's time inside the workers
         self._owns_ray = False
         if not ray.is_initialized():
             kwargs = dict(ray_init or {})
@@ -202,6 +210,12 @@ class RayExecutor(Executor):
                              identities=identities, infos=infos, placement=handle,
                              started=now, health=[None] * self.hosts,
                              last_seen=[now] * self.hosts)
+        if self.channel == "socket":
+            try:
+                self._open_channels(self._group)
+            except BaseException:
+                self._teardown(self._group)
+                raise
         log.info("worker group %d up in %.1f s: %s", self._generation, now - t0,
                  [(i["node_ip"], i["pid"]) for i in identities])
 
@@ -215,7 +229,35 @@ class RayExecutor(Executor):
         except Exception:                                       # noqa: BLE001 - best effort
             log.exception("releasing a placement group failed")
 
+    def _open_channels(self, group: _Group) -> None:
+        secret = secrets.token_bytes(32)
+        addresses = ray.get([w.open_channel.remote(secret) for w in group.workers],
+                            timeout=self.setup_timeout_s)
+        group.sockets = [channel_io.connect(a, secret) for a in addresses]
+
+    def use_channel(self, name: str) -> None:
+        """Send steps as actor calls ("actor") or over a persistent socket per worker
+        ("socket"); the heartbeat stays on actor calls either way."""
+        if name not in CHANNELS:
+            raise ValueError(f"channel {name!r} is not one of {CHANNELS}")
+        with self._lock:
+            self.channel = name
+            group = self._group
+            if name == "socket" and group is not None and group.sockets is None:
+                self._open_channels(group)
+
+    def noop_roundtrip(self) -> float:
+        """Seconds of one empty round trip to every worker on the current channel."""
+        t0 = time.perf_counter()
+        self._call("noop")
+        return time.perf_counter() - t0
+
     def _teardown(self, group: _Group) -> None:
+        for sock in group.sockets or ():
+            try:
+                sock.close()
+            except OSError:
+                pass
         for w in group.workers:
             try:
                 ray.kill(w, no_restart=True)
@@ -244,6 +286,30 @@ class RayExecutor(Executor):
                 raise _GroupFailed(f"{what} took longer than {timeout_s:g} s")
         return ray.get(refs)
 
+    def _exchange(self, group: _Group, method: str, args: tuple, timeout_s: float) -> list:
+        """`_wait` over the persistent channels: one frame out to every worker, one back."""
+        for sock in group.sockets:
+            channel_io.send(sock, (method, args))
+        deadline = time.monotonic() + timeout_s
+        results: list = [None] * len(group.sockets)
+        pending = {sock: rank for rank, sock in enumerate(group.sockets)}
+        while pending:
+            ready = channel_io.wait_readable(
+                list(pending), min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            for sock in ready:
+                rank = pending.pop(sock)
+                status, value = channel_io.recv(sock)
+                if status != "ok":
+                    raise _GroupFailed(f"worker {rank}: {value}")
+                results[rank] = value
+            if not pending:
+                break
+            if group.failure:
+                raise _GroupFailed(group.failure)
+            if time.monotonic() >= deadline:
+                raise _GroupFailed(f"{method} took longer than {timeout_s:g} s")
+        return results
+
     def _call(self, method: str, *args, timeout_s: float | None = None) -> list:
         """`method(*args)` on every worker in lockstep; on any failure replace the group and
         raise WorkerLost."""
@@ -254,6 +320,8 @@ class RayExecutor(Executor):
                                  "starts one")
             t0 = time.monotonic()
             try:
+                if self.channel == "socket" and group.sockets is not None:
+                    return self._exchange(group, method, args, timeout_s or self.step_timeout_s)
                 refs = [getattr(w, method).remote(*args) for w in group.workers]
                 return self._wait(refs, timeout_s or self.step_timeout_s, group, method)
             except Exception as e:                              # noqa: BLE001
@@ -280,10 +348,11 @@ class RayExecutor(Executor):
     def run(self, plan: tuple[Segment, ...]) -> list:
         t0 = time.perf_counter()
         results = self._call("run", plan)
-        outs, worker_s = results[0]
+        outs, _ = results[0]
+        self.last_worker_s = max(s for _, s in results)
         self.dispatch["steps"] += 1
         self.dispatch["wall_s"] += time.perf_counter() - t0
-        self.dispatch["worker_s"] += max(s for _, s in results)
+        self.dispatch["worker_s"] += self.last_worker_s
         return outs
 
     def copy_page(self, shard: int, src: int, dst: int) -> None:
@@ -371,7 +440,8 @@ class RayExecutor(Executor):
                     "steps": h.get("steps", 0), "busy_s": h.get("busy_s", 0.0),
                     "shards": shards, "pool_bytes": info.get("pool_bytes", 0)})
         d = self.dispatch
-        return {"executor": "ray", "platform": self.platform, "hosts": self.hosts,
+        return {"executor": "ray", "platform": self.platform, "channel": self.channel,
+                "hosts": self.hosts,
                 "devices_per_host": self.devices_per_host,
                 "generation": group.generation if group else None,
                 "healthy": group is not None and group.failure is None,

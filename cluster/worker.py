@@ -27,6 +27,8 @@ import time
 
 import ray
 
+from cp_runtime.cluster import channel
+
 __all__ = ["HostWorker", "WORKER_GROUPS"]
 
 WORKER_GROUPS = {"step": 1, "health": 1}
@@ -122,6 +124,51 @@ class _Worker:
         return sum(s.data.nbytes for x in pool.latent + pool.indexer
                    for s in x.addressable_shards)
 
+    # -- the persistent channel --------------------------------------------------------------
+    @ray.method(concurrency_group="health")
+    def open_channel(self, secret: bytes) -> str:
+        """Listen for the executor's connection (it must present `secret`); steps sent over
+        it run exactly as the actor methods below. Returns HOST:PORT."""
+        host = ray.util.get_node_ip_address()
+        srv = channel.listen(host)
+        port = srv.getsockname()[1]
+        threading.Thread(target=self._serve_channel, args=(srv, secret), daemon=True,
+                         name="cp-runtime-channel").start()
+        return f"{host}:{port}"
+
+    def _serve_channel(self, srv, secret: bytes) -> None:
+        try:
+            conn = channel.accept(srv, secret)
+        except OSError:
+            return
+        with conn:
+            while True:
+                try:
+                    method, args = channel.recv(conn)
+                except (OSError, channel.ChannelClosed):
+                    return
+                try:
+                    reply = ("ok", None if method == "noop" else self._handle(method, *args))
+                except Exception as e:                          # noqa: BLE001 - sent back
+                    reply = ("error", f"{type(e).__name__}: {e}")
+                try:
+                    channel.send(conn, reply)
+                except OSError:
+                    return
+
+    def _handle(self, method: str, *args):
+        if method == "run":
+            outs = self._timed(self.executor.run, *args)
+            return (outs if self.rank == 0 else None), self.last_step_s
+        if method == "read_rows":
+            rows = self._timed(self.executor.read_rows, *args)
+            return rows if self.rank == 0 else None
+        if method in ("copy_page", "write_rows"):
+            return self._timed(getattr(self.executor, method), *args)
+        if method == "rebuild":
+            return self.executor.rebuild()
+        raise ValueError(f"unknown method {method!r}")
+
     # -- steps ------------------------------------------------------------------------------
     def _timed(self, fn, *args):
         self.busy_since = time.time()
@@ -137,26 +184,28 @@ class _Worker:
     @ray.method(concurrency_group="step")
     def run(self, plan: tuple) -> tuple[list | None, float]:
         """Run one step plan; (outputs on rank 0 else None, seconds this step took here)."""
-        outs = self._timed(self.executor.run, plan)
-        return (outs if self.rank == 0 else None), self.last_step_s
+        return self._handle("run", plan)
 
     @ray.method(concurrency_group="step")
     def copy_page(self, shard: int, src: int, dst: int) -> None:
-        self._timed(self.executor.copy_page, shard, src, dst)
+        self._handle("copy_page", shard, src, dst)
 
     @ray.method(concurrency_group="step")
     def read_rows(self, shard, slot, offset):
-        rows = self._timed(self.executor.read_rows, shard, slot, offset)
-        return rows if self.rank == 0 else None
+        return self._handle("read_rows", shard, slot, offset)
 
     @ray.method(concurrency_group="step")
     def write_rows(self, shard, slot, offset, rows) -> None:
-        self._timed(self.executor.write_rows, shard, slot, offset, rows)
+        self._handle("write_rows", shard, slot, offset, rows)
 
     @ray.method(concurrency_group="step")
     def rebuild(self) -> None:
         """A fresh, empty pool (the old one may have been donated to a failed step)."""
-        self.executor.rebuild()
+        self._handle("rebuild")
+
+    @ray.method(concurrency_group="step")
+    def noop(self) -> None:
+        """Nothing: the round trip of an actor call."""
 
     # -- health -----------------------------------------------------------------------------
     @ray.method(concurrency_group="health")
