@@ -369,7 +369,13 @@ class RayExecutor(Executor):
         started), else each worker reallocates its shards."""
         with self._lock:
             if self._group is None:
-                self._start_group()
+                try:
+                    self._start_group()
+                except Exception:                               # noqa: BLE001
+                    # Never raise into the engine's recovery: its restores stay queued, the
+                    # next step finds no group (WorkerLost, retryable) and comes back here.
+                    log.exception("starting a worker group failed; retrying at the next step")
+                    time.sleep(self.heartbeat_s)
                 return
             self._call("rebuild")
 

@@ -92,8 +92,10 @@ def test_prefill_and_decode_equal_the_local_executor(tiny, executor, reference):
 def _kill(executor, how: str, rank: int = 1) -> None:
     if how == "actor":
         ray.kill(executor.workers()[rank], no_restart=True)
-    else:
+    elif how == "process":
         os.kill(executor.worker_pids()[rank], signal.SIGKILL)
+    else:                                   # "hang": alive but silent; only the heartbeat knows
+        os.kill(executor.worker_pids()[rank], signal.SIGSTOP)
 
 
 def _run_until_quiet(engine, events: list, timeout_s: float = 300.0) -> None:
@@ -108,7 +110,8 @@ SLOW = pytest.mark.slow          # each kill point restarts the group (~15 s her
 
 @pytest.mark.parametrize("how, during", [("actor", "decode"), ("process", "prefill"),
                                          pytest.param("actor", "prefill", marks=SLOW),
-                                         pytest.param("process", "decode", marks=SLOW)])
+                                         pytest.param("process", "decode", marks=SLOW),
+                                         pytest.param("hang", "decode", marks=SLOW)])
 def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, how, during):
     """Kill worker 1 while a step is in flight: the request fails `unavailable` within the
     bounded time, a fresh group is up, the session is rebuilt from its token log, and
@@ -141,11 +144,14 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
         _run_until_quiet(engine, events)
     finally:
         del executor.run
+    restored = time.monotonic() - killed[0]
     failed = [(t, e) for t, e in events if isinstance(e, Failed)]
     assert len(failed) == 1 and failed[0][1].code == "unavailable", events
     assert len(executor.recoveries) == generations_before + 1
     recovery = executor.recoveries[-1]
     assert recovery["restart_error"] is None and recovery["detect_s"] < 30.0
+    if how == "hang":                       # the heartbeat found it, not the step timeout
+        assert "heartbeat" in recovery["reason"]
     detected = failed[0][0] - killed[0]
     # The re-prefill of the token log ran (the engine queued it) and the session is whole.
     assert not engine.info(s.id)["restoring"] and engine.info(s.id)["cached"] >= PROMPT - 1
@@ -164,7 +170,8 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
     assert s.tokens == prompt + reference["tokens"], "greedy tokens after recovery differ"
     assert all(not isinstance(e, Failed) for _, e in after)
     print(f"\nkill {how} mid-{during}: failed after {detected:.2f} s (detect "
-          f"{recovery['detect_s']:.2f} s, fresh group {recovery['restart_s']:.2f} s)")
+          f"{recovery['detect_s']:.2f} s, fresh group {recovery['restart_s']:.2f} s), "
+          f"session restored after {restored:.2f} s")
     stats = executor.stats()
     assert stats["healthy"] and stats["generation"] == recovery["generation"] + 1
     engine.close_session(s.id)
