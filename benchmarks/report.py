@@ -5,9 +5,10 @@
     cp-runtime bench report --only capacity,kernel_error --out out/report
 
 Sections, in order: niah, capacity, kernel_error, selection, throughput (with the roofline),
-merge, kernels. Each benchmark's `main(argv)` runs in this process with its `--out` inside DIR;
-its console output is echoed and kept, and the report renders its JSON as markdown tables next to
-its PNGs. Without `--quick` each benchmark runs with its own defaults (hours for the needle sweep).
+merge, kernels, serving. Each benchmark's `main(argv)` runs in this process with its `--out`
+inside DIR; its console output is echoed and kept, and the report renders its JSON as markdown
+tables next to its PNGs. Without `--quick` each benchmark runs with its own defaults (hours for
+the needle sweep).
 
 JAX is given `--shards` virtual CPU devices once, here, before anything uses it; the benchmarks
 that ask for devices themselves ask for that same count, which JAX accepts after start-up (a
@@ -134,6 +135,19 @@ def _merge(out: pathlib.Path) -> list[str]:
     return [markdown_table(_load(out / "merge.json")["rows"])]
 
 
+def _serving(out: pathlib.Path) -> list[str]:
+    d = _load(out / "serving.json")
+    e = d["engine"]
+    rows = [{"measure": m, "n": d[f"{k}_samples"], "p50_ms": d[f"{k}_p50_ms"],
+             "p99_ms": d[f"{k}_p99_ms"], "max_ms": d[f"{k}_max_ms"]}
+            for m, k in (("TTFT", "ttft"), ("ITL", "itl"), ("chat prompt", "prompt"))]
+    return [f"Workload {d['workload']}; {d['tokens_per_s']:.4g} tokens/s over {d['wall_s']:.3g} s; "
+            f"host share {e['host_share']:.3g} (host {e['host_ms_per_step']:.3g} + server CPU "
+            f"{e['server_cpu_ms_per_step']:.3g} vs device {e['device_ms_per_step']:.4g} ms/step).",
+            markdown_table(rows), markdown_table(d["uploads"]),
+            _image(out, out / "serving.png", "serving timeline and latencies")]
+
+
 def _kernels(out: pathlib.Path) -> list[str]:
     d = _load(out / "kernels.json")
     return [f"Mode `{d['mode']}`, size `{d['size']}` (interpret-mode ms time the CPU "
@@ -174,6 +188,8 @@ SECTIONS = (
             takes_shards=True),
     Section("merge", "Merge collectives", "", ("--repeats", "5"), _merge, takes_shards=True),
     Section("kernels", "Pallas kernels vs references", "", ("--size", "small"), _kernels),
+    Section("serving", "Serving under load (a server process, concurrent clients)", "",
+            ("--quick", "--no-progress"), _serving),
 )
 
 
