@@ -190,3 +190,19 @@ def test_rotation_admits_one_page_sessions_on_every_shard_and_matches_one_shard(
         a = big.extend(s.id, toks, all_logits=True)
         b = one.extend(one.create_session().id, toks, all_logits=True)
         assert rel_l2(a, b) <= 1e-5
+
+
+def test_extends_take_turns_so_a_short_prompt_passes_a_long_upload(tiny, tiny_params):
+    engine = make_engine(tiny, tiny_params, num_shards=4, pages_per_shard=32, chunk_size=32)
+    long, short = engine.create_session(), engine.create_session()
+    engine.submit(Extend(id="long", session=long.id,
+                         tokens=np.asarray(random_tokens(tiny, 32 * 12, 0))))
+    engine.submit(Extend(id="short", session=short.id,
+                         tokens=np.asarray(random_tokens(tiny, 40, 1))))
+    steps = run(engine)
+    finished = {e.request: i for i, events in enumerate(steps) for e in events
+                if isinstance(e, Done)}
+    # Chunks alternate: long, short (32), long, short (the last 8 tokens): done at step 4 of
+    # 14, where first come, first served would finish it at step 14.
+    assert finished == {"short": 3, "long": 13}
+    assert (long.kv_len, short.kv_len) == (long.length, short.length)

@@ -1,10 +1,12 @@
 """The scheduler: what each engine step runs.
 
 A step holds the next token of every running generation (up to `max_batch` of them, oldest
-first) plus at most one prefill chunk, from the oldest unfinished extend, of at most
-`chunk_size` tokens and at most what the step's token budget leaves after the decode rows. So a
-long upload advances one chunk per step while every running generation gets a token every
-step: a million-token extend never stalls other sessions' decoding.
+first) plus at most one prefill chunk of at most `chunk_size` tokens and at most what the step's
+token budget leaves after the decode rows. So a long upload advances one chunk per step while
+every running generation gets a token every step: a million-token extend never stalls other
+sessions' decoding. Extends take turns, one chunk each (round robin): a short prompt sent during
+a long upload waits a chunk or two, not for the whole upload (first come, first served made a
+256-token chat prompt wait 31 s behind two 8K uploads in `cp-runtime bench serving`).
 
 The scheduler only orders work; the engine owns sessions and pages, and decides admission
 (pages are reserved when a request is submitted, so nothing here can run out of them).
@@ -56,7 +58,7 @@ class Batch:
 
 
 class Scheduler:
-    """FIFO queues of extends and generations."""
+    """Generations oldest first; extends in turn."""
 
     def __init__(self, *, chunk_size: int, max_batch: int, token_budget: int):
         if min(chunk_size, max_batch, token_budget) <= 0:
@@ -91,5 +93,6 @@ class Scheduler:
         if not self._extends or room <= 0:
             return Batch(decodes=decodes, prefill=None)
         extend = self._extends[0]
+        self._extends.rotate(-1)                    # the next step serves the next extend
         return Batch(decodes=decodes, prefill=extend,
                      prefill_tokens=min(room, extend.remaining))
