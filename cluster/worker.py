@@ -82,6 +82,7 @@ class _Worker:
     def setup(self, coordinator: str, source, runtime, initialization_timeout_s: int = 300,
               compilation_cache_dir: str | None = None) -> dict:
         """jax.distributed first, then weights, mesh and pool (this host's shards)."""
+        t0 = time.perf_counter()
         import jax
 
         self.state = "initializing"
@@ -97,6 +98,7 @@ class _Worker:
         if compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         if jax.process_count() != self.num_hosts:
             raise RuntimeError(f"jax sees {jax.process_count()} processes, "
                                f"{self.num_hosts} expected")
@@ -105,9 +107,12 @@ class _Worker:
                                f"{self.devices_per_host} expected")
         from cp_runtime.engine.executor import LocalExecutor
 
+        t1 = time.perf_counter()
         self.state = "loading"
         loaded = source.load()
+        t2 = time.perf_counter()
         self.executor = LocalExecutor(loaded.config, runtime, loaded.params)
+        t3 = time.perf_counter()
         self.pool_bytes = self._local_pool_bytes()
         self.state = "ready"
         mine = [d.id for d in self.executor.mesh.devices.flat
@@ -117,7 +122,8 @@ class _Worker:
                 "device_kind": jax.devices()[0].device_kind,
                 "shards": [i for i, d in enumerate(self.executor.mesh.devices.flat)
                            if d.id in mine],
-                "pool_bytes": self.pool_bytes}
+                "pool_bytes": self.pool_bytes,
+                "setup_s": {"distributed": t1 - t0, "weights": t2 - t1, "executor": t3 - t2}}
 
     def _local_pool_bytes(self) -> int:
         pool = self.executor.pool

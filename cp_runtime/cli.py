@@ -88,6 +88,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--step-timeout-s", type=finite_positive_float, default=600.0,
                    help="--executor ray: a step (compilation included) running longer "
                         "than this fails its worker group")
+    p.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
+                   help="--executor ray: each worker's persistent XLA compilation cache (a "
+                        "path on every host): a replacement worker group starts without "
+                        "compiling again")
     p.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
     p.add_argument("--state-dir", metavar="DIR", default=None,
@@ -143,7 +147,8 @@ def _ray_executor_factory(args):
             source, runtime, hosts=args.hosts, devices_per_host=args.devices_per_host,
             address=args.ray_address, platform=args.platform, heartbeat_s=args.heartbeat_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s, step_timeout_s=args.step_timeout_s,
-            tpu_topology=args.tpu_topology, tpu_version=args.tpu_version)
+            tpu_topology=args.tpu_topology, tpu_version=args.tpu_version,
+            compilation_cache_dir=args.compilation_cache_dir)
 
     return factory
 

@@ -40,11 +40,17 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def executor(ray_cluster, tmp_path_factory):
+def xla_cache(tmp_path_factory):
+    """The workers' persistent compilation cache: fresh groups start without compiling."""
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="module")
+def executor(ray_cluster, xla_cache):
     from cp_runtime.cluster.executor import RayExecutor
     ex = RayExecutor(SOURCE, RUNTIME, hosts=2, devices_per_host=8, heartbeat_s=0.5,
                      heartbeat_timeout_s=5.0, step_timeout_s=120.0,
-                     compilation_cache_dir=str(tmp_path_factory.mktemp("xla-cache")))
+                     compilation_cache_dir=xla_cache)
     yield ex
     ex.close()
 
@@ -178,13 +184,13 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
 
 
 # -- serving ----------------------------------------------------------------------------------
-def test_serve_with_ray_executor(ray_cluster, reference):
+def test_serve_with_ray_executor(ray_cluster, xla_cache, reference):
     """`cp-runtime serve --executor ray --ray-address ADDR` serves the same greedy tokens;
     `stats` shows both workers."""
     cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--model", "tiny", "--shards", "16",
            "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
            "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",
-           "--ray-address", ray_cluster]
+           "--ray-address", ray_cluster, "--compilation-cache-dir", xla_cache]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         deadline, address = time.monotonic() + 180, None
