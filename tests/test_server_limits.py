@@ -210,3 +210,20 @@ def test_the_token_is_compared_with_hmac_compare_digest(monkeypatch):
     assert server_module.Server.authorized(fake, 7) is False
     assert calls == [(TOKEN.encode(), TOKEN.encode()), (b"nope", TOKEN.encode()),
                      (b"", TOKEN.encode())]
+
+
+def test_a_quiet_connection_is_closed_after_the_idle_timeout_and_frees_its_slot():
+    proc, address = server_process("--pages-per-shard", "4", "--max-connections", "1",
+                                   "--idle-timeout-s", "1")
+    try:
+        host, port = address.rsplit(":", 1)
+        quiet = socket.create_connection((host, int(port)), timeout=30)
+        t0 = time.monotonic()
+        assert quiet.recv(1) == b""                  # closed by the server, nothing sent
+        waited = time.monotonic() - t0
+        assert 0.5 <= waited < 10, waited            # the clock starts at accept
+        quiet.close()
+        with cp_runtime.Client(address) as c:        # the only slot is free again
+            assert c.stats()["connections"] == 1
+    finally:
+        stop_server(proc)

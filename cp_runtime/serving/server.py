@@ -35,6 +35,7 @@ __all__ = ["ServerLimits", "Server"]
 
 log = logging.getLogger(__name__)
 
+FLUSH_TIMEOUT_S = 5.0
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 MAX_MESSAGE_CHARS = 1000          # an error message quoting a request is cut here
 
@@ -48,6 +49,8 @@ class ServerLimits:
     max_tokens_per_request: int = 1 << 20    # tokens in one extend (the client splits uploads)
     max_connections: int = 64
     max_pending_bytes: int = 16 << 20        # unread replies buffered for one connection
+    idle_timeout_s: int = 300                # a connection with nothing in flight and no
+                                             # frame for this long is closed
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -174,6 +177,7 @@ class _Connection:
         self.authorized = not server.requires_auth
         self.tasks: dict[object, asyncio.Task] = {}
         self.closed = False
+        self.last_frame = time.monotonic()
 
     def send(self, message: dict) -> None:
         if self.closed:
@@ -192,20 +196,35 @@ class _Connection:
             task.cancel()
 
     async def finish(self) -> None:
+        """Flush what is buffered (for at most FLUSH_TIMEOUT_S: a client that does not read
+        cannot hold the connection) and close."""
         self.closed = True
         try:
-            await self.writer.drain()
+            await asyncio.wait_for(self.writer.drain(), FLUSH_TIMEOUT_S)
             self.writer.close()
-            await self.writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
+            await asyncio.wait_for(self.writer.wait_closed(), FLUSH_TIMEOUT_S)
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            self.writer.transport.abort()
+
+    async def _close_when_idle(self) -> None:
+        """Close the connection once it has had nothing in flight and sent no frame for
+        `idle_timeout_s` (a client that connects and goes quiet must not hold a slot)."""
+        timeout = self.server.limits.idle_timeout_s
+        while not self.closed:
+            await asyncio.sleep(min(timeout, 1.0))
+            if not self.tasks and time.monotonic() - self.last_frame > timeout:
+                log.info("connection %d: idle for %d s; closing it", self.number, timeout)
+                self.abort()
 
     async def run(self) -> None:
+        watchdog = asyncio.get_running_loop().create_task(self._close_when_idle())
         try:
             while not self.closed:
                 try:
                     message = await read_frame(self.reader, self.server.limits.max_frame_bytes)
+                    self.last_frame = time.monotonic()
                 except ProtocolError as e:
+                    self.last_frame = time.monotonic()
                     self.send({"id": None, "event": "error", "code": "bad_request",
                                "message": str(e)})
                     continue
@@ -217,6 +236,7 @@ class _Connection:
         except (ConnectionError, OSError):
             pass
         finally:
+            watchdog.cancel()
             for task in list(self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
