@@ -2,8 +2,9 @@
 the sharded pool (in place: the pool is donated) and returns what each segment asks for.
 
 A step plan is host arrays that the engine decides once and every process receives identically.
-It holds one or more segments run one after another in the same program (a batch of decode rows
-and a prefill chunk, say); each segment is a `StepInputs` plus what it returns:
+It holds one or more segments run one after another (a batch of decode rows and a prefill chunk,
+say); `make_step` compiles any tuple of them into one program, and LocalExecutor gives each
+segment its own (fewer compiles). Each segment is a `StepInputs` plus what it returns:
 
     "fill"        nothing (prefill chunks whose logits nobody needs: no lm-head work)
     "sample"      token ids i32[B] and their log-probabilities f32[B], sampled on the device

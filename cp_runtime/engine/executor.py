@@ -29,7 +29,7 @@ def pool_spec_for(model: ModelConfig, runtime: RuntimeConfig) -> PoolSpec:
 
 
 class Executor(abc.ABC):
-    """Contract: `run` executes one step plan (a tuple of `Segment`s, in order, in one program)
+    """Contract: `run` executes one step plan (a tuple of `Segment`s, in order)
     and returns each segment's output as host arrays (None for "fill"; a (tokens i32[B],
     logprobs f32[B]) pair for "sample"; f32 logits for "logits"/"all_logits"); `copy_page`
     copies one physical page (all layers) on one shard, for forks. Calls are made in order and
@@ -138,13 +138,18 @@ class LocalExecutor(Executor):
         self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels)
 
     def run(self, plan: tuple[Segment, ...]) -> list:
-        args = tuple(seg.to_device(self.mesh, self.runtime.num_shards) for seg in plan)
-        outs, self.pool = self._step(self.params, self.pool, args,
-                                     kinds=tuple(seg.kind for seg in plan))
-        # Wait for the step even when it returns nothing ("fill"): two SPMD programs in flight
-        # at once deadlock XLA:CPU's collectives (their 16 device threads each wait in a
-        # rendezvous the other program's threads never reach), and the caller times steps.
-        jax.block_until_ready(self.pool)
+        # One program per segment, in order: a step of decode rows plus a prefill chunk would
+        # otherwise compile once per (rows, decode table width, prefill table width) and stall
+        # serving for seconds at each new combination; separately their compiles add up.
+        outs = []
+        for seg in plan:
+            args = (seg.to_device(self.mesh, self.runtime.num_shards),)
+            (out,), self.pool = self._step(self.params, self.pool, args, kinds=(seg.kind,))
+            outs.append(out)
+            # Wait for each program even when it returns nothing ("fill"): two SPMD programs
+            # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each
+            # wait in a rendezvous the other program's threads never reach).
+            jax.block_until_ready(self.pool)
         return [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
 
     def rebuild(self) -> None:
