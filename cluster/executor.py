@@ -18,7 +18,9 @@ everything once); rank 0's outputs come back (they are replicated: every rank ha
 Faults. A heartbeat thread asks every worker for `health` every `heartbeat_s` (answered in
 the worker's own concurrency group while a step runs); a worker that does not answer within
 `heartbeat_timeout_s`, a worker Ray reports dead (actor killed, process gone), or a step that
-takes longer than `step_timeout_s` fails the step: the executor kills what is left of the
+takes longer than `step_timeout_s` fails the step (the first step of each plan shape in a
+group compiles, or loads from `compilation_cache_dir`: it has `setup_timeout_s`, so a short
+step timeout never fails a compile): the executor kills what is left of the
 group (the survivors are stuck in a collective), starts a fresh one, and raises `WorkerLost`
 (retryable, code `unavailable`). Every cache was lost with the group: the engine rebuilds its
 sessions from their token logs, exactly as after any failed step (`Engine._recover` calls
@@ -75,6 +77,7 @@ class _Group:
     health: list[dict | None] = dataclasses.field(default_factory=list)
     last_seen: list[float] = dataclasses.field(default_factory=list)
     sockets: list | None = None                 # the persistent channels, when open
+    shapes: set = dataclasses.field(default_factory=set)   # plan shapes run (compiled)
 
 
 class RayExecutor(Executor):
@@ -83,7 +86,7 @@ class RayExecutor(Executor):
     def __init__(self, source: WeightsSource, runtime: RuntimeConfig, hosts: int = 2,
                  devices_per_host: int = 8, address: str | None = None, *,
                  platform: str = "auto", heartbeat_s: float = 1.0,
-                 heartbeat_timeout_s: float = 10.0, step_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float = 10.0, step_timeout_s: float = 60.0,
                  setup_timeout_s: float = 900.0, tpu_topology: str | None = None,
                  tpu_version: str | None = None, compilation_cache_dir: str | None = None,
                  channel: str = "socket", ray_init: dict | None = None):
@@ -347,7 +350,13 @@ class RayExecutor(Executor):
     # -- the Executor interface --------------------------------------------------------------
     def run(self, plan: tuple[Segment, ...]) -> list:
         t0 = time.perf_counter()
-        results = self._call("run", plan)
+        group = self._group
+        shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
+                      for seg in plan)
+        new = group is None or shape not in group.shapes
+        results = self._call("run", plan, timeout_s=self.setup_timeout_s if new else None)
+        if group is not None:
+            group.shapes.add(shape)
         outs, _ = results[0]
         self.last_worker_s = max(s for _, s in results)
         self.dispatch["steps"] += 1

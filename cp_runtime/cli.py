@@ -85,9 +85,13 @@ def _add_serve(sub) -> None:
                    help="--executor ray: seconds between worker heartbeats")
     p.add_argument("--heartbeat-timeout-s", type=finite_positive_float, default=10.0,
                    help="--executor ray: a worker silent this long is dead")
-    p.add_argument("--step-timeout-s", type=finite_positive_float, default=600.0,
-                   help="--executor ray: a step (compilation included) running longer "
-                        "than this fails its worker group")
+    p.add_argument("--step-timeout-s", type=finite_positive_float, default=60.0,
+                   help="--executor ray: a step running longer than this fails its worker "
+                        "group (the first step of each shape, which compiles, gets "
+                        "--setup-timeout-s)")
+    p.add_argument("--setup-timeout-s", type=finite_positive_float, default=900.0,
+                   help="--executor ray: starting a worker group (placement, "
+                        "jax.distributed, weights) and each first step of a shape")
     p.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
                    help="--executor ray: each worker's persistent XLA compilation cache (a "
                         "path on every host): a replacement worker group starts without "
@@ -147,6 +151,7 @@ def _ray_executor_factory(args):
             source, runtime, hosts=args.hosts, devices_per_host=args.devices_per_host,
             address=args.ray_address, platform=args.platform, heartbeat_s=args.heartbeat_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s, step_timeout_s=args.step_timeout_s,
+            setup_timeout_s=args.setup_timeout_s,
             tpu_topology=args.tpu_topology, tpu_version=args.tpu_version,
             compilation_cache_dir=args.compilation_cache_dir)
 

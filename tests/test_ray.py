@@ -100,7 +100,7 @@ def _kill(executor, how: str, rank: int = 1) -> None:
         ray.kill(executor.workers()[rank], no_restart=True)
     elif how == "process":
         os.kill(executor.worker_pids()[rank], signal.SIGKILL)
-    else:                                   # "hang": alive but silent; only the heartbeat knows
+    else:                                   # "hang", "stall": alive but stopped
         os.kill(executor.worker_pids()[rank], signal.SIGSTOP)
 
 
@@ -117,7 +117,8 @@ SLOW = pytest.mark.slow          # each kill point restarts the group (~15 s her
 @pytest.mark.parametrize("how, during", [("actor", "decode"), ("process", "prefill"),
                                          pytest.param("actor", "prefill", marks=SLOW),
                                          pytest.param("process", "decode", marks=SLOW),
-                                         pytest.param("hang", "decode", marks=SLOW)])
+                                         pytest.param("hang", "decode", marks=SLOW),
+                                         pytest.param("stall", "decode", marks=SLOW)])
 def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, how, during):
     """Kill worker 1 while a step is in flight: the request fails `unavailable` within the
     bounded time, a fresh group is up, the session is rebuilt from its token log, and
@@ -142,14 +143,22 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
         if calls[0] == kill_at:                         # lands while this step is in flight
             threading.Timer(0.01, lambda: (killed.append(time.monotonic()),
                                            _kill(executor, how))).start()
-        return run(plan)
+        try:
+            return run(plan)
+        except Exception:
+            executor.step_timeout_s, executor.heartbeat_timeout_s = timeouts
+            raise
 
+    timeouts = executor.step_timeout_s, executor.heartbeat_timeout_s
     executor.run = run_and_kill
+    if how == "stall":                      # the step timeout finds it before the heartbeat
+        executor.step_timeout_s, executor.heartbeat_timeout_s = 2.0, 60.0
     events: list = []
     try:
         _run_until_quiet(engine, events)
     finally:
         del executor.run
+        executor.step_timeout_s, executor.heartbeat_timeout_s = timeouts
     restored = time.monotonic() - killed[0]
     failed = [(t, e) for t, e in events if isinstance(e, Failed)]
     assert len(failed) == 1 and failed[0][1].code == "unavailable", events
@@ -158,6 +167,8 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
     assert recovery["restart_error"] is None and recovery["detect_s"] < 30.0
     if how == "hang":                       # the heartbeat found it, not the step timeout
         assert "heartbeat" in recovery["reason"]
+    if how == "stall":
+        assert "took longer than 2 s" in recovery["reason"]
     detected = failed[0][0] - killed[0]
     # The re-prefill of the token log ran (the engine queued it) and the session is whole.
     assert not engine.info(s.id)["restoring"] and engine.info(s.id)["cached"] >= PROMPT - 1
