@@ -13,7 +13,11 @@ bundle per host), else a STRICT_SPREAD group of {"TPU": chips per host} bundles;
 the hosts' worker ids in the slice.
 
 Lockstep. Every worker gets the same plan and runs the same SPMD program (the engine decided
-everything once); rank 0's outputs come back (they are replicated: every rank has them).
+everything once); rank 0's outputs come back (they are replicated: every rank has them). Plans
+travel over a persistent socket per worker (`cluster/channel.py`, `channel="socket"`, the
+default: well under a millisecond a step) or as plain actor calls (`channel="actor"`: a few
+milliseconds); setup and heartbeats are actor calls either way. `cp-runtime bench dispatch`
+measures both.
 
 Faults. A heartbeat thread asks every worker for `health` every `heartbeat_s` (answered in
 the worker's own concurrency group while a step runs); a worker that does not answer within
@@ -390,6 +394,7 @@ class RayExecutor(Executor):
 
     def close(self) -> None:
         self._stop.set()
+        self._heartbeat.join(timeout=self.heartbeat_timeout_s + 1.0)
         with self._lock:
             if self._group is not None:
                 self._teardown(self._group)

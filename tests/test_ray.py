@@ -94,6 +94,14 @@ def test_prefill_and_decode_equal_the_local_executor(tiny, executor, reference):
     engine.close_session(s.id)
 
 
+def test_bad_shapes_are_refused_before_ray_starts():
+    from cp_runtime.cluster.executor import RayExecutor
+    with pytest.raises(ValueError, match="must equal the shard count 16"):
+        RayExecutor(SOURCE, RUNTIME, hosts=3, devices_per_host=8)
+    with pytest.raises(ValueError, match="channel"):
+        RayExecutor(SOURCE, RUNTIME, hosts=2, devices_per_host=8, channel="pigeon")
+
+
 # -- faults -----------------------------------------------------------------------------------
 def _kill(executor, how: str, rank: int = 1) -> None:
     if how == "actor":
