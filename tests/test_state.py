@@ -12,7 +12,7 @@ import pytest
 
 import cp_runtime
 from conftest import make_engine, random_tokens
-from cp_runtime.engine.requests import Extend, Failed, Generate, SamplingParams, Token
+from cp_runtime.engine.requests import Extend, Generate, SamplingParams, Token, Unavailable
 from cp_runtime.oracle import oracle_logits
 from cp_runtime.serving.protocol import UnavailableError
 from cp_runtime.serving.state import TokenStore
@@ -205,3 +205,19 @@ def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, t
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_failed_direct_step_is_recovered_and_raised_as_unavailable(tiny, tiny_params):
+    engine = make_engine(tiny, tiny_params, kv_cache_dtype="f32", num_shards=4,
+                         pages_per_shard=16, chunk_size=32)
+    s = engine.create_session()
+    engine.extend(s.id, random_tokens(tiny, 40, 0))
+    engine.executor._step = FailOnce(engine.executor._step)
+    with pytest.raises(Unavailable, match="being rebuilt"):
+        engine.decode([s.id], [3])
+    assert s.length == 40 and engine.info(s.id)["restoring"]     # nothing half-appended
+    while engine.has_work:
+        engine.step()
+    logits = engine.decode([s.id], [3])
+    ref = oracle_logits(tiny_params, jnp.asarray(s.tokens), cfg=tiny, page_size=16)
+    np.testing.assert_allclose(logits[0], np.asarray(ref)[-1], rtol=1e-4, atol=1e-4)

@@ -450,8 +450,8 @@ class Engine:
             piece = session.tokens[start: start + chunk]
             final = start + len(piece) == session.length
             kind = "all_logits" if all_logits else ("logits" if final else "fill")
-            out = self.executor.run((self._segment(kind, [Row(session.table, piece, start)],
-                                                   width=chunk),))[0]
+            out = self._run_now(self._segment(kind, [Row(session.table, piece, start)],
+                                              width=chunk))
             session.kv_len += len(piece)
             if all_logits:
                 outs.append(out[0, : len(piece)])
@@ -475,13 +475,24 @@ class Engine:
             raise BadRequest("decode needs sessions whose every token is in the cache")
         self._reserve_all(sessions)
         rows = [Row(s.table, [t], s.length) for s, t in zip(sessions, ids)]
-        out = self.executor.run((self._segment("logits", rows),))[0]
+        out = self._run_now(self._segment("logits", rows))
         for s, t in zip(sessions, ids):
             s.tokens.append(t)
             s.kv_len += 1
             self.journal.appended(s.id, [t])
         self.journal.commit()
         return out[: len(sessions)]
+
+    def _run_now(self, segment: Segment):
+        """Run one segment of the direct path; a failed step is recovered from as in `step`
+        (the caches come back through queued prefills) and raised as Unavailable."""
+        try:
+            return self.executor.run((segment,))[0]
+        except Exception as e:          # noqa: BLE001 - the pool may be gone: recover first
+            log.exception("step failed")
+            self._recover(e)
+            raise Unavailable(f"a device step failed ({type(e).__name__}: {e}); the cache is "
+                              "being rebuilt: step the engine, then retry") from e
 
     def _reserve_all(self, sessions: list[Session]) -> None:
         """Reserve one more token for each session, all or nothing."""
