@@ -8,13 +8,18 @@ import json
 import os
 import pathlib
 import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 import jax
 
 from cp_runtime.cli_args import parse_length  # re-exported; the one copy is in cli_args
 from cp_runtime.devices import init_cpu_devices  # re-exported
 
-__all__ = ["init_cpu_devices", "init_shard_devices", "machine", "parse_length", "print_table",
+__all__ = ["ServeProcess", "init_cpu_devices", "init_shard_devices", "machine", "parse_length", "print_table",
            "write_json"]
 
 
@@ -61,3 +66,48 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+class ServeProcess:
+    """`cp-runtime serve FLAGS --port 0` as a subprocess (no auth token from the environment);
+    `address` is the HOST:PORT of its `listening on` line, `proc` the process."""
+
+    def __init__(self, flags: list[str], timeout_s: float = 600.0):
+        self.command = [sys.executable, "-m", "cp_runtime.cli", "serve", *flags, "--port", "0"]
+        self._log = tempfile.TemporaryFile(mode="w+t")
+        env = {k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"}
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("listening on "):
+                self.address = line.split()[-1]
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.proc.kill()
+        self.proc.wait()
+        raise RuntimeError(f"the server did not start:\n{self.stderr()}")
+
+    def stderr(self) -> str:
+        """The last 4,000 characters the server wrote to stderr."""
+        self._log.seek(0)
+        return self._log.read()[-4000:]
+
+    def kill(self) -> None:
+        """kill -9, as a crash would."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        """SIGTERM (a clean shutdown), then SIGKILL after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,36 +23,19 @@ import time
 import numpy as np
 
 import cp_runtime
-from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks.common import ServeProcess, print_table, write_json
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_out, add_page_size, add_shards, check_out_dir,
                                  check_page_size_for_model, comma_list, length_list)
 from cp_runtime.layout import cdiv
 from cp_runtime.serving.protocol import UnavailableError
 
-__all__ = ["build_parser", "main", "start_server_process"]
+__all__ = ["build_parser", "main", "measure"]
 
-STARTUP_S = 600
 MODES = ("log", "snapshot")
 
 
-def start_server_process(argv: list[str], timeout_s: float = STARTUP_S
-                         ) -> tuple[subprocess.Popen, str]:
-    """Run `cp-runtime serve ARGV` (with --port 0); returns the process and its HOST:PORT."""
-    cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", *argv, "--port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("listening on "):
-            return proc, line.split()[-1]
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-    proc.kill()
-    raise TimeoutError(f"no 'listening on' line in {timeout_s} s")
-
-
-def _server_argv(args, tokens: int, state_dir: str) -> list[str]:
+def _server_flags(args, tokens: int, state_dir: str) -> list[str]:
     pages = cdiv(cdiv(tokens + 8, args.page_size), args.shards) + 2
     return ["--model", args.model, "--shards", str(args.shards), "--kv-cache-dtype",
             args.kv_cache_dtype, "--page-size", str(args.page_size), "--pages-per-shard",
@@ -80,24 +61,22 @@ def _first_token(address: str, session_id: str, t_kill: float) -> tuple[float, f
 
 def measure(args, tokens: int, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as state:
-        argv = _server_argv(args, tokens, state)
-        proc, address = start_server_process(argv)
-        with cp_runtime.Client(address) as client:
+        flags = _server_flags(args, tokens, state)
+        server = ServeProcess(flags)
+        with cp_runtime.Client(server.address) as client:
             session = client.create_session()
             vocab = client.server["vocab_size"]
             session.extend(np.random.default_rng(tokens).integers(0, vocab, tokens))
             if mode == "snapshot":
                 session.snapshot()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        server.kill()
         t_kill = time.monotonic()
-        proc, address = start_server_process(argv)
+        server = ServeProcess(flags)
         listening = time.monotonic() - t_kill
         try:
-            restored, first = _first_token(address, session.id, t_kill)
+            restored, first = _first_token(server.address, session.id, t_kill)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+            server.stop()
     return {"tokens": tokens, "mode": mode, "listening_s": round(listening, 2),
             "restored_s": round(restored, 2), "first_token_s": round(first, 2)}
 

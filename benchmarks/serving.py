@@ -53,15 +53,11 @@ import asyncio
 import dataclasses
 import os
 import pathlib
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks.common import ServeProcess, machine, print_table, write_json
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_pages_per_shard,
                                  add_shards, check_out_dir, check_page_size,
@@ -214,46 +210,14 @@ def pages_per_shard_for(w: Workload, shards: int, page_size: int) -> int:
 
 
 # -- the server ---------------------------------------------------------------------------
-class _ServerProcess:
-    """`cp-runtime serve` as a subprocess on a free port."""
-
-    def __init__(self, args: argparse.Namespace, pages_per_shard: int):
-        self.command = [sys.executable, "-m", "cp_runtime.cli", "serve",
-                        "--model", args.model, "--shards", str(args.shards),
-                        "--kv-cache-dtype", args.kv_cache_dtype,
-                        "--page-size", str(args.page_size),
-                        "--pages-per-shard", str(pages_per_shard),
-                        "--chunk-size", str(args.chunk_size),
-                        "--max-batch", str(args.max_batch), "--port", "0"]
-        self._log = tempfile.TemporaryFile(mode="w+t")
-        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env)
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("listening on "):
-                self.address = line.split()[-1]
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        self.proc.kill()
-        self.proc.wait()
-        raise RuntimeError(f"the server did not start:\n{self.stderr()}")
-
-    def stderr(self) -> str:
-        self._log.seek(0)
-        return self._log.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def _server_process(args: argparse.Namespace, pages_per_shard: int) -> ServeProcess:
+    """`cp-runtime serve` for this workload, on a free port."""
+    return ServeProcess(["--model", args.model, "--shards", str(args.shards),
+                         "--kv-cache-dtype", args.kv_cache_dtype,
+                         "--page-size", str(args.page_size),
+                         "--pages-per-shard", str(pages_per_shard),
+                         "--chunk-size", str(args.chunk_size),
+                         "--max-batch", str(args.max_batch)], timeout_s=STARTUP_S)
 
 
 # -- the clients --------------------------------------------------------------------------
@@ -466,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.address is None:
         pages = args.pages_per_shard or pages_per_shard_for(w, args.shards, args.page_size)
         started = time.perf_counter()
-        server = _ServerProcess(args, pages)
+        server = _server_process(args, pages)
         address = server.address
         startup_s = time.perf_counter() - started
     else:
