@@ -1,7 +1,18 @@
-"""Time the two merge collectives of cp_runtime/merge.py on S devices, decode- and prefill-like
-shapes, in one run (ratios are what matter on a noisy machine).
+"""Where the shards' attention partials meet: every merge variant of cp_runtime/merge.py, its
+bytes moved per token and device (from the collectives it issues, for a model's real head
+count and widths) and its collectives timed on S devices in one run (ratios are what matter on
+a noisy machine).
 
-    cp-runtime bench merge                   # writes out/merge.json
+    cp-runtime bench merge                          # glm-5.2 widths, writes out/merge.json
+    cp-runtime bench merge --model deepseek-v3.2
+
+Bytes per token per device, ring algorithms over S devices, f32 values (4 bytes):
+    all-gather of n values in total    (S-1)/S * n      reduce-scatter of n    (S-1)/S * n
+    all-reduce (psum) of n             2 (S-1)/S * n    all-to-all of n        (S-1)/S * n
+Timing: `combine` itself runs inside shard_map with the output projection replaced by a sum over
+the heads broadcast to the hidden width (the same output shape, no weight: the real W_uv and
+o_proj of GLM-5.2 replicated on 16 CPU devices would not fit this machine), so what is timed
+is each variant's collectives plus elementwise work.
 """
 
 from __future__ import annotations
@@ -13,20 +24,45 @@ import statistics
 import time
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
-from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, positive_int
+from cp_runtime.cli_args import (HelpFormatter, add_model, add_out, add_shards, check_out_dir,
+                                 positive_int)
 
-__all__ = ["build_parser", "parse_args", "main"]
+__all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
 
-SHAPES = {"decode B=8 H=64": (8, 1, 64), "prefill Q=256 H=16": (1, 256, 16)}
+# (merge, weights) pairs that run; head_scatter needs split weights, hidden_psum whole ones.
+VARIANTS = (("gather_psum", "replicated"), ("all_to_all", "replicated"),
+            ("hidden_psum", "replicated"), ("gather_psum", "sharded"),
+            ("all_to_all", "sharded"), ("head_scatter", "sharded"))
+TOKENS = {"decode B=8": 8, "prefill chunk Q=256": 256}
+
+
+def bytes_per_token(merge: str, weights: str, *, heads: int, value_dim: int, hidden: int,
+                    shards: int) -> float:
+    """Bytes one device sends (= receives) per token for the merge and output projection."""
+    s, f32 = shards, 4
+    ring = (s - 1) / s
+    lse_gather = ring * s * heads * f32                     # every shard's lse of every head
+    latent = heads * value_dim * f32
+    hidden_reduce = 2 * ring * hidden * f32
+    if merge == "hidden_psum":
+        return lse_gather + hidden_reduce
+    if merge == "head_scatter":
+        padded_heads = -(-heads // s) * s
+        return lse_gather + ring * padded_heads * value_dim * f32 + hidden_reduce
+    packed = heads * (value_dim + 1) * f32
+    moved = {"gather_psum": lse_gather + 2 * ring * latent,
+             "all_to_all": 2 * ring * packed}[merge]      # all-to-all, then all-gather
+    return moved + (hidden_reduce if weights == "sharded" else 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench merge", formatter_class=HelpFormatter,
-                                description="gather_psum vs all_to_all merge of (o, lse) partials.")
+                                description="Every merge variant: bytes per token and its "
+                                            "collectives timed in one run.")
+    add_model(p, "glm-5.2")
     add_shards(p, 16)
-    p.add_argument("--value-dim", type=positive_int, default=512, help="latent width (kv_lora)")
-    p.add_argument("--repeats", type=positive_int, default=30,
-                   help="timed calls per merge (the median is reported)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed calls per variant and shape (the median is reported)")
     add_out(p, "out")
     return p
 
@@ -42,13 +78,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _time(fn, *args, repeats: int) -> float:
-    fn(*args)[0].block_until_ready()
+    """Median milliseconds of fn(*args) over `repeats` calls, after one warm-up."""
+    fn(*args).block_until_ready()
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn(*args)[0].block_until_ready()
+        fn(*args).block_until_ready()
         samples.append(time.perf_counter() - t0)
     return 1000 * statistics.median(samples)
+
+
+def _combine_program(mesh, merge: str, weights: str, hidden: int):
+    """jit(shard_map): partials o [S, T, H, Dv], lse [S, T, H] -> output [T, hidden]."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from cp_runtime.merge import combine
+    from cp_runtime.weight_shards import WeightShards
+
+    ws = WeightShards("cp" if weights == "sharded" else None)
+
+    def project(o):                       # [T, H', Dv] -> [T, hidden], no weight (module doc)
+        return jnp.broadcast_to(o.sum((-2, -1))[..., None], (*o.shape[:-2], hidden))
+
+    def body(o, lse):
+        return combine(merge, o[0], lse[0], project, "cp", ws)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"), P("cp")), out_specs=P(),
+                                 check_vma=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,28 +116,40 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cp_runtime.merge import MERGES
+    from cp_runtime.config import load_model_config
 
+    model = load_model_config(args.model)
+    h, dv, hid = model.num_attention_heads, model.kv_lora_rank, model.hidden_size
     mesh = jax.make_mesh((args.shards,), ("cp",))
+    programs = {v: _combine_program(mesh, *v, hid) for v in VARIANTS}
     rows = []
-    for label, (b, q, h) in SHAPES.items():
+    for merge, weights in VARIANTS:
+        rows.append({"merge": merge, "weights": weights,
+                     "bytes_per_token": round(bytes_per_token(
+                         merge, weights, heads=h, value_dim=dv, hidden=hid,
+                         shards=args.shards))})
+    for label, tokens in TOKENS.items():
         key = jax.random.key(0)
-        o = jax.random.normal(key, (args.shards, b, q, h, args.value_dim), jnp.float32)
-        lse = jax.random.normal(key, (args.shards, b, q, h), jnp.float32)
+        o = jax.random.normal(key, (args.shards, tokens, h, dv), jnp.float32)
+        lse = jax.random.normal(key, (args.shards, tokens, h), jnp.float32)
         o, lse = (jax.device_put(x, NamedSharding(mesh, P("cp"))) for x in (o, lse))
-        row = {"shape": label}
-        for name, merge in MERGES.items():
-            fn = jax.jit(jax.shard_map(functools.partial(lambda m, a, b: m(a[0], b[0], "cp"),
-                                                         merge),
-                                       mesh=mesh, in_specs=(P("cp"), P("cp")),
-                                       out_specs=(P(), P()), check_vma=False))
-            row[f"{name}_ms"] = _time(fn, o, lse, repeats=args.repeats)
-        row["all_to_all / gather_psum"] = row["all_to_all_ms"] / row["gather_psum_ms"]
-        rows.append(row)
-    print_table(rows, ["shape", "gather_psum_ms", "all_to_all_ms", "all_to_all / gather_psum"],
-                title=f"merge collectives, S={args.shards}, Dv={args.value_dim}, "
-                      f"{machine()['backend']} ({machine()['cpu_count']} cores)")
-    write_json(pathlib.Path(args.out) / "merge.json", {"rows": rows})
+        # Interleave the variants within each repeat round, so drift hits all alike.
+        samples = {v: [] for v in VARIANTS}
+        for _ in range(3):
+            for v in VARIANTS:
+                samples[v].append(_time(programs[v], o, lse,
+                                        repeats=max(args.repeats // 3, 1)))
+        for row, v in zip(rows, VARIANTS):
+            row[f"{label} ms"] = statistics.median(samples[v])
+    smallest = min(rows, key=lambda r: r["bytes_per_token"])
+    for row in rows:
+        row["bytes vs smallest"] = row["bytes_per_token"] / smallest["bytes_per_token"]
+    print_table(rows, ["merge", "weights", "bytes_per_token", "bytes vs smallest",
+                       *(f"{label} ms" for label in TOKENS)],
+                title=f"merge variants, {model.name} (H={h}, Dv={dv}, hidden={hid}), "
+                      f"S={args.shards}, {machine()['backend']} ({machine()['cpu_count']} cores)")
+    write_json(pathlib.Path(args.out) / "merge.json",
+               {"model": model.name, "shards": args.shards, "rows": rows})
     return 0
 
 

@@ -5,7 +5,8 @@ Per layer, for a batch of queries (DESIGN.md, "Context parallelism"):
   2. (`full` layers) each shard scores its own pages and keeps its top-K candidates;
   3. the candidates are all-gathered and every shard ranks the same global top-K;
   4. each shard attends the selected pages it owns and returns partials (o, lse);
-  5. the partials are merged exactly over the axis.
+  5. the partials are merged exactly over the axis and projected to hidden space
+     (cp_runtime.merge.combine: where they meet depends on the merge variant and weight split).
 `shared` layers reuse step 2-3's selection from the last `full` layer.
 """
 
@@ -19,10 +20,11 @@ import jax.numpy as jnp
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_jnp, owner_shard_jnp
-from cp_runtime.merge import MERGES
+from cp_runtime.merge import combine
 from cp_runtime.model import IndexerInputs
 from cp_runtime.pool import PoolSpec
 from cp_runtime.selection import attended_pages, global_top_pages, local_candidates
+from cp_runtime.weight_shards import WeightShards
 
 __all__ = ["ShardState", "ShardAttention"]
 
@@ -44,6 +46,7 @@ class ShardAttention:
                  j * S + shard - rotation (cp_runtime.layout; sentinel where unallocated)
     rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
+    merge:       the merge variant (resolved: not 'auto'); ws: how the weights are split
     """
 
     model: ModelConfig
@@ -55,6 +58,8 @@ class ShardAttention:
     local_table: jax.Array
     rotation: jax.Array
     pos: jax.Array
+    merge: str
+    ws: WeightShards
 
     @property
     def num_shards(self) -> int:
@@ -95,7 +100,7 @@ class ShardAttention:
         return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name)
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
-                 index: IndexerInputs | None) -> tuple[jax.Array, ShardState]:
+                 index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
         latent = list(state.latent)
         latent[layer] = self._write(latent[layer], kv_row, self.pool.latent_dtype)
         indexer, selection = state.indexer, state.selection
@@ -111,5 +116,5 @@ class ShardAttention:
             q_row, latent[layer], sel_slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
             scale=self.model.softmax_scale, query_block=self.runtime.query_block,
             cache_dtype=self.pool.latent_dtype)
-        o, _ = MERGES[self.runtime.merge](o, lse, self.axis_name)
-        return o, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+        out = combine(self.merge, o, lse, project, self.axis_name, self.ws)
+        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)

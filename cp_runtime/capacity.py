@@ -13,13 +13,12 @@ Per device of a deployment (`deployment_report`):
 The KV cache is sharded by position over every device (context parallelism), so the tokens that
 fit are (sum over devices of the KV bytes) // bytes_per_token.
 
-Weights are sharded over the same devices as the cache (`_shard_rule`): attention projections by
-heads (q_b_proj, kv_b_proj, o_proj; the indexer's wq_b and weights_proj by indexer heads), dense
-MLPs and shared experts column parallel (gate/up by output features) and row parallel (down by
-input features), routed experts expert-parallel (ceil(E / devices) whole experts per device),
-embedding and lm head by vocabulary rows; the rest (q_a_proj, kv_a_proj_with_mqa, the indexer's
-wk, router gates, norms and biases) is replicated. Every figure is the most-loaded device's
-(ceil of each split), from the config's tensor shapes (`cp_runtime.weights.param_shapes`).
+Weights are split over the same devices as the cache exactly as the runtime splits them in
+`weights = "sharded"` mode (cp_runtime.weight_layout: attention projections by heads, dense MLPs
+column/row parallel, routed experts expert-parallel, embedding and lm head by vocabulary, the
+other projections by output features; norms and biases whole on every device), from the
+config's tensor shapes (`cp_runtime.weights.model_shapes`); a split that does not divide is
+padded, as the runtime pads it.
 
 Weight dtypes (`WEIGHT_DTYPES`, overridable: `cp-runtime capacity --weight-dtype`):
     fp8   as the public GLM-5 / DeepSeek-V3.2 fp8 checkpoints store them: every 2-D matmul weight
@@ -39,6 +38,7 @@ import math
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.weight_layout import local_shape
 
 __all__ = ["ACTIVATION_RESERVE_FRACTION", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES", "CapacityReport",
            "Topology", "bytes_per_token", "capacity_report", "deployment_report",
@@ -84,75 +84,30 @@ def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
 
 
 # -- weights per device ---------------------------------------------------------------------
-def _shard_rule(name: str, model: ModelConfig) -> tuple[int, int] | None:
-    """(axis, units) when tensor `name` is split into `units` equal parts along `axis` (heads,
-    vocabulary rows, features), or None when it is replicated. Routed experts: see
-    `_expert_on_device`."""
-    h, hi = model.num_attention_heads, model.index_n_heads
-    rules = {
-        "embed_tokens.weight": (0, model.vocab_size), "lm_head.weight": (0, model.vocab_size),
-        "self_attn.q_b_proj.weight": (0, h), "self_attn.kv_b_proj.weight": (0, h),
-        "self_attn.o_proj.weight": (1, h),
-        "indexer.wq_b.weight": (0, hi), "indexer.weights_proj.weight": (0, hi),
-    }
-    for suffix, rule in rules.items():
-        if name.endswith(suffix):
-            return rule
-    if name.endswith(("gate_proj.weight", "up_proj.weight")):    # column parallel
-        return (0, -1)
-    if name.endswith("down_proj.weight"):                         # row parallel
-        return (1, -1)
-    return None
-
-
-def _expert_index(name: str) -> int | None:
-    """e for `...mlp.experts.{e}....`, else None."""
-    parts = name.split(".")
-    return int(parts[parts.index("experts") + 1]) if "experts" in parts else None
-
-
-def _local_shape(name: str, shape: tuple[int, ...], model: ModelConfig,
-                 devices: int) -> tuple[int, ...] | None:
-    """Shape of the most-loaded device's shard of `name`, or None when no part of it is there
-    (a routed expert of another device)."""
-    e = _expert_index(name)
-    if e is not None:                       # expert parallel: experts 0 .. ceil(E/D)-1 here
-        return shape if e < math.ceil(model.n_routed_experts / devices) else None
-    rule = _shard_rule(name, model)
-    if rule is None:
-        return shape
-    axis, units = rule
-    units = shape[axis] if units < 0 else units
-    local = list(shape)
-    local[axis] = math.ceil(units / devices) * (shape[axis] // units)
-    return tuple(local)
-
-
 def _tensor_bytes(name: str, shape: tuple[int, ...], weight_dtype: str) -> int:
-    """Bytes of one (local) tensor under `weight_dtype`, block scales included."""
+    """Bytes of one (local) tensor under `weight_dtype`, block scales included. A stack of
+    experts [E, a, b] is E matrices, each with its own block scales."""
     n = math.prod(shape)
     if any(s in name for s in _F32):
         return 4 * n
-    if weight_dtype == "bf16" or len(shape) != 2 or name.endswith(_BF16_IN_FP8):
+    if weight_dtype == "bf16" or len(shape) < 2 or name.endswith(_BF16_IN_FP8):
         return 2 * n
-    scales = math.ceil(shape[0] / FP8_BLOCK[0]) * math.ceil(shape[1] / FP8_BLOCK[1])
-    return n + 4 * scales
+    matrices = math.prod(shape[:-2])
+    scales = math.ceil(shape[-2] / FP8_BLOCK[0]) * math.ceil(shape[-1] / FP8_BLOCK[1])
+    return n + 4 * matrices * scales
 
 
 def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "fp8") -> int:
-    """Weight bytes on the most-loaded of `devices` devices (sharding and dtypes: module doc)."""
-    from cp_runtime.weights import param_shapes       # weights imports jax; keep this light
+    """Weight bytes on each of `devices` devices holding the model split over them as
+    cp_runtime.weight_layout describes (ceil of each split; dtypes: module doc)."""
+    from cp_runtime.weights import model_shapes       # weights imports jax; keep this light
 
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
     if devices <= 0:
         raise ValueError(f"{devices=} must be positive")
-    total = 0
-    for name, shape in param_shapes(model).items():
-        local = _local_shape(name, shape, model, devices)
-        if local is not None:
-            total += _tensor_bytes(name, local, weight_dtype)
-    return total
+    return sum(_tensor_bytes(name, local_shape(name, shape, model, devices), weight_dtype)
+               for name, shape in model_shapes(model).items())
 
 
 # -- reports --------------------------------------------------------------------------------

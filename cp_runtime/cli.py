@@ -35,7 +35,8 @@ from cp_runtime.weights_source import WeightsSource
 __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
-              "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "all")
+              "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
+              "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
 

@@ -35,7 +35,8 @@ CONFIG_DIR = pathlib.Path(str(importlib.resources.files("cp_runtime.configs")))
 LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
 INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
-MERGE_VARIANTS = ("gather_psum", "all_to_all")
+MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "head_scatter", "hidden_psum")
+WEIGHT_MODES = ("replicated", "sharded")      # cp_runtime.weight_layout describes each
 
 
 class ConfigError(ValueError):
@@ -258,7 +259,10 @@ class RuntimeConfig:
     chunk_size: int = 64
     max_batch: int = 8
     backend: str = "auto"
-    merge: str = "gather_psum"
+    merge: str = "auto"
+    # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
+    # (cp_runtime.weight_layout), which a model bigger than one device needs.
+    weights: str = "replicated"
     key_block_pages: int = 64
     query_block: int = 64
     # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
@@ -276,6 +280,12 @@ class RuntimeConfig:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.merge not in MERGE_VARIANTS:
             raise ConfigError(f"merge={self.merge!r} is not one of {MERGE_VARIANTS}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"weights={self.weights!r} is not one of {WEIGHT_MODES}")
+        needs = {"head_scatter": "sharded", "hidden_psum": "replicated"}.get(self.merge)
+        if needs is not None and self.weights != needs:
+            raise ConfigError(f"merge={self.merge!r} needs weights={needs!r}, not "
+                              f"{self.weights!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                               f"{tuple(KV_CACHE_DTYPES)}")

@@ -5,12 +5,19 @@
 in the latent space (before W_uv). A shard that saw no key gives o_r = 0, lse_r = -inf and
 contributes nothing; a query no shard saw gets o = 0, lse = -inf (no NaN).
 
-Two collective variants; `cp-runtime bench merge` times them in one run:
-  gather_psum:  all-gather the lse (small), rescale locally, psum the outputs. The default:
-                2.7x faster than all_to_all for decode (B=8, H=64, Dv=512) and 3.3x for a
-                prefill block (Q=256, H=16), S = 16 virtual CPU devices on 2 cores.
-  all_to_all:   pack [o | lse] and all-to-all over the token axis so each shard merges 1/S of the
-                tokens, then all-gather the merged rows.
+The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model.mla_output).
+`combine` chooses where the shards' partials meet, by runtime field `merge`:
+  gather_psum:   all-gather the lse (small), rescale locally, psum the latent outputs; every
+                 shard then holds every head merged.
+  all_to_all:    pack [o | lse] and all-to-all over the token axis so each shard merges 1/S of
+                 the tokens, then all-gather the merged rows (every head everywhere too).
+  head_scatter:  (weights sharded) rescale, then reduce-scatter over heads: each shard gets only
+                 its own heads merged, projects them through its W_uv and o_proj columns, and a
+                 psum in hidden space joins the heads.
+  hidden_psum:   (weights replicated) rescale, project each shard's partial through W_uv and
+                 o_proj, and psum in hidden space: the partial output is linear in o_r.
+  auto:          head_scatter with sharded weights, hidden_psum with replicated ones.
+`cp-runtime bench merge` measures the bytes each moves per token and times them in one run.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "MERGES"]
+__all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_to_own_heads",
+           "MERGES", "combine", "resolve_merge"]
 
 
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -67,3 +75,49 @@ def merge_all_to_all(o: jax.Array, lse: jax.Array, axis_name: str
 
 
 MERGES = {"gather_psum": merge_gather_psum, "all_to_all": merge_all_to_all}
+
+
+def _my_weight(lse: jax.Array, axis_name: str) -> jax.Array:
+    """exp(lse_r - lse) f32[...] of this shard's partial (the lse are all-gathered)."""
+    w, _ = _weights(lax.all_gather(lse, axis_name), 0)
+    return w[lax.axis_index(axis_name)]
+
+
+def merge_to_own_heads(o: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
+    """o f32[..., H, Dv], lse f32[..., H] of this shard -> merged o f32[..., H', Dv] of this
+    shard's own heads (H' = ceil(H / S); heads zero-padded to a multiple of S, as the weights
+    are), by one reduce-scatter over the head axis."""
+    num_shards = lax.axis_size(axis_name)
+    rescaled = _my_weight(lse, axis_name)[..., None] * o
+    pad = -o.shape[-2] % num_shards
+    rescaled = jnp.pad(rescaled, [(0, 0)] * (o.ndim - 2) + [(0, pad), (0, 0)])
+    return lax.psum_scatter(rescaled, axis_name, scatter_dimension=o.ndim - 2, tiled=True)
+
+
+def resolve_merge(merge: str, weights: str) -> str:
+    """The variant `merge` names under weight mode `weights` ('auto' picks by mode)."""
+    if merge == "auto":
+        return "head_scatter" if weights == "sharded" else "hidden_psum"
+    return merge
+
+
+def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
+            ws) -> jax.Array:
+    """This shard's partials o f32[..., H, Dv], lse f32[..., H] -> the attention output
+    f[..., hidden], complete on every shard. `project` maps latent outputs of the heads whose
+    weights this shard holds to hidden space (a partial sum when the weights are split, `ws`)."""
+    if merge == "hidden_psum":
+        if ws.split:
+            raise ValueError("merge 'hidden_psum' needs every head's W_uv and o_proj on each "
+                             "shard (weights = 'replicated')")
+        return lax.psum(project(_my_weight(lse, axis_name)[..., None] * o), axis_name)
+    if merge == "head_scatter":
+        if not ws.split:
+            raise ValueError("merge 'head_scatter' needs weights split by head "
+                             "(weights = 'sharded')")
+        return ws.psum(project(merge_to_own_heads(o, lse, axis_name)))
+    merged, _ = MERGES[merge](o, lse, axis_name)                       # every head, everywhere
+    if not ws.split:
+        return project(merged)
+    heads_here = -(-o.shape[-2] // lax.axis_size(axis_name))
+    return ws.psum(project(ws.own(merged, -2, heads_here)))

@@ -15,11 +15,20 @@ Per layer (shapes for T tokens, any leading dims `...`):
 
 `forward` runs the layer stack with an attention callback, so the dense oracle and the paged,
 context-parallel path share every line except attention itself.
+
+Weights are in the model layout (cp_runtime.weights.model_layout), whole or split over a mesh
+axis (cp_runtime.weight_layout); a `WeightShards` says which, and each function gathers or sums
+what its split needs, so the same lines run in both modes:
+  projections to features (q_a, kv_a, indexer wk), q and indexer heads, router logits and the
+  lm head's logits are computed on this device's rows and all-gathered; the embedding, the dense
+  MLP (row-parallel down), the experts (expert parallel: each device runs its own experts on the
+  tokens routed to them) and o_proj give partial sums.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
+from cp_runtime.weight_shards import WeightShards
 from cp_runtime.weights import Params, layer_params
 
 __all__ = [
@@ -44,6 +54,9 @@ __all__ = [
     "rope",
     "rope_frequencies",
     "route",
+    "route_topk",
+    "embed",
+    "WeightShards",
 ]
 
 
@@ -156,17 +169,32 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h[..., hidden], pos i32[...] -> (q f[..., H, D_lat], kv_row f[..., D_lat], q_lora f[..., R])."""
-    q_lora = rms_norm(_linear(h, p["self_attn.q_a_proj.weight"]),
+def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) -> jax.Array:
+    """tokens i32[...] -> f[..., hidden]. Split by vocabulary: each device looks up the tokens
+    in its rows (zeros for the rest) and a psum joins them, exactly."""
+    table = params["model.embed_tokens.weight"]                           # [V (local), hidden]
+    if not ws.split:
+        return table[tokens]
+    local = tokens - ws.first(table.shape[0])
+    inside = (local >= 0) & (local < table.shape[0])
+    rows = table[jnp.clip(local, 0, table.shape[0] - 1)]
+    return ws.psum(jnp.where(inside[..., None], rows, 0))
+
+
+def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
+               ws: WeightShards = WeightShards()) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h[..., hidden], pos i32[...] -> (q f[..., H, D_lat], kv_row f[..., D_lat], q_lora f[..., R]).
+
+    Every device gets every head of q (each attends its own pages with all of them)."""
+    q_lora = rms_norm(ws.gather(_linear(h, p["self_attn.q_a_proj.weight"]), -1, cfg.q_lora_rank),
                       p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
     q = _linear(q_lora, p["self_attn.q_b_proj.weight"])
-    q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)  # [..., H, nope+rope]
+    q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
-    a = _linear(h, p["self_attn.kv_a_proj_with_mqa.weight"])               # [..., kv_lora+rope]
+    a = ws.gather(_linear(h, p["self_attn.kv_a_proj_with_mqa.weight"]), -1,
+                  cfg.kv_lora_rank + cfg.qk_rope_head_dim)                 # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
                  cfg.rms_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
@@ -177,13 +205,13 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array
                              _pad_last(q_pe, cfg.latent_rope_pad)], -1)
     kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
                               _pad_last(k_pe, cfg.latent_rope_pad)], -1)
-    return q_row, kv_row, q_lora
+    return ws.gather(q_row, -2, cfg.num_attention_heads), kv_row, q_lora
 
 
 def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
-    """W_kv_b as [H, nope + v, kv_lora]."""
+    """W_kv_b as [H (this device's heads), nope + v, kv_lora]."""
     return p["self_attn.kv_b_proj.weight"].reshape(
-        cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        -1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
 
 
 def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -198,21 +226,23 @@ def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
-                   pos: jax.Array) -> IndexerInputs:
-    """The DSA indexer's query heads, head weights and key for each token."""
+                   pos: jax.Array, ws: WeightShards = WeightShards()) -> IndexerInputs:
+    """The DSA indexer's query heads, head weights and key for each token (all heads on every
+    device: each scores its own pages with all of them)."""
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q = _linear(q_lora, p["self_attn.indexer.wq_b.weight"]).reshape(*q_lora.shape[:-1], hi, di)
-    k = layer_norm(_linear(h, p["self_attn.indexer.wk.weight"]),
+    q = _linear(q_lora, p["self_attn.indexer.wq_b.weight"]).reshape(*q_lora.shape[:-1], -1, di)
+    k = layer_norm(ws.gather(_linear(h, p["self_attn.indexer.wk.weight"]), -1, di),
                    p["self_attn.indexer.k_norm.weight"], p["self_attn.indexer.k_norm.bias"], 1e-6)
     q, k = _indexer_rope(q, pos, cfg), _indexer_rope(k, pos, cfg)
     if cfg.index_hadamard:
         q, k = hadamard(q), hadamard(k)
-    w = _linear(h, p["self_attn.indexer.weights_proj.weight"]) * (hi ** -0.5 * di ** -0.5)
-    return IndexerInputs(q=q, w=w, k=k)
+    w = ws.gather(_linear(h, p["self_attn.indexer.weights_proj.weight"]), -1, hi)
+    return IndexerInputs(q=ws.gather(q, -2, hi), w=w * (hi ** -0.5 * di ** -0.5), k=k)
 
 
 def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
-    """o_lat f[..., H, kv_lora] -> f[..., hidden]."""
+    """o_lat f[..., H, kv_lora] of the heads whose W_uv and o_proj columns this device holds
+    (all, or its own) -> f[..., hidden]: the whole output, or this device's partial sum."""
     w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
     o = jnp.einsum("...hc,hvc->...hv", o_lat.astype(w_uv.dtype), w_uv)
     return _linear(o.reshape(*o.shape[:-2], -1), p["self_attn.o_proj.weight"])
@@ -236,60 +266,107 @@ def _limit_groups(biased: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.where(kept[..., None], g, -jnp.inf).reshape(biased.shape)
 
 
-def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
-    """Router logits f32[..., E] and correction bias f32[E] -> expert weights f32[..., E], zero
-    off the num_experts_per_tok chosen experts (noaux_tc: the bias picks, never weighs)."""
+def route_topk(cfg: ModelConfig, logits: jax.Array, bias: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """Router logits f32[..., E] and correction bias f32[E] -> (chosen experts i32[..., k],
+    their weights f32[..., k]), k = num_experts_per_tok (noaux_tc: the bias picks, never
+    weighs)."""
     scores = jax.nn.sigmoid(logits)                                          # [..., E]
     biased = scores + bias
     if cfg.n_group > 1:
         biased = _limit_groups(biased, cfg)
     _, chosen = jax.lax.top_k(biased, cfg.num_experts_per_tok)              # [..., k]
-    mask = jax.nn.one_hot(chosen, cfg.n_routed_experts, dtype=scores.dtype).sum(-2)
-    gate = scores * mask
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
     if cfg.norm_topk_prob:
-        gate = gate / gate.sum(-1, keepdims=True)
-    return gate * cfg.routed_scaling_factor
+        weights = weights / weights.sum(-1, keepdims=True)
+    return chosen, weights * cfg.routed_scaling_factor
 
 
-def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array) -> jax.Array:
-    """Dense SwiGLU, or MoE: `route` weights over the routed experts plus shared experts.
-    Experts run densely and are masked by the routing weights: simple and exact, for the small
-    models this runs on the CPU (large models use expert parallelism, not this function)."""
+def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
+    """`route_topk` as dense expert weights f32[..., E], zero off the chosen experts."""
+    chosen, weights = route_topk(cfg, logits, bias)
+    one_hot = jax.nn.one_hot(chosen, cfg.n_routed_experts, dtype=weights.dtype)  # [..., k, E]
+    return (weights[..., None] * one_hot).sum(-2)
+
+
+def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                    ws: WeightShards) -> jax.Array:
+    """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: the outputs of this
+    device's experts (all of them, or its own share: expert parallel) on the tokens routed to
+    them, weighted; other devices add theirs.
+
+    The T*k (token, expert) pairs are sorted by local expert, pairs for other devices' experts
+    last, and one grouped matmul per projection runs each group through its expert; rows past
+    the groups come out zero, and their weight is zero too."""
+    w_gate, w_up = p["mlp.experts.gate_proj.weight"], p["mlp.experts.up_proj.weight"]
+    n_local = w_gate.shape[0]                                   # [E (local), hidden, inner]
+    local = chosen.reshape(-1) - ws.first(n_local)              # [T*k]
+    mine = (local >= 0) & (local < n_local)
+    group = jnp.where(mine, local, n_local)
+    order = jnp.argsort(group, stable=True)
+    token = order // chosen.shape[-1]                            # source token of each row
+    sizes = jnp.zeros((n_local + 1,), jnp.int32).at[group].add(1)[:n_local]
+    rows = x[token]                                              # [T*k, hidden]
+    g = jax.lax.ragged_dot(rows, w_gate, sizes)
+    u = jax.lax.ragged_dot(rows, w_up, sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, p["mlp.experts.down_proj.weight"], sizes)
+    row_weight = jnp.where(mine, weights.reshape(-1), 0)[order].astype(y.dtype)
+    return jnp.zeros_like(x).at[token].add(y * row_weight[:, None])
+
+
+def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
+        ws: WeightShards = WeightShards()) -> jax.Array:
+    """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
+    experts only) plus the shared experts. Split weights give partial sums, joined once."""
     if not cfg.is_moe_layer(layer):
-        return _swiglu(p, "mlp", x)
-    gate = route(cfg, _linear(x, p["mlp.gate.weight"]).astype(jnp.float32),
-                 p["mlp.gate.e_score_correction_bias"])                        # [..., E]
-    out = sum(gate[..., e, None].astype(x.dtype) * _swiglu(p, f"mlp.experts.{e}", x)
-              for e in range(cfg.n_routed_experts))
+        return ws.psum(_swiglu(p, "mlp", x))
+    router = ws.gather(_linear(x, p["mlp.gate.weight"]), -1, cfg.n_routed_experts)
+    chosen, weights = route_topk(cfg, router.astype(jnp.float32),
+                                 p["mlp.gate.e_score_correction_bias"])       # [..., k] each
+    flat = x.reshape(-1, x.shape[-1])
+    out = _routed_experts(p, flat, chosen.reshape(flat.shape[0], -1),
+                          weights.reshape(flat.shape[0], -1), ws).reshape(x.shape)
     if cfg.n_shared_experts:
         out = out + _swiglu(p, "mlp.shared_experts", x)
-    return out
+    return ws.psum(out)
 
 
-# attend(layer, state, q_row, kv_row, index_or_None) -> (o_lat f32[..., H, kv_lora], state)
-AttendFn = Callable[[int, Any, jax.Array, jax.Array, IndexerInputs | None], tuple[jax.Array, Any]]
+# project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`)
+ProjectFn = Callable[[jax.Array], jax.Array]
+# attend(layer, state, q_row, kv_row, index_or_None, project) -> (attention output f[..., hidden]
+# complete on every device, state)
+AttendFn = Callable[[int, Any, jax.Array, jax.Array, IndexerInputs | None, ProjectFn],
+                    tuple[jax.Array, Any]]
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
-            attend: AttendFn, state: Any) -> tuple[jax.Array, Any]:
+            attend: AttendFn, state: Any, ws: WeightShards = WeightShards()
+            ) -> tuple[jax.Array, Any]:
     """Run the decoder over tokens i32[...] at positions i32[...]; returns (hidden, state).
 
-    `hidden` f[..., hidden] is after the final norm; `logits(params, hidden)` projects it.
+    `params` are in the model layout; `hidden` f[..., hidden] is after the final norm and
+    `logits(params, hidden, ws)` projects it. The attention callback gets the output
+    projection so the merge can choose where the partial results meet (cp_runtime.merge).
     """
-    x = params["model.embed_tokens.weight"][tokens]
+    x = embed(params, tokens, ws)
     for layer in range(cfg.num_hidden_layers):
         p = layer_params(params, layer)
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos)
-        index = (indexer_inputs(p, cfg, h, q_lora, pos)
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
+        index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
                  if cfg.indexer_types[layer] == "full" else None)
-        o_lat, state = attend(layer, state, q_row, kv_row, index)
-        x = x + mla_output(p, cfg, o_lat)
+        out, state = attend(layer, state, q_row, kv_row, index,
+                            functools.partial(mla_output, p, cfg))
+        x = x + out
         h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + mlp(p, cfg, layer, h)
+        x = x + mlp(p, cfg, layer, h, ws)
     return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
+def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),
+           vocab_size: int | None = None) -> jax.Array:
+    """hidden f[..., hidden] -> f32[..., V]; split by vocabulary, each device's logits are
+    gathered (`vocab_size` cuts the padding; needed when split)."""
     head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
-    return _linear(hidden, head).astype(jnp.float32)
+    out = _linear(hidden, head).astype(jnp.float32)
+    return out if not ws.split else ws.gather(out, -1, vocab_size)

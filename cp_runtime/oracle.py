@@ -18,7 +18,7 @@ from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.layout import cdiv
 from cp_runtime.model import IndexerInputs, forward, logits
 from cp_runtime.selection import earlier_pages_mask, rank_pages
-from cp_runtime.weights import Params
+from cp_runtime.weights import Params, model_layout
 
 __all__ = ["token_scores", "page_scores", "selection_mask", "dense_sparse_attention",
            "make_oracle_attend", "oracle_logits"]
@@ -76,13 +76,13 @@ def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | N
         indexer_dtype = indexer_cache_dtype(kv_cache_dtype)
     k = cfg.index_topk // page_size
 
-    def attend(layer, mask, q_row, kv_row, index):
+    def attend(layer, mask, q_row, kv_row, index, project):
         if index is not None:
             index = IndexerInputs(q=index.q, w=index.w, k=_round_trip(index.k, indexer_dtype))
             mask = selection_mask(token_scores(index), page_size, k)
         o = dense_sparse_attention(q_row, _round_trip(kv_row, latent_dtype), mask,
                                    value_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale)
-        return o, mask
+        return project(o), mask
 
     return attend
 
@@ -90,7 +90,9 @@ def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | N
 @functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype"))
 def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
                   kv_cache_dtype: str | None = None) -> jax.Array:
-    """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1)."""
+    """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1); weights in HF or
+    model layout, whole."""
+    params = model_layout(params, cfg)
     attend = make_oracle_attend(cfg, page_size, kv_cache_dtype)
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     hidden, _ = forward(params, cfg, tokens, pos, attend, None)

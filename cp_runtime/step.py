@@ -37,12 +37,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cp_runtime.attention import ShardAttention, ShardState
+from cp_runtime.merge import resolve_merge
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_table
 from cp_runtime.model import forward, logits
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.sampler import SamplingArrays, sample_tokens
+from cp_runtime.weight_placement import param_specs
+from cp_runtime.weight_shards import WeightShards
 from cp_runtime.weights import Params
 
 __all__ = ["KINDS", "Segment", "StepInputs", "make_step"]
@@ -112,19 +115,22 @@ class Segment:
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
                   kernels: Kernels, kind: str):
-    """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]."""
+    """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
+    shard's part (runtime.weights)."""
+    ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
-                            local_table=local_tables[0], rotation=rotation, pos=pos)
+                            local_table=local_tables[0], rotation=rotation, pos=pos,
+                            merge=resolve_merge(runtime.merge, runtime.weights), ws=ws)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
-    hidden, state = forward(params, model, tokens, pos, attend, state)     # [B, Q, hidden]
+    hidden, state = forward(params, model, tokens, pos, attend, state, ws)  # [B, Q, hidden]
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
     if kind == "fill":
         return (), *new_pool
     if kind != "all_logits":
         hidden = jnp.take_along_axis(hidden, logit_index[:, None, None], axis=1)[:, 0]
-    out = logits(params, hidden)                                     # [B, V] or [B, Q, V]
+    out = logits(params, hidden, ws, model.vocab_size)               # [B, V] or [B, Q, V]
     if kind == "sample":
         sampled_pos = jnp.take_along_axis(pos, logit_index[:, None], axis=1)[:, 0] + 1
         out = sample_tokens(out, sampling, sampled_pos)
@@ -132,19 +138,22 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
-              kernels: Kernels):
+              kernels: Kernels, param_shapes: dict[str, tuple[int, ...]]):
     """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
 
+    param_shapes: the weights' model-layout shapes (their split follows runtime.weights).
     segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
     outputs: one entry per segment (see the module docstring). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
+    weights = param_specs(param_shapes, model, runtime.weights, CP_AXIS)
 
     def run_segment(params, kv: KVPool, args, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind)
         spmd = jax.shard_map(body, mesh=mesh,
-                             in_specs=(rep, sharded, sharded, rep, rep, sharded, rep, rep, rep),
+                             in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
+                                       rep),
                              out_specs=(rep, sharded, sharded), check_vma=False)
         out, latent, indexer = spmd(params, kv.latent, kv.indexer, *args)
         return out, KVPool(latent=latent, indexer=indexer)

@@ -4,6 +4,13 @@ DeepSeek-V3.2 tensor names (`model.layers.{i}.self_attn.kv_a_proj_with_mqa.weigh
 Weights are a flat dict `{hf_name: array}` in HF layout (linear weights are `[out, in]`), so a
 checkpoint round trip is the identity. `layer_params` gives one layer's view with the
 `model.layers.{i}.` prefix stripped.
+
+The model runs on the *model layout* (`model_layout`): the same names and arrays, except that
+each MoE layer's routed experts are stacked into three tensors (cp_runtime.weight_layout's
+EXPERT_STACKS), transposed for a grouped matmul (`jax.lax.ragged_dot`) and split over devices
+by expert:
+    mlp.experts.gate_proj.weight, mlp.experts.up_proj.weight   [E, hidden, inner]
+    mlp.experts.down_proj.weight                               [E, inner, hidden]
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from cp_runtime.config import ModelConfig
+from cp_runtime.weight_layout import EXPERT_STACKS
 
-__all__ = ["param_shapes", "init_params", "layer_params", "save_params", "load_params"]
+__all__ = ["param_shapes", "init_params", "layer_params", "save_params", "load_params",
+           "model_layout", "model_shapes", "expert_sources"]
 
 Params = dict[str, jax.Array]
 
@@ -79,6 +88,48 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
+
+
+def expert_sources(name: str, model: ModelConfig) -> list[str] | None:
+    """The HF tensors (one per expert) a stacked expert tensor is built from, or None when
+    `name` is not a stack. Each is transposed into the stack: HF [out, in] -> [in, out]."""
+    for stack in EXPERT_STACKS:
+        if name.endswith(stack):
+            prefix, proj = name[: -len(stack)], stack.split(".")[2]
+            return [f"{prefix}mlp.experts.{e}.{proj}.weight"
+                    for e in range(model.n_routed_experts)]
+    return None
+
+
+def _stack_names(model: ModelConfig) -> dict[str, list[str]]:
+    """{stacked name: its HF sources} for every MoE layer."""
+    return {f"model.layers.{layer}.{stack}": expert_sources(f"model.layers.{layer}.{stack}",
+                                                            model)
+            for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer)
+            for stack in EXPERT_STACKS}
+
+
+def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model layout, by name (`param_shapes` with experts stacked)."""
+    shapes = param_shapes(model)
+    for stack, sources in _stack_names(model).items():
+        out, inp = shapes[sources[0]]
+        for src in sources:
+            del shapes[src]
+        shapes[stack] = (len(sources), inp, out)
+    return shapes
+
+
+def model_layout(params: Params, model: ModelConfig) -> Params:
+    """HF-layout weights -> the model layout (routed experts stacked); a no-op on weights
+    already in it."""
+    stacks = _stack_names(model)
+    if not stacks or next(iter(stacks)) in params:
+        return params
+    out = dict(params)
+    for stack, sources in stacks.items():
+        out[stack] = jnp.stack([jnp.asarray(out.pop(src)).T for src in sources])
+    return out
 
 
 def _init_one(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:

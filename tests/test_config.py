@@ -16,7 +16,7 @@ from cp_runtime.capacity import GIB, bytes_per_token, capacity_report, weight_by
 from cp_runtime.config import (ConfigError, RuntimeConfig, check_runtime_for_model,
                                load_model_config, load_runtime_config, model_names)
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.weights import param_shapes
+from cp_runtime.weights import model_shapes
 
 
 def test_every_config_loads():
@@ -232,23 +232,27 @@ def test_weight_sharding_rules():
                 + hid * glm.v_head_dim)
     assert (weight_bytes_per_device(grown(glm, num_attention_heads=d), d, "bf16") - base
             == layers * per_head * 2)
-    # Routed experts: 16 more experts are one more whole expert per MoE layer, plus 16 rows of
-    # the replicated router gate (bf16) and its bias (f32).
+    # Routed experts: 16 more experts are one more whole expert and one more router row per MoE
+    # layer and device, plus the 16 new entries of the router's bias (whole on every device).
     expert = 3 * glm.moe_intermediate_size * hid
     assert (weight_bytes_per_device(grown(glm, n_routed_experts=d), d, "bf16") - base
-            == moe * (expert * 2 + d * hid * 2 + d * 4))
+            == moe * (expert * 2 + hid * 2 + d * 4))
     # Dense MLP: column / row parallel, 16 more features are one more per device.
     dense = glm.first_k_dense_replace
     assert (weight_bytes_per_device(grown(glm, intermediate_size=d), d, "bf16") - base
             == dense * 3 * hid * 2)
-    # Replicated: q_a_proj does not shrink with more devices.
-    assert (weight_bytes_per_device(grown(glm, q_lora_rank=128), 32, "bf16")
-            - weight_bytes_per_device(glm, 32, "bf16")) >= layers * 128 * hid * 2
+    # Features: 16 more q_lora ranks are one more q_a_proj row per device, the whole (norm)
+    # q_a_layernorm's 16 values, and a column more in each local head of q_b and indexer wq_b.
+    heads, index_heads = glm.num_attention_heads // d, glm.index_n_heads // d
+    full = len(glm.full_layers)
+    assert (weight_bytes_per_device(grown(glm, q_lora_rank=d), d, "bf16") - base
+            == 2 * (layers * (hid + d + heads * glm.qk_head_dim * d)
+                    + full * index_heads * glm.index_head_dim * d))
 
 
 def test_weight_dtypes():
     glm = load_model_config("glm-5.2")
-    shapes = param_shapes(glm)
+    shapes = model_shapes(glm)
     n = sum(math.prod(s) for s in shapes.values())
     bias = sum(math.prod(s) for k, s in shapes.items() if k.endswith("correction_bias"))
     assert weight_bytes_per_device(glm, 1, "bf16") == 2 * n + 2 * bias

@@ -78,3 +78,36 @@ def test_a_wrong_merge_is_caught():
     wrong = o.mean(0)
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(wrong, exact, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("merge, weights", [("gather_psum", "replicated"),
+                                            ("all_to_all", "replicated"),
+                                            ("hidden_psum", "replicated"),
+                                            ("gather_psum", "sharded"),
+                                            ("head_scatter", "sharded")])
+def test_combine_projects_the_exact_merge(merge, weights):
+    """combine() = W (exact merge) for every variant, the projection's weights whole or split
+    by head; 12 heads over 16 shards, so the head split is padded."""
+    from cp_runtime.merge import combine
+    from cp_runtime.weight_shards import WeightShards
+
+    rng = np.random.default_rng(3)
+    heads, dv, hidden = 12, 8, 6
+    o, lse, exact, _ = _partials(rng, lead=(5, heads), dv=dv)
+    w = rng.normal(size=(heads, dv, hidden)).astype(np.float32)
+    want = np.einsum("thc,hcd->td", exact, w)
+    mesh = jax.make_mesh((S,), ("cp",))
+    ws = WeightShards("cp" if weights == "sharded" else None)
+    w_padded = np.pad(w, ((0, S - heads), (0, 0), (0, 0)))           # one head per shard
+    w_spec = P("cp") if weights == "sharded" else P()
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P("cp"), w_spec),
+                       out_specs=P(), check_vma=False)
+    def run(o, lse, w):
+        return combine(merge, o[0], lse[0], lambda x: jnp.einsum("thc,hcd->td", x, w), "cp", ws)
+
+    shard = NamedSharding(mesh, P("cp"))
+    got = run(jax.device_put(o, shard), jax.device_put(lse, shard),
+              jax.device_put(w_padded, shard) if weights == "sharded" else w)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)

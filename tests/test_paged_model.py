@@ -13,9 +13,12 @@ PAGE = 16
 LENGTHS = [(70, 3), (37, 3), (5, 3)]
 
 # Relative L2 of logits, paged path vs oracle, when the oracle rounds KV through the same cache
-# dtypes: only accumulation order differs. f32 is the 1e-5; bf16 measured 1.50e-5 and
-# fp8_e4m3 4.2e-7 (tiny model, seed 0): bounds at 2x and at the f32 figure.
-BOUNDS_SAME_ROUNDING = {"f32": 1e-5, "bf16": 3e-5, "fp8_e4m3": 1e-5, "fp8_e5m2": 1e-5}
+# dtypes: only accumulation order differs. f32 is the 1e-5; bf16 measured 1.50e-5. fp8:
+# an accumulation-order difference of one f32 ulp in a value at an fp8 rounding boundary moves
+# that cached element by a whole fp8 step (1/8 of it for e4m3), so a run has either ~4e-7 or,
+# where one element flips, 7.7e-5 (measured, tiny model, seed 0, the 8-token session): bounds
+# at about 2.5x that, still 1000x under the cost of fp8 itself (BOUNDS_VS_F32).
+BOUNDS_SAME_ROUNDING = {"f32": 1e-5, "bf16": 3e-5, "fp8_e4m3": 2e-4, "fp8_e5m2": 2e-4}
 # Against the pure f32 oracle: the cost of the cache dtype itself, through 4 random layers (a
 # random network amplifies perturbations). Measured: bf16 0.0021, fp8_e4m3 0.136, fp8_e5m2
 # 0.117; bounds at about 1.5x.

@@ -61,20 +61,22 @@ def test_sparse_equals_dense_when_k_covers_all_pages(tiny, tiny_params):
 def _dense_causal_logits(params, tokens, cfg):
     from cp_runtime.model import forward, logits
     from cp_runtime.oracle import dense_sparse_attention
+    from cp_runtime.weights import model_layout
     t = tokens.shape[0]
     mask = jnp.tril(jnp.ones((t, t), bool))
 
-    def attend(layer, state, q_row, kv_row, index):
-        return dense_sparse_attention(q_row, kv_row, mask, value_dim=cfg.kv_lora_rank,
-                                      scale=cfg.softmax_scale), state
+    def attend(layer, state, q_row, kv_row, index, project):
+        return project(dense_sparse_attention(q_row, kv_row, mask, value_dim=cfg.kv_lora_rank,
+                                              scale=cfg.softmax_scale)), state
 
-    hidden, _ = forward(params, cfg, tokens, jnp.arange(t), attend, None)
+    hidden, _ = forward(model_layout(params, cfg), cfg, tokens, jnp.arange(t), attend, None)
     return logits(params, hidden)
 
 
 def test_shared_layers_reuse_last_full_selection(tiny, tiny_params):
     from cp_runtime.oracle import make_oracle_attend
     from cp_runtime.model import forward
+    from cp_runtime.weights import model_layout
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, tiny.vocab_size, 96))
     attend = make_oracle_attend(tiny, page_size=16, kv_cache_dtype=None)
     masks = {}
@@ -84,7 +86,7 @@ def test_shared_layers_reuse_last_full_selection(tiny, tiny_params):
         masks[layer] = np.asarray(state)
         return o, state
 
-    forward(tiny_params, tiny, tokens, jnp.arange(96), recording, None)
+    forward(model_layout(tiny_params, tiny), tiny, tokens, jnp.arange(96), recording, None)
     assert (masks[1] == masks[0]).all() and (masks[3] == masks[2]).all()
     assert (masks[2] != masks[0]).any()          # the second full layer selects afresh
 

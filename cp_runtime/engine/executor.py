@@ -11,13 +11,15 @@ import abc
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import select_kernels
 from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.step import Segment, make_step
-from cp_runtime.weights import Params
+from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, place_weights,
+                                         weight_bytes_per_device)
+from cp_runtime.weights import Params, model_layout
 
 __all__ = ["Executor", "LocalExecutor", "pool_spec_for"]
 
@@ -119,9 +121,14 @@ def make_row_io(mesh):
 
 
 class LocalExecutor(Executor):
-    """Runs steps on the first S devices of this process."""
+    """Runs steps on the first S devices of this process (or of every process, when JAX is
+    distributed), with weights whole on each device or split over them (runtime.weights).
 
-    def __init__(self, model: ModelConfig, runtime: RuntimeConfig, params: Params):
+    weights: in-memory weights (HF or model layout), or a `BlockSource` that reads only the
+    blocks this process's devices hold (a checkpoint)."""
+
+    def __init__(self, model: ModelConfig, runtime: RuntimeConfig,
+                 weights: Params | BlockSource):
         devices = jax.devices()
         if len(devices) < runtime.num_shards:
             raise ValueError(f"num_shards={runtime.num_shards} needs that many devices, "
@@ -131,11 +138,14 @@ class LocalExecutor(Executor):
                                   devices=devices[: runtime.num_shards])
         self.pool_spec = pool_spec_for(model, runtime)
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
-        self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
+        blocks = (ArrayBlocks(model_layout(weights, model)) if isinstance(weights, dict)
+                  else weights)
+        self.params = place_weights(blocks, model, self.mesh, runtime.weights, CP_AXIS)
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh)
-        self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels)
+        self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
+                               blocks.shapes)
 
     def run(self, plan: tuple[Segment, ...]) -> list:
         # One program per segment, in order: a step of decode rows plus a prefill chunk would
@@ -154,6 +164,15 @@ class LocalExecutor(Executor):
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
+
+    def weight_bytes(self) -> dict[int, int]:
+        """{device id: bytes of weights on it} (this process's devices)."""
+        return weight_bytes_per_device(self.params)
+
+    def stats(self, pages_used_per_shard: list[int] | None = None) -> dict:
+        per_device = self.weight_bytes()
+        return {"executor": type(self).__name__, "weights": self.runtime.weights,
+                "weight_bytes_per_device": max(per_device.values())}
 
     def read_rows(self, shard, slot, offset) -> CacheRows:
         where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))

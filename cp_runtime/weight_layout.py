@@ -1,0 +1,113 @@
+"""Where each weight lies on the `cp` mesh: the one rule that placement, the step's partition
+specs and the capacity arithmetic share. Pure Python (no JAX): capacity imports it.
+
+Runtime field `weights` chooses the mode:
+    replicated  every device holds every tensor (small models; the oracle's layout)
+    sharded     each tensor below is split over the S devices that hold the KV pool, so a
+                device holds about 1/S of the model (DESIGN: weights live where the cache does)
+
+The split of each tensor (model layout: HF names, routed experts stacked, see
+`cp_runtime.weights.model_layout`):
+
+    embed_tokens, lm_head                  rows, by vocabulary
+    q_a_proj, kv_a_proj_with_mqa           rows (output features; gathered after the matmul)
+    q_b_proj, kv_b_proj                    rows, by attention head (whole heads per device)
+    o_proj                                 columns, by attention head
+    indexer wq_b                           rows, by indexer head
+    indexer wk, weights_proj               rows (output features / indexer heads)
+    dense MLP and shared experts           gate/up by rows (column parallel), down by columns
+                                           (row parallel)
+    router gate                            rows, by expert
+    routed experts [E, ...]                by expert (expert parallel)
+    norms and biases                       replicated
+
+An axis of `units` parts (heads, experts, features) is padded with zero parts up to a multiple
+of S when S does not divide it, so the tiny test models shard at S = 16 too; a padded head or
+expert has zero weights and adds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from cp_runtime.config import WEIGHT_MODES, ModelConfig
+
+__all__ = ["WEIGHT_MODES", "Split", "split_of", "local_shape", "padded_shape",
+           "EXPERT_STACKS"]
+
+# Routed experts, stacked per layer: gate/up [E, hidden, inner], down [E, inner, hidden].
+EXPERT_STACKS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                 "mlp.experts.down_proj.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A tensor cut along `axis` into `units` equal parts (heads, experts, features), each
+    part kept whole on one device."""
+
+    axis: int
+    units: int
+
+    def units_per_device(self, shards: int) -> int:
+        return math.ceil(self.units / shards)
+
+    def unit_size(self, shape: tuple[int, ...]) -> int:
+        """Elements of one part along the axis (a head's rows, 1 for features)."""
+        return shape[self.axis] // self.units
+
+
+def _by_suffix(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    h, hi = model.num_attention_heads, model.index_n_heads
+    return {
+        "embed_tokens.weight": (0, model.vocab_size),
+        "lm_head.weight": (0, model.vocab_size),
+        "self_attn.q_a_proj.weight": (0, model.q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": (0, model.kv_lora_rank + model.qk_rope_head_dim),
+        "self_attn.q_b_proj.weight": (0, h),
+        "self_attn.kv_b_proj.weight": (0, h),
+        "self_attn.o_proj.weight": (1, h),
+        "indexer.wq_b.weight": (0, hi),
+        "indexer.wk.weight": (0, model.index_head_dim),
+        "indexer.weights_proj.weight": (0, hi),
+        "mlp.gate.weight": (0, model.n_routed_experts),
+    }
+
+
+def split_of(name: str, shape: tuple[int, ...], model: ModelConfig) -> Split | None:
+    """How tensor `name` (model layout) of `shape` is split over the devices; None: replicated
+    (norms, biases, the router's correction bias)."""
+    if name.endswith(EXPERT_STACKS):
+        return Split(0, shape[0])
+    for suffix, (axis, units) in _by_suffix(model).items():
+        if name.endswith(suffix):
+            return Split(axis, units)
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):       # column parallel
+        return Split(0, shape[0])
+    if name.endswith("down_proj.weight"):                           # row parallel
+        return Split(1, shape[1])
+    return None
+
+
+def _resized(shape: tuple[int, ...], split: Split, units: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[split.axis] = units * split.unit_size(shape)
+    return tuple(out)
+
+
+def padded_shape(name: str, shape: tuple[int, ...], model: ModelConfig,
+                 shards: int) -> tuple[int, ...]:
+    """The global shape once the split axis is padded to a multiple of `shards` parts."""
+    split = split_of(name, shape, model)
+    if split is None:
+        return shape
+    return _resized(shape, split, split.units_per_device(shards) * shards)
+
+
+def local_shape(name: str, shape: tuple[int, ...], model: ModelConfig,
+                shards: int) -> tuple[int, ...]:
+    """The shape each of `shards` devices holds of tensor `name` in sharded mode."""
+    split = split_of(name, shape, model)
+    if split is None:
+        return shape
+    return _resized(shape, split, split.units_per_device(shards))
