@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     # Local: the executor's run() is the device step; its overhead is plan -> device arrays.
-    local = LocalExecutor(loaded.config, runtime, loaded.params)
+    local = LocalExecutor(loaded.config, runtime, loaded.weights)
     inner = {"s": 0.0}
     run = local.run
 

@@ -458,7 +458,8 @@ class RayExecutor(Executor):
                     "state": h.get("state", "ready"),
                     "last_heartbeat_s": now - group.last_seen[rank],
                     "steps": h.get("steps", 0), "busy_s": h.get("busy_s", 0.0),
-                    "shards": shards, "pool_bytes": info.get("pool_bytes", 0)})
+                    "shards": shards, "pool_bytes": info.get("pool_bytes", 0),
+                    "weight_bytes_per_device": info.get("weight_bytes_per_device", {})})
         d = self.dispatch
         return {"executor": "ray", "platform": self.platform, "channel": self.channel,
                 "hosts": self.hosts,

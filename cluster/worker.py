@@ -111,7 +111,7 @@ class _Worker:
         self.state = "loading"
         loaded = source.load()
         t2 = time.perf_counter()
-        self.executor = LocalExecutor(loaded.config, runtime, loaded.params)
+        self.executor = LocalExecutor(loaded.config, runtime, loaded.weights)
         t3 = time.perf_counter()
         self.pool_bytes = self._local_pool_bytes()
         self.state = "ready"
@@ -123,6 +123,7 @@ class _Worker:
                 "shards": [i for i, d in enumerate(self.executor.mesh.devices.flat)
                            if d.id in mine],
                 "pool_bytes": self.pool_bytes,
+                "weight_bytes_per_device": self.executor.weight_bytes(),
                 "setup_s": {"distributed": t1 - t0, "weights": t2 - t1, "executor": t3 - t2}}
 
     def _local_pool_bytes(self) -> int:

@@ -38,10 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ConfigError, ModelConfig, RopeScaling
-from cp_runtime.weights import Params, param_shapes
+from cp_runtime.weights import Params, expert_sources, model_shapes, param_shapes
 
 __all__ = [
+    "CheckpointBlocks",
     "HFTokenizer",
+    "check_tokenizer",
     "dequantize",
     "load_checkpoint",
     "load_hf_params",
@@ -308,12 +310,22 @@ class _SafetensorsFile:
     def dtype_name(self, name: str) -> str:
         return self.header[name]["dtype"]
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor `name` as a fresh array of its stored dtype and shape."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def read(self, name: str, axis: int | None = None, lo: int = 0,
+             hi: int | None = None) -> np.ndarray:
+        """The tensor `name` (or its elements lo..hi along `axis`) as a fresh array of its
+        stored dtype. Only the bytes of that range are copied out of the map: rows are one
+        contiguous run, a column range one run per row."""
         info = self.header[name]
         start, end = info["data_offsets"]
-        raw = np.array(self._map[start:end])                     # copy: one tensor in memory
-        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        whole = self._map[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        if axis is None:
+            return np.array(whole)                                # copy: one tensor in memory
+        index = [slice(None)] * whole.ndim
+        index[axis] = slice(lo, hi)
+        return np.array(whole[tuple(index)])
 
 
 def _weight_map(d: pathlib.Path) -> tuple[dict[str, str], str]:
@@ -338,11 +350,14 @@ def _block_size(d: pathlib.Path) -> tuple[int, int]:
     return int(bo), int(bi)
 
 
-def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """w f8[out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)] -> f32[out, in]."""
-    bo, bi = block
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, 0), bi, 1)   # [>=out, >=in]
-    return w.astype(np.float32) * s[: w.shape[0], : w.shape[1]]
+def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+               first: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """w f8[out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)] -> f32[out, in]. `w` may be a
+    block of a larger weight whose first row and column are `first`; the scales are then the
+    whole weight's."""
+    rows = (first[0] + np.arange(w.shape[0])) // block[0]
+    cols = (first[1] + np.arange(w.shape[1])) // block[1]
+    return w.astype(np.float32) * scale_inv.astype(np.float32)[np.ix_(rows, cols)]
 
 
 class _Reader:
@@ -369,23 +384,58 @@ class _Reader:
             raise ValueError(f"{f.path}: tensor {name!r} is listed for this file but absent")
         return f
 
-    def read(self, name: str) -> np.ndarray:
-        """Tensor `name` in f32 (fp8 weights dequantised with their block scales)."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file_of(name, name).shape(name)
+
+    def read(self, name: str, axis: int | None = None, lo: int = 0,
+             hi: int | None = None) -> np.ndarray:
+        """Tensor `name` (or its elements lo..hi along `axis`) in f32, fp8 weights dequantised
+        with their block scales; only that range's bytes are read."""
         f = self._file_of(name, name)
+        w = f.read(name, axis, lo, hi)
         if f.dtype_name(name) not in _QUANTIZED:
-            return f.read(name).astype(np.float32)
-        w = f.read(name)
+            return w.astype(np.float32)
         if w.ndim != 2:
             raise ValueError(f"{f.path}: fp8 tensor {name!r} has shape {w.shape}; block "
                              "scales need a 2-D weight")
         scale_name = name + SCALE_SUFFIX
         sf = self._file_of(scale_name, name)
         scale = sf.read(scale_name)
-        want = tuple(math.ceil(n / b) for n, b in zip(w.shape, self.block))
+        want = tuple(math.ceil(n / b) for n, b in zip(f.shape(name), self.block))
         if scale.shape != want:
             raise ValueError(f"{sf.path}: {scale_name!r} has shape {scale.shape}; weight "
-                             f"{w.shape} in blocks of {list(self.block)} needs {want}")
-        return dequantize(w, scale, self.block)
+                             f"{f.shape(name)} in blocks of {list(self.block)} needs {want}")
+        first = (lo if axis == 0 else 0, lo if axis == 1 else 0)
+        return dequantize(w, scale, self.block, first)
+
+
+class CheckpointBlocks:
+    """A checkpoint as a block source (cp_runtime.weight_placement): model-layout shapes, and
+    any range of one tensor read from the files alone. Construction checks every tensor's shape
+    from the headers, reading no weight."""
+
+    def __init__(self, model_dir: str | pathlib.Path, cfg: ModelConfig):
+        self.reader = _Reader(pathlib.Path(model_dir))
+        self.model = cfg
+        self.shapes = model_shapes(cfg)
+        for name, shape in param_shapes(cfg).items():
+            got = self.reader.shape(name)
+            if got != shape:
+                fname = self.reader.weight_map[name]
+                raise ValueError(f"{self.reader.dir / fname}: tensor {name!r} has shape {got}, "
+                                 f"config {cfg.name} needs {shape}")
+
+    def read(self, name: str, axis: int | None, lo: int, hi: int) -> np.ndarray:
+        """Elements lo..hi along `axis` of model-layout tensor `name` (all when axis is None),
+        f32. A stack of experts reads only experts lo..hi, each transposed into the stack."""
+        experts = expert_sources(name, self.model)
+        if experts is None:
+            return self.reader.read(name, axis, lo, hi)
+        if axis not in (None, 0):
+            raise ValueError(f"{name}: a stack of experts splits by expert (axis 0), not {axis}")
+        chosen = experts if axis is None else experts[lo:hi]
+        rows = [self.reader.read(e).T for e in chosen]
+        return np.stack(rows) if rows else np.zeros((0, *self.shapes[name][1:]), np.float32)
 
 
 def load_hf_params(model_dir: str | pathlib.Path, cfg: ModelConfig,
@@ -465,7 +515,13 @@ def load_checkpoint(model_dir: str | pathlib.Path, dtype=jnp.float32
         raise ValueError(f"{d}: not a directory")
     cfg = read_hf_config(d)
     tokenizer = load_tokenizer(d)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"{d}: the tokenizer has {tokenizer.vocab_size} tokens, the model's "
-                         f"vocab_size is {cfg.vocab_size}")
+    check_tokenizer(d, cfg, tokenizer)
     return cfg, load_hf_params(d, cfg, dtype), tokenizer
+
+
+def check_tokenizer(model_dir: str | pathlib.Path, cfg: ModelConfig,
+                    tokenizer: HFTokenizer) -> None:
+    """Raise ValueError when the tokenizer has ids the model has no embedding for."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} tokens, the "
+                         f"model's vocab_size is {cfg.vocab_size}")

@@ -25,7 +25,8 @@ from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size,
                                  add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, finite_positive_float,
                                  positive_int)
-from cp_runtime.config import BACKENDS, ConfigError, RuntimeConfig, load_model_config
+from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, WEIGHT_MODES, ConfigError,
+                               RuntimeConfig, load_model_config)
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.serving.app import build_server, check_bind, serve_forever
 from cp_runtime.serving.server import ServerLimits
@@ -60,6 +61,14 @@ def _add_serve(sub) -> None:
                    help="generations decoded together in one step")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="kernel backend (auto: pallas on TPU, xla elsewhere)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="replicated",
+                   help="replicated: every device holds the whole model; sharded: each holds "
+                        "its part (heads, features, experts, vocabulary), as a model larger "
+                        "than one device needs")
+    p.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
+                   help="where the shards' attention partials meet (auto: head_scatter with "
+                        "sharded weights, hidden_psum with replicated; `cp-runtime bench "
+                        "merge` compares them)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
     p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
@@ -119,7 +128,8 @@ def _run_serve(args) -> int:
     runtime = RuntimeConfig(model=source.config().name, kv_cache_dtype=args.kv_cache_dtype,
                             page_size=args.page_size, num_shards=args.shards,
                             pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
-                            max_batch=args.max_batch, backend=args.backend)
+                            max_batch=args.max_batch, backend=args.backend,
+                            weights=args.weights, merge=args.merge)
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
     factory = None

@@ -96,8 +96,11 @@ def place_weights(source: BlockSource, model: ModelConfig, mesh: Mesh, mode: str
                 block = _padded_block(source, name, split.axis, sl.start or 0,
                                       sl.stop if sl.stop is not None else global_shape[split.axis],
                                       shape[split.axis])
+            # The copy is asynchronous and holds the host block until done: wait for it, so one
+            # block at a time is in flight. (A CPU "device" may keep an aligned host block as
+            # its own buffer: there the device's memory is host memory.)
             arrays.append(jax.device_put(block if dtype is None else block.astype(dtype),
-                                         device))
+                                         device).block_until_ready())
             del block
         placed[name] = jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
     return placed

@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cp_runtime.checkpoint import load_checkpoint, read_hf_config
+from cp_runtime.checkpoint import (CheckpointBlocks, check_tokenizer, load_tokenizer,
+                                   read_hf_config)
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.recall_model import build_recall_model
+from cp_runtime.weight_placement import BlockSource
 from cp_runtime.weights import Params, init_params
 
 __all__ = ["LoadedModel", "WeightsSource", "RECALL_MODEL"]
@@ -25,11 +27,13 @@ RECALL_MODEL = "recall"
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to serve: its config, its weights (host or device arrays, HF names) and its
-    tokenizer (None when the model has none: token ids only)."""
+    """A model ready to serve: its config, its weights and its tokenizer (None when the model
+    has none: token ids only). The weights are arrays in memory (HF names), or for a checkpoint
+    a block source that reads each device's part from the files only when it is placed
+    (cp_runtime.weight_placement), so a process never holds the whole checkpoint."""
 
     config: ModelConfig
-    params: Params
+    weights: Params | BlockSource
     tokenizer: Any = None
 
 
@@ -54,8 +58,9 @@ class WeightsSource:
 
     def load(self) -> LoadedModel:
         if self.checkpoint is not None:
-            cfg, params, tokenizer = load_checkpoint(self.checkpoint)
-            return LoadedModel(cfg, params, tokenizer)
+            cfg, tokenizer = read_hf_config(self.checkpoint), load_tokenizer(self.checkpoint)
+            check_tokenizer(self.checkpoint, cfg, tokenizer)
+            return LoadedModel(cfg, CheckpointBlocks(self.checkpoint, cfg), tokenizer)
         cfg = load_model_config(self.model)
         if self.model == RECALL_MODEL:
             return LoadedModel(cfg, build_recall_model(cfg, seed=self.seed).params)

@@ -59,7 +59,7 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
     if executor_factory is None:
         loaded = source.load()
         config, tokenizer = loaded.config, loaded.tokenizer
-        executor = LocalExecutor(loaded.config, runtime, loaded.params)
+        executor = LocalExecutor(loaded.config, runtime, loaded.weights)
     else:
         config = source.config()
         tokenizer = load_tokenizer(source.checkpoint) if source.checkpoint else None
