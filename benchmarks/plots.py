@@ -8,7 +8,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
-__all__ = ["bar_chart", "line_chart", "token_label"]
+__all__ = ["bar_chart", "line_chart", "stacked_bar_chart", "token_label"]
 
 
 def _pyplot():
@@ -44,6 +44,44 @@ def bar_chart(path: str | pathlib.Path, groups: Sequence[str], series: dict[str,
         ax.set_yscale("log")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def stacked_bar_chart(path: str | pathlib.Path,
+                      panels: Sequence[tuple[str, Sequence[str], dict[str, Sequence[float]],
+                                             Sequence[float] | None]],
+                      *, ylabel: str, title: str) -> pathlib.Path:
+    """Side-by-side panels of stacked bars. Each panel is (title, bar labels, {segment: one
+    value per bar}, totals per bar or None); segments stack in order and keep one colour across
+    panels, and a total is drawn as a black tick across its bar (e.g. a measured whole beside
+    the sum of its parts)."""
+    plt = _pyplot()
+    widths = [max(2.5, 0.9 * len(groups)) for _, groups, _, _ in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths) + 3.5, 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(dict.fromkeys(name for _, _, series, _ in panels for name in series))
+    colors = {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+    for ax, (panel_title, groups, series, totals) in zip(axes[0], panels):
+        bottom = [0.0] * len(groups)
+        for name, values in series.items():
+            ax.bar(range(len(groups)), values, 0.7, bottom=bottom, label=name, color=colors[name])
+            bottom = [b + v for b, v in zip(bottom, values)]
+        if totals is not None:
+            ax.scatter(range(len(groups)), totals, marker="_", s=900, color="black", zorder=3,
+                       label="whole (measured)")
+        ax.set_xticks(range(len(groups)), groups, fontsize="small")
+        ax.set_title(panel_title)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    handles = {label: handles[label] for label in [*names, "whole (measured)"] if label in handles}
+    axes[0][-1].legend(list(handles.values()), list(handles), loc="upper left",
+                       bbox_to_anchor=(1.02, 1), fontsize="small")
+    fig.suptitle(title)
     return _save(fig, path)
 
 

@@ -18,7 +18,7 @@ KNOWN = ("capacity", "kernel_error", "kernels", "merge", "million", "niah", "rep
 # Old spellings that the shared flags replaced.
 RETIRED = ("--chunk", "--dtypes", "--tiny-model")
 # Benchmarks that sweep shard counts take a list; the others one count.
-SHARD_SWEEPS = ("niah", "throughput")
+SHARD_SWEEPS = ("niah", "profile", "throughput")
 
 
 def _module(name: str):
@@ -150,6 +150,11 @@ BAD = [
     ("throughput", ["--dense-max-length", "x"], "--dense-max-length"),
     ("throughput", ["--decode-steps", "0"], "--decode-steps"),
     ("report", ["--only", "nope"], "--only"),
+    ("profile", ["--shards", "16,0"], "--shards"),
+    ("profile", ["--lengths", "8"], "--lengths"),               # below the page size
+    ("profile", ["--page-size", "48"], "--page-size"),          # small's index_topk is 256
+    ("profile", ["--repeats", "0"], "--repeats"),
+    ("profile", ["--merge", "nope"], "--merge"),
 ]
 
 
