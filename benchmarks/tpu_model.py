@@ -16,7 +16,8 @@ Per step and per device, each term is a kernel or a collective:
     selected-page attention     L x sparse_{decode,prefill}.cost                    -
     cache writes                L x cache_write.cost (latent) + F x (indexer keys)  -
     top-k all-gather            -                             -                     F x (S-1) R K 8
-    attention merge             -                             -                     L x gather_psum
+    q heads all-gather          -                             -                     L x q rows, F x idx q
+    attention merge             -                             -                     L x head_scatter
     weight-shard all-reduce     -                             -                     2L x 2(S-1)/S R hid 2
     collective latency          (number of collectives on the critical path) x latency
 
@@ -32,11 +33,11 @@ The sum is therefore an upper bound for perfect kernels and a lower bound for re
 kernel reaches its peak rate; elementwise work - norms, RoPE, softmax, top-K - is not counted).
 
 Assumptions (each a flag or a constant below):
-  * Weights are split evenly over the 16 devices (tensor-parallel attention projections,
-    expert-parallel MoE). The runtime today replicates the dense layers on every shard (the CPU
-    design, `throughput.projection_work(replicas=S)`); GLM-5.2's ~743 B parameters cannot be
-    replicated on 96 GiB devices, so this is work the TPU path still needs. Even split = no
-    expert load imbalance (optimistic at batch 1, where 8 experts per layer are active).
+  * Weights are split evenly over the 16 devices as the runtime splits them with weights =
+    "sharded" (cp_runtime/weight_layout.py; GLM-5.2's ~743 B parameters cannot be replicated
+    on 96 GiB devices). Even split = no expert load imbalance (optimistic at batch 1, where 8
+    experts per layer are active). The small feature-split gathers (q_a, kv_a, indexer k and
+    weights, router logits) are not counted.
   * Weights fp8 (--weight-dtype), so projection matmuls run at the fp8 rate; the indexer (bf16
     keys) and attention (fp8 pages upcast to bf16 queries in VMEM) run at the bf16 rate.
   * The KV cache is sharded by page round-robin, so a query's selected pages and a sequence's
@@ -260,8 +261,12 @@ def _collectives(model: ModelConfig, hw: Hardware, setup: Setup, rows: int,
 
     top-k all-gather  per full layer: scores f32 + pages i32 [R, K] of every shard
                       (selection.global_top_pages)
-    attention merge   per layer: all-gather lse f32[R, H], psum o f32[R, H, kv_lora]
-                      (merge.merge_gather_psum, the runtime's default)
+    q heads           per layer: all-gather of the query rows f32[R, H, D_lat] (each device
+                      projects its own heads, every device attends with all of them); per
+                      full layer also the indexer's q f32[R, Hi, Di]
+    attention merge   per layer: all-gather lse f32[R, H], reduce-scatter o f32[R, H, kv_lora]
+                      over heads (merge.merge_to_own_heads: `head_scatter`, the runtime's
+                      default with split weights)
     weight shards     per layer: all-reduce of the attention and the MLP outputs, bf16[R, hid]
     """
     s, h = hw.devices, model.num_attention_heads
@@ -269,13 +274,18 @@ def _collectives(model: ModelConfig, hw: Hardware, setup: Setup, rows: int,
     ring = 2 * (s - 1) / s
     topk = Term("top-k all-gather", ici_bytes=model.num_full_layers * (s - 1) * rows * k * 8,
                 collectives=2 * model.num_full_layers)
+    one_way = (s - 1) / s
+    heads = Term("q heads all-gather", ici_bytes=one_way * rows * 4 * (
+        model.num_hidden_layers * h * model.latent_dim
+        + model.num_full_layers * model.index_n_heads * model.index_head_dim),
+        collectives=model.num_hidden_layers + model.num_full_layers)
     merge = Term("attention merge", ici_bytes=model.num_hidden_layers * (
-        (s - 1) * rows * h * 4 + ring * rows * h * model.kv_lora_rank * 4),
+        (s - 1) * rows * h * 4 + one_way * rows * h * model.kv_lora_rank * 4),
         collectives=2 * model.num_hidden_layers)
     shards = Term("weight-shard all-reduce", ici_bytes=model.num_hidden_layers * 2 * ring * rows
                   * model.hidden_size * setup.act_bytes,
                   collectives=2 * model.num_hidden_layers)
-    return [topk, merge, shards]
+    return [topk, heads, merge, shards]
 
 
 def _split_latency(terms: list[Term]) -> list[Term]:

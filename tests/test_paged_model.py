@@ -96,6 +96,6 @@ def test_fork_continues_like_parent(tiny, tiny_params):
     np.testing.assert_array_equal(a[0], a[1])
     b = engine.decode([s.id, child.id], [6, 9])       # diverge: the child's page is its own
     c = engine.decode([s.id], [7])
-    ref = oracle_logits(engine.executor.params, jnp.asarray(s.tokens), cfg=tiny, page_size=PAGE)
+    ref = oracle_logits(tiny_params, jnp.asarray(s.tokens), cfg=tiny, page_size=PAGE)
     assert rel_l2(c[0], ref[-1]) <= 1e-5
     assert rel_l2(b[0], ref[-2]) <= 1e-5

@@ -73,10 +73,14 @@ def test_units_of_decode_terms(glm):
     flops = glm.num_hidden_layers * 2 * 9 * glm.num_attention_heads * ps * (
         glm.latent_dim + glm.kv_lora_rank)
     assert terms["selected-page attention"].flops == pytest.approx(flops)
-    # merge: psum of f32[1, 64, 512] (ring: 2 * 15/16 of it) + all-gather of lse f32[1, 64]
-    merge = glm.num_hidden_layers * (2 * 15 / 16 * 64 * 512 * 4 + 15 * 64 * 4)
+    # merge: reduce-scatter of f32[1, 64, 512] over heads (ring: 15/16 of it) + all-gather of
+    # lse f32[1, 64]
+    merge = glm.num_hidden_layers * (15 / 16 * 64 * 512 * 4 + 15 * 64 * 4)
     assert terms["attention merge"].ici_bytes == pytest.approx(merge)
-    assert terms["collective latency"].collectives == 4 * 78 + 2 * 21
+    # q heads: all-gather of f32[1, 64, 640] per layer, of the indexer's f32[1, 32, 128] per full
+    heads = 15 / 16 * 4 * (78 * 64 * 640 + 21 * 32 * 128)
+    assert terms["q heads all-gather"].ici_bytes == pytest.approx(heads)
+    assert terms["collective latency"].collectives == 5 * 78 + 3 * 21
 
 
 def test_doubling_hbm_bandwidth_halves_bandwidth_bound_terms(glm):
