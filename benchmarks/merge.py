@@ -31,8 +31,9 @@ __all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
 
 # (merge, weights) pairs that run; head_scatter needs split weights, hidden_psum whole ones.
 VARIANTS = (("gather_psum", "replicated"), ("all_to_all", "replicated"),
-            ("hidden_psum", "replicated"), ("gather_psum", "sharded"),
-            ("all_to_all", "sharded"), ("head_scatter", "sharded"))
+            ("all_gather", "replicated"), ("hidden_psum", "replicated"),
+            ("gather_psum", "sharded"), ("all_to_all", "sharded"), ("all_gather", "sharded"),
+            ("head_scatter", "sharded"))
 TOKENS = {"decode B=8": 8, "prefill chunk Q=256": 256}
 
 
@@ -51,7 +52,8 @@ def bytes_per_token(merge: str, weights: str, *, heads: int, value_dim: int, hid
         return lse_gather + ring * padded_heads * value_dim * f32 + hidden_reduce
     packed = heads * (value_dim + 1) * f32
     moved = {"gather_psum": lse_gather + 2 * ring * latent,
-             "all_to_all": 2 * ring * packed}[merge]      # all-to-all, then all-gather
+             "all_to_all": 2 * ring * packed,             # all-to-all, then all-gather
+             "all_gather": ring * s * packed}[merge]     # every shard's partials, everywhere
     return moved + (hidden_reduce if weights == "sharded" else 0)
 
 

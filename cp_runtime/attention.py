@@ -13,6 +13,7 @@ Per layer, for a batch of queries (DESIGN.md, "Context parallelism"):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,9 @@ class ShardAttention:
                  j * S + shard - rotation (cp_runtime.layout; sentinel where unallocated)
     rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
-    merge:       the merge variant (resolved: not 'auto'); ws: how the weights are split
+    merge:       the merge variant (cp_runtime.merge); ws: how the weights are split
+    combine:     cp_runtime.merge.combine, or a stand-in with its signature (a benchmark
+                 timing a step without its merge)
     """
 
     model: ModelConfig
@@ -60,6 +63,7 @@ class ShardAttention:
     pos: jax.Array
     merge: str
     ws: WeightShards
+    combine: Callable = combine
 
     @property
     def num_shards(self) -> int:
@@ -116,5 +120,5 @@ class ShardAttention:
             q_row, latent[layer], sel_slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
             scale=self.model.softmax_scale, query_block=self.runtime.query_block,
             cache_dtype=self.pool.latent_dtype)
-        out = combine(self.merge, o, lse, project, self.axis_name, self.ws)
+        out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)

@@ -37,6 +37,7 @@ __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
+              "decode",
               "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
@@ -66,9 +67,9 @@ def _add_serve(sub) -> None:
                         "its part (heads, features, experts, vocabulary), as a model larger "
                         "than one device needs")
     p.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
-                   help="where the shards' attention partials meet (auto: head_scatter with "
-                        "sharded weights, hidden_psum with replicated; `cp-runtime bench "
-                        "merge` compares them)")
+                   help="where the shards' attention partials meet (auto: all_gather for "
+                        "small steps, else head_scatter with sharded weights and hidden_psum "
+                        "with replicated; `cp-runtime bench merge` compares them)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
     p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")

@@ -35,7 +35,8 @@ CONFIG_DIR = pathlib.Path(str(importlib.resources.files("cp_runtime.configs")))
 LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
 INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
-MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "head_scatter", "hidden_psum")
+MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
+                  "hidden_psum")
 WEIGHT_MODES = ("replicated", "sharded")      # cp_runtime.weight_layout describes each
 
 

@@ -16,7 +16,11 @@ The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model
                  psum in hidden space joins the heads.
   hidden_psum:   (weights replicated) rescale, project each shard's partial through W_uv and
                  o_proj, and psum in hidden space: the partial output is linear in o_r.
-  auto:          head_scatter with sharded weights, hidden_psum with replicated ones.
+  all_gather:    all-gather the packed partials [o | lse] and merge on every shard: one
+                 collective (then a hidden-space psum if the weights are split), the most bytes.
+  auto:          all_gather while a shard's packed partials are at most GATHER_MAX_BYTES (a
+                 decode step: a collective's latency costs more than its bytes), else
+                 head_scatter with sharded weights and hidden_psum with replicated ones.
 `cp-runtime bench merge` measures the bytes each moves per token and times them in one run.
 """
 
@@ -26,8 +30,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_to_own_heads",
-           "MERGES", "combine", "resolve_merge"]
+__all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_gather",
+           "merge_to_own_heads", "MERGES", "GATHER_MAX_BYTES", "combine", "resolve_merge"]
+
+# Largest packed partial [o | lse] per shard that `auto` all-gathers. At S = 16 a shard then
+# receives up to 15 x 256 KiB = 3.75 MiB, about what one collective's fixed cost buys in bytes
+# (0.34 ms per collective at ~10 GB/s on the development CPU; ~10 us at 300 GB/s of ICI).
+GATHER_MAX_BYTES = 256 << 10
 
 
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +83,17 @@ def merge_all_to_all(o: jax.Array, lse: jax.Array, axis_name: str
     return full[:, :dv].reshape(*lead, dv), full[:, dv].reshape(lead)
 
 
-MERGES = {"gather_psum": merge_gather_psum, "all_to_all": merge_all_to_all}
+def merge_all_gather(o: jax.Array, lse: jax.Array, axis_name: str
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Same result as `merge_gather_psum`, with one all-gather of the packed [o | lse]."""
+    dv = o.shape[-1]
+    packed = jnp.concatenate([o, lse[..., None]], axis=-1)                  # [..., Dv + 1]
+    every = lax.all_gather(packed, axis_name)                               # [S, ..., Dv + 1]
+    return merge_stacked(every[..., :dv], every[..., dv])
+
+
+MERGES = {"gather_psum": merge_gather_psum, "all_to_all": merge_all_to_all,
+          "all_gather": merge_all_gather}
 
 
 def _my_weight(lse: jax.Array, axis_name: str) -> jax.Array:
@@ -94,11 +113,14 @@ def merge_to_own_heads(o: jax.Array, lse: jax.Array, axis_name: str) -> jax.Arra
     return lax.psum_scatter(rescaled, axis_name, scatter_dimension=o.ndim - 2, tiled=True)
 
 
-def resolve_merge(merge: str, weights: str) -> str:
-    """The variant `merge` names under weight mode `weights` ('auto' picks by mode)."""
-    if merge == "auto":
-        return "head_scatter" if weights == "sharded" else "hidden_psum"
-    return merge
+def resolve_merge(merge: str, split: bool, packed_bytes: int) -> str:
+    """The variant `merge` names for weights split or not and partials of `packed_bytes` per
+    shard ('auto' picks by both)."""
+    if merge != "auto":
+        return merge
+    if packed_bytes <= GATHER_MAX_BYTES:
+        return "all_gather"
+    return "head_scatter" if split else "hidden_psum"
 
 
 def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
@@ -106,6 +128,7 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
     """This shard's partials o f32[..., H, Dv], lse f32[..., H] -> the attention output
     f[..., hidden], complete on every shard. `project` maps latent outputs of the heads whose
     weights this shard holds to hidden space (a partial sum when the weights are split, `ws`)."""
+    merge = resolve_merge(merge, ws.split, (o.size + lse.size) * 4)
     if merge == "hidden_psum":
         if ws.split:
             raise ValueError("merge 'hidden_psum' needs every head's W_uv and o_proj on each "

@@ -71,11 +71,15 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
                      ) -> jax.Array:
     """All-gather every shard's candidates f32/i32[B, Q, k] and rank them: i32[B, Q, k].
 
-    With axis_name None (S = 1) the candidates are already global.
+    Scores and pages travel as one array (pages bit-cast to f32 and back, exactly): one
+    collective, not two, since on small steps a collective's latency, not its bytes, is the
+    cost. With axis_name None (S = 1) the candidates are already global.
     """
     if axis_name is not None:
-        scores = lax.all_gather(scores, axis_name, axis=scores.ndim - 1, tiled=True)  # [B,Q,S*k]
-        pages = lax.all_gather(pages, axis_name, axis=pages.ndim - 1, tiled=True)
+        packed = jnp.stack([scores.astype(jnp.float32),
+                            lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
+        packed = lax.all_gather(packed, axis_name, axis=packed.ndim - 1, tiled=True)
+        scores, pages = packed[0], lax.bitcast_convert_type(packed[1], jnp.int32)  # [B,Q,S*k]
     return rank_pages(scores, pages, k)[1]
 
 

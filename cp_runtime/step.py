@@ -37,10 +37,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cp_runtime.attention import ShardAttention, ShardState
-from cp_runtime.merge import resolve_merge
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_table
+from cp_runtime.merge import combine
 from cp_runtime.model import forward, logits
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.sampler import SamplingArrays, sample_tokens
@@ -114,14 +114,14 @@ class Segment:
 
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
-                  kernels: Kernels, kind: str):
+                  kernels: Kernels, kind: str, combine_fn):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights)."""
     ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
-                            merge=resolve_merge(runtime.merge, runtime.weights), ws=ws)
+                            merge=runtime.merge, ws=ws, combine=combine_fn)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
     hidden, state = forward(params, model, tokens, pos, attend, state, ws)  # [B, Q, hidden]
@@ -138,10 +138,13 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
-              kernels: Kernels, param_shapes: dict[str, tuple[int, ...]]):
+              kernels: Kernels, param_shapes: dict[str, tuple[int, ...]], *,
+              combine_fn=combine):
     """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
 
     param_shapes: the weights' model-layout shapes (their split follows runtime.weights).
+    combine_fn: how attention partials meet (cp_runtime.merge.combine; a benchmark may pass a
+    stand-in to time the step without its merge).
     segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
     outputs: one entry per segment (see the module docstring). The pool argument is donated.
     """
@@ -150,7 +153,7 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
 
     def run_segment(params, kv: KVPool, args, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
-                                 kernels=kernels, kind=kind)
+                                 kernels=kernels, kind=kind, combine_fn=combine_fn)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

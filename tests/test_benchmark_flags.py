@@ -155,6 +155,10 @@ BAD = [
     ("profile", ["--page-size", "48"], "--page-size"),          # small's index_topk is 256
     ("profile", ["--repeats", "0"], "--repeats"),
     ("profile", ["--merge", "nope"], "--merge"),
+    ("decode", ["--rounds", "0"], "--rounds"),
+    ("decode", ["--long", "4k"], "--short"),                    # not below --long
+    ("decode", ["--page-size", "48"], "--page-size"),
+    ("decode", ["--batch", "x"], "--batch"),
 ]
 
 

@@ -83,7 +83,11 @@ def test_a_wrong_merge_is_caught():
 @pytest.mark.parametrize("merge, weights", [("gather_psum", "replicated"),
                                             ("all_to_all", "replicated"),
                                             ("hidden_psum", "replicated"),
+                                            ("all_gather", "replicated"),
+                                            ("auto", "replicated"),
                                             ("gather_psum", "sharded"),
+                                            ("all_gather", "sharded"),
+                                            ("auto", "sharded"),
                                             ("head_scatter", "sharded")])
 def test_combine_projects_the_exact_merge(merge, weights):
     """combine() = W (exact merge) for every variant, the projection's weights whole or split

@@ -76,3 +76,24 @@ def test_minimum_work_follows_the_shapes():
     two = profile.phase_work(small, profile.step_shape("decode", 8192, 1024), shards=2, **common)
     assert short["dense"].flops == pytest.approx(8 * two["dense"].flops)
     assert set(short) == set(profile.DECODE_PHASES)
+
+
+def test_decode_bench_runs_every_comparison(tmp_path):
+    """cp-runtime bench decode at tiny sizes: every configuration timed in every round, the
+    checks computed from them."""
+    from cp_runtime.benchmarks import decode
+
+    jax.devices()      # JAX starts with the session's 16 devices before --shards 2 asks for some
+    argv = ["--model", "tiny", "--shards", "2", "--page-size", "16", "--short", "64",
+            "--long", "512", "--pool-context", "128", "--batch", "2", "--rounds", "2",
+            "--steps", "2", "--out", str(tmp_path)]
+    assert decode.main(argv) == 0
+    data = json.loads((tmp_path / "decode.json").read_text())
+    names = {r["configuration"] for r in data["rows"]}
+    assert names == {"context 64", "context 512", "pool 1x", "pool 4x", "batch 2",
+                     "without merge"}
+    assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"]
+               if r["part"] != "host")
+    checks = data["checks"]
+    assert checks["extra_bytes"] > 0 and checks["long_bound_ms"] > checks["short_step_ms"]
+    assert 0 < checks["pool_4x_over_1x"] and checks["batch_host_ms"] > 0

@@ -8,6 +8,8 @@ implements the same interface, running the same SPMD program on every host in lo
 from __future__ import annotations
 
 import abc
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,10 @@ class Executor(abc.ABC):
     never concurrently."""
 
     pool_spec: PoolSpec
+    # Host seconds of the last `run` around the device program: moving the plan to the
+    # devices and fetching the outputs (None where an executor does not split it out). The
+    # launch is not in it: XLA:CPU runs part of a program before the call returns.
+    last_host_s: float | None = None
 
     @abc.abstractmethod
     def run(self, plan: tuple[Segment, ...]) -> list: ...
@@ -151,16 +157,21 @@ class LocalExecutor(Executor):
         # One program per segment, in order: a step of decode rows plus a prefill chunk would
         # otherwise compile once per (rows, decode table width, prefill table width) and stall
         # serving for seconds at each new combination; separately their compiles add up.
-        outs = []
+        outs, host_s = [], 0.0
         for seg in plan:
+            t0 = time.perf_counter()
             args = (seg.to_device(self.mesh, self.runtime.num_shards),)
+            host_s += time.perf_counter() - t0
             (out,), self.pool = self._step(self.params, self.pool, args, kinds=(seg.kind,))
             outs.append(out)
             # Wait for each program even when it returns nothing ("fill"): two SPMD programs
             # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each
             # wait in a rendezvous the other program's threads never reach).
             jax.block_until_ready(self.pool)
-        return [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
+        t0 = time.perf_counter()
+        results = [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
+        self.last_host_s = host_s + time.perf_counter() - t0
+        return results
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)

@@ -1,0 +1,218 @@
+"""A decode step as the context and the pool grow, its host overhead, and its merge's share:
+four comparisons in one run, each as interleaved rounds (every round runs every configuration
+once, so drift on a shared machine hits all alike), reported as min / median / max over the
+rounds of each round's median step.
+
+    cp-runtime bench decode                       # small, S = 16: 8K vs 1M, 1x vs 4x pool, ...
+    cp-runtime bench decode --long 128k --rounds 3
+
+  context   one session at --short and one at --long tokens, in the same engine and pool. The
+            bound the long step should meet: t(short) + 2 x (extra bytes) / read bandwidth, the
+            extra bytes being the profile's minimum bytes of a decode step (every phase) at
+            --long minus at --short, the bandwidth measured in the same run (roofline.py)
+  pool      one session at --pool-context tokens in a pool of 1x and of 4x the pages it needs
+  host      --batch sessions at --short decoding together: the engine's host time (planning,
+            applying results) plus the executor's (moving the plan to the devices, fetching
+            outputs), beside the device program's (launch included: XLA:CPU runs part of a
+            program before the call returns, so launch and work do not separate here)
+  merge     the short step as the engine runs it, and the same step with each shard's partial
+            projected alone, no collective (wrong unless S = 1, timed only); share = the
+            difference / the step
+
+The pool is synthetic (random values in every page; sessions whose page tables cover their
+length), as in `bench profile`: a million-token context costs seconds, not a prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_out,
+                                 add_page_size, add_shards, check_not_below_page,
+                                 check_out_dir, check_page_size, check_page_size_for_model,
+                                 parse_length, positive_int)
+
+__all__ = ["build_parser", "parse_args", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cp-runtime bench decode", formatter_class=HelpFormatter,
+                                description="Decode step vs context, pool size, batch host "
+                                            "time and merge share, interleaved in one run.")
+    add_model(p, "small")
+    add_shards(p, 16)
+    add_kv_cache_dtype(p)
+    add_page_size(p, 64)
+    p.add_argument("--short", type=parse_length, default=8 << 10, help="short context (tokens)")
+    p.add_argument("--long", type=parse_length, default=1 << 20, help="long context (tokens)")
+    p.add_argument("--pool-context", type=parse_length, default=128 << 10,
+                   help="context of the 1x vs 4x pool comparison (tokens)")
+    p.add_argument("--batch", type=positive_int, default=8,
+                   help="sessions decoding together for the host-time measurement")
+    p.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds")
+    p.add_argument("--steps", type=positive_int, default=8,
+                   help="decode steps per configuration and round (their median is the "
+                        "round's figure)")
+    add_out(p, "out")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
+    `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_page_size(parser, args.page_size)
+    check_page_size_for_model(parser, args.model, args.page_size)
+    check_not_below_page(parser, "--short", args.short, args.page_size)
+    if not args.short < args.long:
+        parser.error(f"--short {args.short} must be below --long {args.long}")
+    init_shard_devices(parser, args.shards)
+    check_out_dir(parser, args.out)
+    return args
+
+
+class Bench:
+    """An engine over a synthetic pool and its sessions, each decoding one token per step."""
+
+    def __init__(self, model, params, args, contexts: list[int], pool_factor: int = 1):
+        from cp_runtime.benchmarks.profile import fill_pool, synthetic_session
+        from cp_runtime.config import RuntimeConfig
+        from cp_runtime.engine import Engine, LocalExecutor
+        from cp_runtime.layout import cdiv
+
+        ps = args.page_size
+        pages = pool_factor * sum(cdiv(n + 2 * ps, ps) for n in contexts)
+        rt = RuntimeConfig(model=model.name, kv_cache_dtype=args.kv_cache_dtype, page_size=ps,
+                           num_shards=args.shards, pages_per_shard=cdiv(pages, args.shards) + 2,
+                           chunk_size=max(ps, 1024), max_batch=max(8, args.batch))
+        self.executor = LocalExecutor(model, rt, params)
+        self.engine = Engine(model, rt, self.executor)
+        fill_pool(self.executor)
+        self.sessions = [synthetic_session(self.engine, n + ps, n, model.vocab_size)
+                         for n in contexts]
+        self.contexts = contexts
+
+    def step(self, which: list[int]) -> tuple[float, float]:
+        """One decode step of the sessions `which`: (host s, device s), the executor's host
+        work (transfers, fetch) counted as host."""
+        from cp_runtime.benchmarks.profile import _rewind
+        from cp_runtime.engine.requests import Generate, SamplingParams
+
+        for i in which:
+            _rewind(self.sessions[i], self.contexts[i])
+            self.engine.submit(Generate(id=("decode", i), session=self.sessions[i].id,
+                                        sampling=SamplingParams(max_tokens=1)))
+        self.engine.step()
+        t = self.engine.timings[-1]
+        executor_host = self.executor.last_host_s
+        return t.host_s + executor_host, t.device_s - executor_host
+
+
+def _local_only(merge, o, lse, project, axis_name, ws):
+    """combine() stand-in: this shard's partial projected alone, no collective."""
+    return project(o)
+
+
+def _measure(name: str, run, rounds: dict, steps: int) -> None:
+    """One round of `run` (a step -> (host s, device s)): its median step, kept by name."""
+    samples = [run() for _ in range(steps)]
+    for part, index in (("host", 0), ("device", 1)):
+        rounds.setdefault((name, part), []).append(statistics.median(s[index] for s in samples))
+    rounds.setdefault((name, "step"), []).append(statistics.median(sum(s) for s in samples))
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min_ms": 1e3 * min(values), "median_ms": 1e3 * statistics.median(values),
+            "max_ms": 1e3 * max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+    from tqdm import tqdm
+
+    from cp_runtime.benchmarks.profile import phase_work, step_shape
+    from cp_runtime.benchmarks.roofline import measure_roofline
+    from cp_runtime.config import load_model_config
+    from cp_runtime.pool import CP_AXIS
+    from cp_runtime.step import make_step
+    from cp_runtime.weights import init_params
+
+    model = load_model_config(args.model)
+    params = init_params(model, seed=0)
+    roof = measure_roofline(jax.devices()[:args.shards])
+    main_bench = Bench(model, params, args, [args.short, args.long] + [args.short] * args.batch)
+    pools = {f: Bench(model, params, args, [args.pool_context], pool_factor=f) for f in (1, 4)}
+    ex = main_bench.executor
+    merged_step = ex._step
+    unmerged_step = make_step(model, ex.runtime, ex.pool_spec, ex.mesh, ex.kernels,
+                              {k: v.shape for k, v in ex.params.items()},
+                              combine_fn=_local_only)
+
+    def without_merge():
+        ex._step = unmerged_step
+        try:
+            return main_bench.step([0])
+        finally:
+            ex._step = merged_step
+
+    configs = {
+        f"context {args.short}": lambda: main_bench.step([0]),
+        f"context {args.long}": lambda: main_bench.step([1]),
+        "pool 1x": lambda: pools[1].step([0]),
+        "pool 4x": lambda: pools[4].step([0]),
+        f"batch {args.batch}": lambda: main_bench.step(list(range(2, 2 + args.batch))),
+        "without merge": without_merge,
+    }
+    for run in configs.values():              # compile every shape before timing any
+        run()
+    rounds: dict = {}
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        for name, run in configs.items():
+            _measure(name, run, rounds, args.steps)
+
+    rows = [{"configuration": name, "part": part, **_spread(v)}
+            for (name, part), v in rounds.items()]
+    print_table(rows, ["configuration", "part", "min_ms", "median_ms", "max_ms"],
+                title=f"decode steps, {model.name}, S={args.shards}, {args.kv_cache_dtype}, "
+                      f"{args.rounds} interleaved rounds x {args.steps} steps, "
+                      f"{machine()['backend']} ({machine()['cpu_count']} cores)")
+
+    def median(name, part="step"):
+        return statistics.median(rounds[(name, part)])
+
+    page_kw = dict(page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+                   shards=args.shards, param_bytes=4)
+    work = {n: sum(w.bytes for w in phase_work(model, step_shape("decode", n, 1024),
+                                              **page_kw).values())
+            for n in (args.short, args.long)}
+    extra_s = (work[args.long] - work[args.short]) / (roof["read_gb_per_s"] * 1e9)
+    short, long = median(f"context {args.short}"), median(f"context {args.long}")
+    with_merge, without = median(f"context {args.short}", "device"), median("without merge",
+                                                                             "device")
+    checks = {
+        "long_step_ms": 1e3 * long, "short_step_ms": 1e3 * short,
+        "extra_bytes": work[args.long] - work[args.short],
+        "read_gb_per_s": roof["read_gb_per_s"],
+        "long_bound_ms": 1e3 * (short + 2 * extra_s),
+        "long_over_bound": long / (short + 2 * extra_s),
+        "pool_4x_over_1x": median("pool 4x") / median("pool 1x"),
+        "batch_host_ms": 1e3 * median(f"batch {args.batch}", "host"),
+        "batch_device_ms": 1e3 * median(f"batch {args.batch}", "device"),
+        "merge_share": (with_merge - without) / with_merge,
+    }
+    print_table([{"check": k, "value": v} for k, v in checks.items()], ["check", "value"],
+                title="against the targets: long_over_bound <= 1, pool_4x_over_1x <= 1.10, "
+                      "batch_host_ms <= 2, merge_share <= 0.10")
+    write_json(pathlib.Path(args.out) / "decode.json",
+               {"machine": machine(), "args": {k: v for k, v in vars(args).items()},
+                "rows": rows, "checks": checks, "roofline": roof})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
