@@ -1,7 +1,7 @@
 """A decode step as the context and the pool grow, its host overhead, and its merge's share:
-four comparisons in one run, each as interleaved rounds (every round runs every configuration
-once, so drift on a shared machine hits all alike), reported as min / median / max over the
-rounds of each round's median step.
+four comparisons in one run, interleaved step by step (each round runs --steps steps of every
+configuration in turn, one step each, so drift on a shared machine hits all alike), reported
+as min / median / max over the rounds of each round's median step.
 
     cp-runtime bench decode                       # small, S = 16: 8K vs 1M, 1x vs 4x pool, ...
     cp-runtime bench decode --long 128k --rounds 3
@@ -117,12 +117,17 @@ def _local_only(merge, o, lse, project, axis_name, ws):
     return project(o)
 
 
-def _measure(name: str, run, rounds: dict, steps: int) -> None:
-    """One round of `run` (a step -> (host s, device s)): its median step, kept by name."""
-    samples = [run() for _ in range(steps)]
-    for part, index in (("host", 0), ("device", 1)):
-        rounds.setdefault((name, part), []).append(statistics.median(s[index] for s in samples))
-    rounds.setdefault((name, "step"), []).append(statistics.median(sum(s) for s in samples))
+def _round(configs: dict, rounds: dict, steps: int) -> None:
+    """One round: `steps` steps of every configuration (a step -> (host s, device s)), taken in
+    turn one step at a time; each configuration's median step is kept by name."""
+    samples = {name: [] for name in configs}
+    for _ in range(steps):
+        for name, run in configs.items():
+            samples[name].append(run())
+    for name, got in samples.items():
+        for part, index in (("host", 0), ("device", 1)):
+            rounds.setdefault((name, part), []).append(statistics.median(s[index] for s in got))
+        rounds.setdefault((name, "step"), []).append(statistics.median(sum(s) for s in got))
 
 
 def _spread(values: list[float]) -> dict:
@@ -172,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         run()
     rounds: dict = {}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        for name, run in configs.items():
-            _measure(name, run, rounds, args.steps)
+        _round(configs, rounds, args.steps)
 
     rows = [{"configuration": name, "part": part, **_spread(v)}
             for (name, part), v in rounds.items()]

@@ -26,8 +26,9 @@ Phases, as the step delimits them (cp_runtime/attention.py, model.py, step.py):
     indexer scoring              indexer_page_scores over the shard's pages (full layers)
     local top-K and all-gather   local_candidates, then global_top_pages (full layers)
     sparse attention             attended_pages, owned slots, sparse_attention (every layer)
-    merge                        cp_runtime.merge.MERGES[--merge] (every layer); the engine
-                                 runs the same variant
+    merge                        cp_runtime.merge.combine with --merge (every layer), the
+                                 output projection left to the dense phase; the engine runs
+                                 the same variant
     dense and MoE layers         model.forward with attention replaced by a stub that only adds
                                  its inputs: embedding, norms, MLA and indexer projections, RoPE,
                                  W_uv/W_o, MLPs and experts, final norm
@@ -95,14 +96,15 @@ from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add
                                  add_shard_counts, check_not_below_page, check_out_dir,
                                  check_page_size, check_page_size_for_model, length_list,
                                  positive_int)
-from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
+from cp_runtime.config import MERGE_VARIANTS, ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine, LocalExecutor
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams
 from cp_runtime.kernels.storage import to_storage
 from cp_runtime.kernels_dispatch import resolve_backend, select_kernels
 from cp_runtime.layout import cdiv, local_page_jnp, owner_shard_jnp
-from cp_runtime.merge import MERGES
+from cp_runtime.merge import combine
+from cp_runtime.weight_shards import WeightShards
 from cp_runtime.model import forward, logits
 from cp_runtime.pool import CP_AXIS, KVPool
 from cp_runtime.sampler import sample_tokens
@@ -157,11 +159,11 @@ def step_shape(kind: str, length: int, chunk: int) -> StepShape:
 
 
 # -- the runtime's model, merge and executor: every call into them is here ------------------
-# (these modules are being changed to shard the weights over the mesh; keep the calls together)
 def _merge(runtime: RuntimeConfig, o: jax.Array, lse: jax.Array) -> jax.Array:
-    """The step's merge of one layer's partials over `cp`: o f32[B, Q, H, Dv], lse f32[B, Q, H]
-    of this shard -> merged o f32[B, Q, H, Dv]."""
-    return MERGES[runtime.merge](o, lse, CP_AXIS)[0]
+    """The step's merge of one layer's partials over `cp` (weights whole on every shard, as
+    the profile's engine holds them): o f32[B, Q, H, Dv], lse f32[B, Q, H] of this shard ->
+    the merged result, with the output projection (timed in the dense phase) left out."""
+    return combine(runtime.merge, o, lse, lambda merged: merged, CP_AXIS, WeightShards())
 
 
 def _dense_layers(params, model: ModelConfig, tokens: jax.Array, pos: jax.Array,
@@ -712,8 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_page_size(p, 64)
     add_chunk_size(p, 1024)
     add_backend(p, "auto")
-    p.add_argument("--merge", choices=tuple(MERGES), default="gather_psum",
-                   help="merge collective of the partial attention results (cp_runtime.merge)")
+    p.add_argument("--merge", choices=[m for m in MERGE_VARIANTS if m != "head_scatter"],
+                   default="auto",
+                   help="merge of the partial attention results (cp_runtime.merge; weights are "
+                        "whole here, so not head_scatter)")
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed calls per phase and step (the median is reported)")
     p.add_argument("--quick", action="store_true",

@@ -33,10 +33,12 @@ from jax import lax
 __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_gather",
            "merge_to_own_heads", "MERGES", "GATHER_MAX_BYTES", "combine", "resolve_merge"]
 
-# Largest packed partial [o | lse] per shard that `auto` all-gathers. At S = 16 a shard then
-# receives up to 15 x 256 KiB = 3.75 MiB, about what one collective's fixed cost buys in bytes
-# (0.34 ms per collective at ~10 GB/s on the development CPU; ~10 us at 300 GB/s of ICI).
-GATHER_MAX_BYTES = 256 << 10
+# Largest packed partial [o | lse] per shard that `auto` all-gathers: small enough that the
+# gather's bytes cost less than the collective it saves (0.34 ms each at S = 16 on the
+# development CPU). Measured there (`bench merge`, S = 16): GLM-5.2's decode at B = 8, 1 MiB
+# a shard, took 189 ms all-gathered against 3.4 ms with hidden_psum; the small model's 264 B
+# saves a collective per layer.
+GATHER_MAX_BYTES = 32 << 10
 
 
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
