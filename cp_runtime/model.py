@@ -56,7 +56,6 @@ __all__ = [
     "route",
     "route_topk",
     "embed",
-    "WeightShards",
 ]
 
 
@@ -366,7 +365,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),
            vocab_size: int | None = None) -> jax.Array:
     """hidden f[..., hidden] -> f32[..., V]; split by vocabulary, each device's logits are
-    gathered (`vocab_size` cuts the padding; needed when split)."""
+    gathered and `vocab_size` (required then) cuts the padded rows' logits off."""
     head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
     out = _linear(hidden, head).astype(jnp.float32)
-    return out if not ws.split else ws.gather(out, -1, vocab_size)
+    if not ws.split:
+        return out
+    if vocab_size is None:
+        raise ValueError("logits of a vocabulary split over devices need vocab_size")
+    return ws.gather(out, -1, vocab_size)
