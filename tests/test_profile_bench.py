@@ -84,9 +84,9 @@ def test_decode_bench_runs_every_comparison(tmp_path):
     from cp_runtime.benchmarks import decode
 
     jax.devices()      # JAX starts with the session's 16 devices before --shards 2 asks for some
-    argv = ["--model", "tiny", "--shards", "2", "--page-size", "16", "--short", "64",
-            "--long", "512", "--pool-context", "128", "--batch", "2", "--rounds", "2",
-            "--steps", "2", "--out", str(tmp_path)]
+    argv = ["--model", "tiny", "--shards", "1", "--page-size", "16", "--short", "64",
+            "--long", "512", "--pool-context", "128", "--batch", "2", "--rounds", "1",
+            "--steps", "2", "--roofline-mib", "8", "--out", str(tmp_path)]
     assert decode.main(argv) == 0
     data = json.loads((tmp_path / "decode.json").read_text())
     names = {r["configuration"] for r in data["rows"]}

@@ -205,13 +205,42 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
     engine.close_session(s.id)
 
 
-# -- serving ----------------------------------------------------------------------------------
-def test_serve_with_ray_executor(ray_cluster, xla_cache, reference):
-    """`cp-runtime serve --executor ray --ray-address ADDR --weights sharded` serves the same
-    greedy tokens as the local executor with whole weights; `stats` shows both workers, each
-    device holding its part of the weights."""
-    cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--model", "tiny", "--shards", "16",
-           "--weights", "sharded",
+# -- serving a checkpoint, split over the workers -------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """An fp8 checkpoint (test_checkpoint's format: heads and experts that 16 devices split
+    with padding) and the local executor's greedy continuation with its whole weights."""
+    import json
+
+    from test_checkpoint import HF_CONFIG, checkpoint_tensors, split_shards, write_shards, \
+        write_tokenizer
+    from cp_runtime.checkpoint import read_hf_config
+
+    d = tmp_path_factory.mktemp("ray-ckpt") / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    cfg = read_hf_config(d)
+    stored, expected = checkpoint_tensors(cfg, seed=4)
+    write_shards(d, split_shards(stored))
+    write_tokenizer(d)
+    whole = RuntimeConfig(model=cfg.name, kv_cache_dtype="f32", pages_per_shard=24,
+                          chunk_size=64)
+    engine = Engine(cfg, whole, LocalExecutor(cfg, whole, expected))
+    prompt = np.random.default_rng(0).integers(0, 400, PROMPT).tolist()
+    s = engine.create_session()
+    tokens = [int(engine.extend(s.id, prompt, all_logits=True)[-1].argmax())]
+    for _ in range(GENERATE - 1):
+        tokens.append(int(engine.decode([s.id], [tokens[-1]])[0].argmax()))
+    return {"dir": str(d), "prompt": prompt, "tokens": tokens,
+            "whole_bytes": sum(4 * x.size for x in expected.values())}
+
+
+def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint):
+    """`cp-runtime serve --checkpoint DIR --weights sharded --executor ray`: each worker reads
+    only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
+    executor's with whole weights; `stats` shows both workers, each device with its part."""
+    cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--checkpoint", checkpoint["dir"],
+           "--shards", "16", "--weights", "sharded",
            "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
            "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",
            "--ray-address", ray_cluster, "--compilation-cache-dir", xla_cache]
@@ -227,55 +256,16 @@ def test_serve_with_ray_executor(ray_cluster, xla_cache, reference):
         assert address, "server did not start"
         with cp_runtime.Client(address) as client:
             session = client.create_session()
-            session.extend(reference["prompt"])
+            session.extend(checkpoint["prompt"])
             gen = session.generate(max_tokens=GENERATE)
-            assert gen.tokens == reference["tokens"]
+            assert gen.tokens == checkpoint["tokens"]
             workers = client.stats()["executor"]["workers"]
             assert [w["rank"] for w in workers] == [0, 1]
             assert all(w["healthy"] for w in workers)
             assert sum(w["pages_used"] for w in workers) == 10     # 160 tokens, 16 a page
             per_device = [b for w in workers for b in w["weight_bytes_per_device"].values()]
             assert len(per_device) == 16 and len(set(per_device)) == 1
+            assert per_device[0] < checkpoint["whole_bytes"] / 8
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-
-
-# -- a checkpoint, split over the workers ----------------------------------------------------
-def test_workers_load_only_their_part_of_a_checkpoint(ray_cluster, tmp_path):
-    """Each worker reads its devices' blocks of an fp8 checkpoint (weights = "sharded", heads
-    and experts padded over 16 devices) and the prefill equals the local executor's with the
-    whole dequantised weights."""
-    import json
-
-    from test_checkpoint import HF_CONFIG, checkpoint_tensors, split_shards, write_shards, \
-        write_tokenizer
-    from cp_runtime.checkpoint import read_hf_config
-    from cp_runtime.cluster.executor import RayExecutor
-
-    d = tmp_path / "ckpt"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(HF_CONFIG))
-    cfg = read_hf_config(d)
-    stored, expected = checkpoint_tensors(cfg, seed=4)
-    write_shards(d, split_shards(stored))
-    write_tokenizer(d)
-    whole = RuntimeConfig(model=cfg.name, kv_cache_dtype="f32", pages_per_shard=4,
-                          chunk_size=64, page_size=16)
-    split = RuntimeConfig(**{**whole.__dict__, "weights": "sharded"})
-    prompt = random_tokens(cfg, 50, 1)
-    local = Engine(cfg, whole, LocalExecutor(cfg, whole, expected))
-    want = local.extend(local.create_session().id, prompt, all_logits=True)
-    ex = RayExecutor(WeightsSource(checkpoint=str(d)), split, hosts=2, devices_per_host=8)
-    try:
-        engine = Engine(cfg, split, ex)
-        got = engine.extend(engine.create_session().id, prompt, all_logits=True)
-        per_device = [b for w in ex.stats()["workers"]
-                      for b in w["weight_bytes_per_device"].values()]
-    finally:
-        ex.close()
-    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    print(f"\nRay, checkpoint split over 2 x 8 devices vs local whole weights: rel-L2 {rel:.2e}")
-    assert rel <= 1e-5
-    whole_bytes = sum(4 * x.size for x in expected.values())
-    assert len(per_device) == 16 and max(per_device) < whole_bytes / 8
