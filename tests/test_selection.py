@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_runtime.oracle import oracle_logits, selection_mask
-from cp_runtime.selection import NO_PAGE, global_top_pages, local_candidates, rank_pages
+from cp_runtime.selection import (NO_PAGE, global_top_pages, local_candidates, rank_ascending_pages,
+                                  rank_pages)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -28,6 +29,23 @@ def test_rank_pages_matches_brute_force_with_ties(seed):
     _, top = rank_pages(jnp.asarray(scores), jnp.asarray(pages), 7)
     for row in range(6):
         assert top[row].tolist() == brute_force_top(scores[row], 7)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rank_ascending_pages_is_rank_pages(seed):
+    """The partial selection agrees with the two-key sort on ties, signed zeros, -inf and rows
+    with fewer than k candidates."""
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-1, 3, (8, 40)).astype(np.float32)
+    scores[scores == 0] = rng.choice([0.0, -0.0], (scores == 0).sum())
+    scores[rng.random(scores.shape) < 0.3] = -np.inf
+    scores[0, 3:] = -np.inf                                          # 3 candidates < k
+    pages = np.sort(rng.choice(400, (8, 40), replace=False), axis=-1).astype(np.int32)
+    for k in (1, 7, 40, 41):
+        fast = rank_ascending_pages(jnp.asarray(scores), jnp.asarray(pages), k)
+        full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
+        np.testing.assert_array_equal(fast[1], full[1])
+        np.testing.assert_array_equal(fast[0], full[0])
 
 
 def test_ties_resolve_to_lower_page_index():
