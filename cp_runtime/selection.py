@@ -17,8 +17,8 @@ from jax import lax
 
 from cp_runtime.layout import global_page_jnp
 
-__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "local_candidates", "global_top_pages", "attended_pages",
-           "earlier_pages_mask"]
+__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "local_candidates",
+           "global_top_pages", "attended_pages", "earlier_pages_mask"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page

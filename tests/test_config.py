@@ -26,6 +26,14 @@ def test_every_config_loads():
         assert cfg.indexer_types[0] == "full"
 
 
+def test_small_glm_indexer_is_small_with_glms_indexer():
+    glm, small = load_model_config("glm-5.2"), load_model_config("small")
+    probe = load_model_config("small-glm-indexer")
+    assert (probe.index_n_heads, probe.index_head_dim) == (glm.index_n_heads, glm.index_head_dim)
+    assert dataclasses.replace(probe, index_n_heads=small.index_n_heads,
+                               index_head_dim=small.index_head_dim, name=small.name) == small
+
+
 def test_glm_and_deepseek_shapes():
     glm = load_model_config("glm-5.2")
     assert (glm.num_hidden_layers, glm.num_full_layers, glm.latent_dim) == (78, 21, 640)

@@ -1,11 +1,11 @@
-"""The owned-pairs XLA attention equals the reference, on the compact path and the fallback."""
+"""The union-of-pages XLA attention equals the reference, over the union and on the fallback."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cp_runtime.kernels.reference import sparse_attention
-from cp_runtime.kernels.xla_sparse import pair_capacity, sparse_attention_owned
+from cp_runtime.kernels.xla_sparse import sparse_attention_owned, union_capacity
 
 P, PS, D, H, DV = 12, 16, 256, 4, 32
 
@@ -23,20 +23,47 @@ def _problem(seed, *, b=3, q=8, n=5, owner_share=0.3):
     return tuple(map(jnp.asarray, (queries, cache, slots, pages, pos)))
 
 
-@pytest.mark.parametrize("owner_share, shards", [(0.1, 16), (0.3, 4), (1.0, 16), (1.0, 1)])
-def test_matches_reference(owner_share, shards):
-    args = _problem(0, owner_share=owner_share)
+def _assert_matches(args, shards, query_block=8):
     o_ref, lse_ref = sparse_attention(*args, value_dim=DV, scale=0.1)
     o, lse = sparse_attention_owned(*args, value_dim=DV, scale=0.1, num_shards=shards,
-                                    query_block=8)
+                                    query_block=query_block)
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
     finite = np.isfinite(lse_ref)
-    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], rtol=1e-6, atol=1e-6)
+    assert finite.any()
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("owner_share, shards, query_block", [
+    (0.1, 16, 8), (0.3, 4, 8), (1.0, 16, 8), (1.0, 1, 8), (0.3, 4, 5), (0.3, 16, 64)])
+def test_matches_reference(owner_share, shards, query_block):
+    """query_block 5 splits sequences across blocks; 64 puts every row in one block."""
+    _assert_matches(_problem(0, owner_share=owner_share), shards, query_block)
 
 
 def test_fallback_is_taken_when_one_shard_owns_everything():
-    """owner_share 1.0 at S = 16 overflows the capacity: the exact path must run."""
+    """owner_share 1.0 at S = 16: a block's union overflows the capacity, the exact path runs."""
     b, q, n = 3, 8, 5
-    assert pair_capacity(b * q, n, 16) < b * q * n
-    test_matches_reference(1.0, 16)
+    _, _, slots, _, _ = _problem(0, b=b, q=q, n=n, owner_share=1.0)
+    distinct = max(len(np.unique(np.asarray(slots)[i])) for i in range(b))
+    assert union_capacity(q, n, 16) < distinct
+    _assert_matches(_problem(0, b=b, q=q, n=n, owner_share=1.0), 16)
+
+
+def test_page_selected_twice_counts_twice():
+    """The reference attends an entry per selection; a page listed twice weighs double."""
+    q, cache, slots, pages, pos = _problem(1, owner_share=0.5)
+    slots = slots.at[:, :, 1].set(slots[:, :, 0])
+    pages = pages.at[:, :, 1].set(pages[:, :, 0])
+    _assert_matches((q, cache, slots, pages, pos), 4)
+
+
+def test_one_slot_shared_by_sequences():
+    """Forked sessions share a physical page: the same slot, selected by rows of different
+    sequences in one block."""
+    q, cache, slots, pages, pos = _problem(2, owner_share=0.5)
+    slots = slots.at[:, :, 0].set(3)
+    pages = pages.at[:, :, 0].set(3)            # _problem's slot s holds page s
+    pos = jnp.maximum(pos, 3 * PS)
+    _assert_matches((q, cache, slots, pages, pos), 4, query_block=24)
