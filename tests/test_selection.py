@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from cp_runtime.oracle import oracle_logits, selection_mask
 from cp_runtime.selection import (NO_PAGE, global_top_pages, local_candidates, rank_ascending_pages,
-                                  rank_pages)
+                                  rank_distinct_pages, rank_pages)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -43,6 +43,23 @@ def test_rank_ascending_pages_is_rank_pages(seed):
     pages = np.sort(rng.choice(400, (8, 40), replace=False), axis=-1).astype(np.int32)
     for k in (1, 7, 40, 41):
         fast = rank_ascending_pages(jnp.asarray(scores), jnp.asarray(pages), k)
+        full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
+        np.testing.assert_array_equal(fast[1], full[1])
+        np.testing.assert_array_equal(fast[0], full[0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rank_distinct_pages_is_rank_pages(seed):
+    """Rounds of best-then-lowest-page agree with the sort on distinct pages in any order."""
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-1, 3, (8, 48)).astype(np.float32)
+    scores[scores == 0] = rng.choice([0.0, -0.0], (scores == 0).sum())
+    scores[rng.random(scores.shape) < 0.3] = -np.inf
+    scores[0, 2:] = -np.inf                                          # 2 candidates < k
+    pages = np.stack([rng.permutation(500)[:48] for _ in range(8)]).astype(np.int32)
+    pages[scores == -np.inf] = NO_PAGE                               # unused entries, repeated
+    for k in (1, 4, 48):
+        fast = rank_distinct_pages(jnp.asarray(scores), jnp.asarray(pages), k)
         full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
         np.testing.assert_array_equal(fast[1], full[1])
         np.testing.assert_array_equal(fast[0], full[0])
