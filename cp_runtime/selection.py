@@ -18,8 +18,7 @@ from jax import lax
 from cp_runtime.layout import global_page_jnp
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
-           "local_candidates",
-           "global_top_pages", "attended_pages", "earlier_pages_mask"]
+           "local_candidates", "global_top_pages", "attended_pages", "earlier_pages_mask"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
