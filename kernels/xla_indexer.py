@@ -11,16 +11,16 @@ key blocks of a fixed page count for the whole batch at once, which on XLA:CPU c
   and page max re-read it from memory.
 
 Here each sequence is one iteration, its queries go `query_rows` indexer rows (queries x heads)
-at a time, and its pages `tile_bytes` of f32 logits at a time: a tile is one [rows, Di] x
-[Di, keys] product followed by its ReLU, head weighting (a product over heads when Hi > 1) and
-page max while it is still in cache. Measured on a 2-core x86 CPU, one device, bf16 keys, page 64,
-median ms against the reference:
+at a time, and its pages `tile_bytes` of f32 logits (of f32 keys in a decode tile, whose logits
+are few) at a time: a tile is one [rows, Di] x [Di, keys] product followed by its ReLU, head
+weighting (a product over heads when Hi > 1) and page max while it is still in cache. Measured
+on a 2-core x86 CPU, one device, bf16 keys, page 64, median ms against the reference:
 
-    prefill, 1024 queries x 1 head x 16 dims, 1024 pages     38 ms -> 22 ms
-    prefill, 256 queries x 32 heads x 128 dims, 64 pages    137 ms -> 45 ms (191 GFLOP/s, 91%
+    prefill, 1024 queries x 1 head x 16 dims, 1024 pages     41 ms -> 22 ms
+    prefill, 256 queries x 32 heads x 128 dims, 64 pages    130 ms -> 46 ms (189 GFLOP/s, 90%
                                                             of a 1024^3 f32 matmul's 210)
-    decode, 1 sequence x 1024 pages                        1.23 ms -> 0.41 ms
-    decode, 8 sequences x 128 pages                        0.75 ms -> 0.56 ms
+    decode, 1 sequence x 1024 pages                        1.54 ms -> 0.58 ms
+    decode, 8 sequences x 128 pages                        0.98 ms -> 0.54 ms
 """
 
 from __future__ import annotations
@@ -36,16 +36,20 @@ from cp_runtime.kernels.storage import cdiv, from_storage
 
 __all__ = ["indexer_page_scores", "tile_shape"]
 
-TILE_BYTES = 4 << 20      # f32 logits per tile: inside a desktop/server L2+L3 share
+TILE_BYTES = 4 << 20      # f32 logits or keys per tile: within a server core's L2 + L3 share
 QUERY_ROWS = 1024         # indexer rows (queries x heads) per tile
 
 
-def tile_shape(num_queries: int, heads: int, pages: int, page_size: int, *,
+def tile_shape(num_queries: int, heads: int, pages: int, page_size: int, dim: int, *,
                tile_bytes: int = TILE_BYTES, query_rows: int = QUERY_ROWS) -> tuple[int, int]:
-    """(queries, pages) per tile: about `query_rows` rows and `tile_bytes` of f32 logits."""
+    """(queries, pages) per tile: about `query_rows` rows, and `tile_bytes` of f32 logits or of
+    f32 keys, whichever is wider (the keys in a decode tile, the logits in a prefill one), split
+    evenly so the last tile pads little."""
     queries = max(1, min(num_queries, query_rows // heads))
-    block = max(1, min(pages, tile_bytes // (4 * queries * heads * page_size)))
-    return queries, block
+    queries = cdiv(num_queries, cdiv(num_queries, queries))
+    page_bytes = 4 * page_size * max(queries * heads, dim)
+    block = max(1, min(pages, tile_bytes // page_bytes))
+    return queries, cdiv(pages, cdiv(pages, block))
 
 
 def _tile_scores(q, w, keys, key_pos, q_pos):
@@ -76,10 +80,10 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     sized by `tile_bytes` and `query_rows`."""
     del key_block_pages
     b, m = local_pages.shape
-    nq, h, _ = q.shape[1:]
+    nq, h, di = q.shape[1:]
     ps = k_cache.shape[1]
     value_dtype = k_cache.dtype if cache_dtype is None else cache_dtype
-    qb, nb = tile_shape(nq, h, m, ps, tile_bytes=tile_bytes, query_rows=query_rows)
+    qb, nb = tile_shape(nq, h, m, ps, di, tile_bytes=tile_bytes, query_rows=query_rows)
     q_blocks, k_blocks = cdiv(nq, qb), cdiv(m, nb)
     rotation = jnp.zeros((b,), jnp.int32) if rotation is None else rotation.astype(jnp.int32)
 

@@ -38,8 +38,8 @@ def _assert_close(out, ref):
 
 @pytest.mark.parametrize("b, nq, heads, dim, m, tile_bytes, query_rows", [
     (1, 1, 1, 16, 9, 4 << 20, 1024),      # decode, one tile
-    (3, 1, 2, 16, 9, 4 * 2 * PS * 2, 1024),  # decode, 2 pages a tile: a partial last tile
-    (2, 37, 1, 16, 7, 4 * 8 * PS, 8),     # 8 queries x 1 page a tile: both axes padded
+    (3, 1, 2, 16, 9, 4 * PS * 16 * 2, 1024),   # decode, 2 pages a tile: a partial last
+    (2, 37, 1, 16, 7, 4 * PS * 16, 8),   # 8 queries x 1 page a tile: both axes padded
     (2, 20, 4, 32, 5, 4 << 20, 16),       # 4 heads: the head product, 4 queries a tile
 ])
 def test_matches_reference(b, nq, heads, dim, m, tile_bytes, query_rows):
@@ -61,7 +61,11 @@ def test_storage_form_cache():
 
 
 def test_tile_shape_follows_the_byte_budget():
-    assert tile_shape(1024, 1, 1024, 64) == (1024, 16)      # 4 MiB of f32 logits
-    assert tile_shape(1024, 32, 1024, 64) == (32, 16)       # 1024 rows = 32 queries x 32 heads
-    assert tile_shape(1, 1, 100, 64) == (1, 100)            # decode: every page in one tile
-    assert tile_shape(4096, 1, 8, 64, tile_bytes=1) == (1024, 1)   # never below one page
+    """4 MiB of f32 logits (prefill) or keys (decode) a tile, split evenly."""
+    assert tile_shape(1024, 1, 1024, 64, 16) == (1024, 16)
+    assert tile_shape(1024, 32, 1024, 64, 128) == (32, 16)   # 1024 rows = 32 queries x 32 heads
+    assert tile_shape(1000, 1, 1024, 64, 16) == (1000, 16)
+    assert tile_shape(1500, 1, 1024, 64, 16) == (750, 21)    # two even query tiles
+    assert tile_shape(1, 1, 100, 64, 16) == (1, 100)          # decode: every page in one tile
+    assert tile_shape(1, 1, 10_000, 64, 16) == (1, 1000)      # ... up to 4 MiB of keys, evenly
+    assert tile_shape(4096, 1, 8, 64, 16, tile_bytes=1) == (1024, 1)   # never below one page
