@@ -87,8 +87,8 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     q_blocks, k_blocks = cdiv(nq, qb), cdiv(m, nb)
     rotation = jnp.zeros((b,), jnp.int32) if rotation is None else rotation.astype(jnp.int32)
 
-    # Pad queries with position -1 (nothing visible) and pages with the sentinel page, which
-    # sits past every query's position.
+    # Pad queries with position -1 (nothing visible) and pages with the sentinel page; padded
+    # rows and columns are cut off the result.
     qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, q_blocks * qb - nq), (0, 0), (0, 0)))
     wf = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_blocks * qb - nq), (0, 0)))
     pos = jnp.pad(q_pos, ((0, 0), (0, q_blocks * qb - nq)), constant_values=-1)
