@@ -152,6 +152,17 @@ def write_shards(d, shards: dict[str, dict]) -> None:
         {"metadata": {"total_size": 0}, "weight_map": weight_map}))
 
 
+def write_checkpoint(d, hf_config: dict, seed: int) -> tuple[ModelConfig, dict]:
+    """A fresh checkpoint directory `d` for `hf_config` (config.json, fp8 shards; no tokenizer):
+    its config as read back, and the dequantised weights a loader must produce."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_config))
+    cfg = read_hf_config(d)
+    stored, expected = checkpoint_tensors(cfg, seed=seed)
+    write_shards(d, split_shards(stored))
+    return cfg, expected
+
+
 def niah_corpus() -> list[str]:
     words = [*needles.SUBJECTS, *needles.VERBS, *needles.OBJECTS, *needles.KEY_WORDS]
     lines = [f" {w}." for w in words] + [" ".join(words)]

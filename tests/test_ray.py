@@ -210,18 +210,10 @@ def test_killed_worker_costs_a_retry_never_a_token(tiny, executor, reference, ho
 def checkpoint(tmp_path_factory):
     """An fp8 checkpoint (test_checkpoint's format: heads and experts that 16 devices split
     with padding) and the local executor's greedy continuation with its whole weights."""
-    import json
-
-    from test_checkpoint import HF_CONFIG, checkpoint_tensors, split_shards, write_shards, \
-        write_tokenizer
-    from cp_runtime.checkpoint import read_hf_config
+    from test_checkpoint import HF_CONFIG, write_checkpoint, write_tokenizer
 
     d = tmp_path_factory.mktemp("ray-ckpt") / "ckpt"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(HF_CONFIG))
-    cfg = read_hf_config(d)
-    stored, expected = checkpoint_tensors(cfg, seed=4)
-    write_shards(d, split_shards(stored))
+    cfg, expected = write_checkpoint(d, HF_CONFIG, seed=4)
     write_tokenizer(d)
     whole = RuntimeConfig(model=cfg.name, kv_cache_dtype="f32", pages_per_shard=24,
                           chunk_size=64)

@@ -2,7 +2,6 @@
 alone (the right values, fp8 blocks dequantised), and the host never holds much more than one
 block at a time."""
 
-import json
 import math
 import tracemalloc
 
@@ -11,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from test_checkpoint import HF_CONFIG, checkpoint_tensors, split_shards, write_shards
-from cp_runtime.checkpoint import CheckpointBlocks, read_hf_config
+from test_checkpoint import HF_CONFIG, write_checkpoint
+from cp_runtime.checkpoint import CheckpointBlocks
 from cp_runtime.pool import CP_AXIS
 from cp_runtime.weight_layout import local_shape, padded_shape
 from cp_runtime.weight_placement import place_weights, weight_bytes_per_device
@@ -28,11 +27,7 @@ WIDE = HF_CONFIG | {"hidden_size": 256, "vocab_size": 4096, "intermediate_size":
 @pytest.fixture(scope="module")
 def wide_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide") / "wide-v32"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(WIDE))
-    cfg = read_hf_config(d)
-    stored, expected = checkpoint_tensors(cfg, seed=5)
-    write_shards(d, split_shards(stored))
+    cfg, expected = write_checkpoint(d, WIDE, seed=5)
     return d, cfg, model_layout(expected, cfg)
 
 
