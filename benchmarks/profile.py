@@ -298,8 +298,10 @@ def synthetic_session(engine, length: int, cached: int, vocab: int):
 
 
 def _rewind(session, tokens: int) -> None:
-    """Back to the first `tokens` tokens, all cached (its pages stay reserved)."""
-    session.tokens = session.tokens[:tokens]
+    """Back to the first `tokens` tokens, all cached (its pages stay reserved). Truncated in
+    place: a sliced copy would be exactly full, and the step's one append would then copy all
+    of it (0.6 ms at a million tokens), which serving's amortised appends never do."""
+    del session.tokens[tokens:]
     session.kv_len = tokens
 
 

@@ -1,7 +1,8 @@
 """Which implementation of the per-shard hot paths a step uses.
 
 `xla` is the XLA path for backends without the TPU kernels: the reference cache write, the
-indexer tiled for XLA:CPU (kernels/xla_indexer.py) and attention that only touches the pages a
+indexer tiled for XLA:CPU (kernels/xla_indexer.py; a decode step's takes the one-pass native
+handler of kernels/native_indexer.py on CPU) and attention that only touches the pages a
 shard owns (kernels/xla_sparse.py); `reference` is the plain
 references (kernels/reference.py); `pallas` the TPU kernels; `pallas_interpret` the same kernels
 in TPU interpret mode (CPU tests). `auto` picks pallas on TPU and xla elsewhere. An unknown name
@@ -16,8 +17,8 @@ from typing import Callable
 
 import jax
 
-from cp_runtime.kernels import (cache_write, indexer, reference, sparse_decode, sparse_prefill,
-                               xla_indexer, xla_sparse)
+from cp_runtime.kernels import (cache_write, indexer, native_indexer, reference, sparse_decode,
+                               sparse_prefill, xla_sparse)
 from cp_runtime.kernels.storage import from_storage, storage_dtype
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
@@ -41,7 +42,7 @@ BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
 def _xla(num_shards: int) -> Kernels:
-    return Kernels("xla", reference.write_kv, xla_indexer.indexer_page_scores,
+    return Kernels("xla", reference.write_kv, native_indexer.indexer_page_scores,
                    functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
 
 

@@ -14,6 +14,7 @@ before changing anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import numpy as np
@@ -53,6 +54,14 @@ class PageTable:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    @functools.cached_property
+    def slot_array(self) -> np.ndarray:
+        """i32[len] `slots` as an array, made once per table: a step copies a prefix of it
+        into its page table, and a million-token session has 16K slots."""
+        array = np.asarray(self.slots, np.int32)
+        array.flags.writeable = False
+        return array
 
     def shards(self, num_shards: int) -> np.ndarray:
         """i32[len]: the owner shard of each logical page."""

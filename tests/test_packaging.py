@@ -61,3 +61,4 @@ def test_the_wheel_claims_one_import_name_and_ships_configs(tmp_path):
         assert f"cp_runtime/configs/{config}" in names
     for package in ("kernels", "benchmarks", "cluster", "engine", "serving"):
         assert f"cp_runtime/{package}/__init__.py" in names
+    assert "cp_runtime/kernels/native/indexer_page_scores.cc" in names   # built on first use

@@ -150,7 +150,7 @@ class Engine:
         ps = self.runtime.page_size
         page = np.arange(count) // ps
         shard = owner_shard(page, self.runtime.num_shards, session.table.rotation)
-        slot = np.asarray(session.table.slots, np.int32)[page]
+        slot = session.table.slot_array[page]
         return shard.astype(np.int32), slot, (np.arange(count) % ps).astype(np.int32)
 
     def _check_rows(self, rows: CacheRows) -> None:

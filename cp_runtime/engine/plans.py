@@ -66,7 +66,8 @@ def build_segment(kind: str, rows: list[Row], *, page_size: int, num_shards: int
         positions[i, : len(r.tokens)] = np.arange(r.start, r.start + len(r.tokens))
         last[i] = len(r.tokens) - 1
         rotation[i] = r.table.rotation
-        table[i] = rotated_row(r.table.slots[:n], r.table.rotation, table_width, sentinel)
+        table[i] = rotated_row(r.table.slot_array[:n], r.table.rotation, table_width,
+                               sentinel)
     inputs = StepInputs(tokens=tokens, positions=positions, page_table=table, logit_index=last,
                         rotation=rotation)
     return Segment(kind=kind, inputs=inputs, sampling=sampling)
