@@ -41,8 +41,8 @@ from jax import lax
 
 from cp_runtime.kernels import xla_indexer
 
-__all__ = ["indexer_page_scores", "native_status", "library_path", "NativeBuildError",
-           "NATIVE_MAX_ROWS"]
+__all__ = ["indexer_page_scores", "uses_native", "native_status", "library_path",
+           "NativeBuildError", "NATIVE_MAX_ROWS"]
 
 SOURCE = pathlib.Path(__file__).parent / "native" / "indexer_page_scores.cc"
 TARGET = "cp_runtime_indexer_page_scores"
@@ -122,11 +122,13 @@ def native_status() -> str:
 
 def _native_call(q, w, keys, local_pages, q_pos, shard, rotation, *, num_shards: int,
                  vectorized: bool) -> jax.Array:
+    """The handler on keys u16[P + 1, ps, D] (bf16 bits; bf16 values are bit-cast to them)."""
     b, m = local_pages.shape
+    if keys.dtype == jnp.bfloat16:
+        keys = lax.bitcast_convert_type(keys, jnp.uint16)
     out = jax.ShapeDtypeStruct((b, q.shape[1], m), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(
-        q.astype(jnp.float32), w.astype(jnp.float32), lax.bitcast_convert_type(keys, jnp.uint16)
-        if keys.dtype == jnp.bfloat16 else keys, local_pages.astype(jnp.int32),
+        q.astype(jnp.float32), w.astype(jnp.float32), keys, local_pages.astype(jnp.int32),
         q_pos.astype(jnp.int32), jnp.asarray(shard, jnp.int32).reshape(()),
         rotation.astype(jnp.int32), num_shards=np.int64(num_shards),
         vectorized=np.int64(vectorized))
