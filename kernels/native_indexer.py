@@ -93,10 +93,9 @@ def _build(target: pathlib.Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
 def _register() -> None:
     """Build (unless cached) and load the library, and register its handler with XLA for CPU.
-    Raises NativeBuildError; cached, so a process tries once."""
+    Raises NativeBuildError. Called once per process, through `native_status`."""
     path = library_path()
     if not path.exists():
         _build(path)
