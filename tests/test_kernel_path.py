@@ -17,7 +17,9 @@ from conftest import make_engine, random_tokens, rel_l2
 KERNEL_PATH_BOUND = 1e-5
 
 
-@pytest.mark.parametrize("shards", [1, 16])
+# S = 1 runs with the slow tests: S = 16 runs the same kernels through the same step, sharded,
+# and each kernel alone is checked against its reference in tests/test_kernels.py.
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 16])
 def test_kernel_path_matches_reference(tiny, tiny_params, shards):
     # 40 tokens on 16-token pages in 32-token chunks: the first chunk spans pages 0-1 (shards 0
     # and 1 at S = 16), the second page 2 (shard 2); then one decode step.
