@@ -1,7 +1,8 @@
-"""A decode step as the context and the pool grow, its host overhead, and its merge's share:
-four comparisons in one run, interleaved step by step (each round runs --steps steps of every
-configuration in turn, one step each, so drift on a shared machine hits all alike), reported
-as min / median / max over the rounds of each round's median step.
+"""A decode step as the context and the pool grow, its host overhead, its merge's share and its
+gathers: five comparisons in one run, interleaved step by step (each round runs --steps steps
+of every configuration, one step each in an order shuffled every time, so drift on a shared
+machine hits all alike and no configuration always follows the same one), reported as min /
+median / max over the rounds of each round's median step.
 
     cp-runtime bench decode                       # small, S = 16: 8K vs 1M, 1x vs 4x pool, ...
     cp-runtime bench decode --long 128k --rounds 3
@@ -18,6 +19,8 @@ as min / median / max over the rounds of each round's median step.
   merge     the short step as the engine runs it, and the same step with each shard's partial
             projected alone, no collective (wrong unless S = 1, timed only); share = the
             difference / the step
+  gathers   the short step with its all-gathers flat (one collective over every shard) beside
+            the engine's (`auto`: staged on CPU from 8 shards, cp_runtime.collectives)
 
 The pool is synthetic (random values in every page; sessions whose page tables cover their
 length), as in `bench profile`: a million-token context costs seconds, not a prefill.
@@ -26,7 +29,10 @@ length), as in `bench profile`: a million-token context costs seconds, not a pre
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import pathlib
+import random
 import statistics
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
@@ -114,18 +120,18 @@ class Bench:
         return t.host_s + executor_host, t.device_s - executor_host
 
 
-def _local_only(merge, o, lse, project, axis_name, ws):
+def _local_only(merge, o, lse, project, axis_name, ws, gathers):
     """combine() stand-in: this shard's partial projected alone, no collective."""
     return project(o)
 
 
-def _round(configs: dict, rounds: dict, steps: int) -> None:
-    """One round: `steps` steps of every configuration (a step -> (host s, device s)), taken in
-    turn one step at a time; each configuration's median step is kept by name."""
+def _round(configs: dict, rounds: dict, steps: int, rng: random.Random) -> None:
+    """One round: `steps` steps of every configuration (a step -> (host s, device s)), one step
+    each in a shuffled order; each configuration's median step is kept by name."""
     samples = {name: [] for name in configs}
     for _ in range(steps):
-        for name, run in configs.items():
-            samples[name].append(run())
+        for name in rng.sample(list(configs), len(configs)):
+            samples[name].append(configs[name]())
     for name, got in samples.items():
         for part, index in (("host", 0), ("device", 1)):
             rounds.setdefault((name, part), []).append(statistics.median(s[index] for s in got))
@@ -158,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     pools = {f: Bench(model, params, args, [args.pool_context], pool_factor=f) for f in (1, 4)}
     ex = main_bench.executor
     merged_step = ex._step
-    unmerged_step = make_step(model, ex.runtime, ex.pool_spec, ex.mesh, ex.kernels,
-                              {k: v.shape for k, v in ex.params.items()},
-                              combine_fn=_local_only)
+    shapes = {k: v.shape for k, v in ex.params.items()}
+    variants = {
+        "without merge": make_step(model, ex.runtime, ex.pool_spec, ex.mesh, ex.kernels,
+                                   shapes, combine_fn=_local_only),
+        "flat gathers": make_step(model, dataclasses.replace(ex.runtime, gathers="flat"),
+                                  ex.pool_spec, ex.mesh, ex.kernels, shapes)}
 
-    def without_merge():
-        ex._step = unmerged_step
+    def short_step_with(name):
+        ex._step = variants[name]
         try:
             return main_bench.step([0])
         finally:
@@ -175,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         "pool 1x": lambda: pools[1].step([0]),
         "pool 4x": lambda: pools[4].step([0]),
         f"batch {args.batch}": lambda: main_bench.step(list(range(2, 2 + args.batch))),
-        "without merge": without_merge,
+        **{name: functools.partial(short_step_with, name) for name in variants},
     }
     for run in configs.values():              # compile every shape before timing any
         run()
     rounds: dict = {}
+    rng = random.Random(0)
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        _round(configs, rounds, args.steps)
+        _round(configs, rounds, args.steps, rng)
 
     rows = [{"configuration": name, "part": part, **_spread(v)}
             for (name, part), v in rounds.items()]
@@ -212,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_host_ms": 1e3 * median(f"batch {args.batch}", "host"),
         "batch_device_ms": 1e3 * median(f"batch {args.batch}", "device"),
         "merge_share": (with_merge - without) / with_merge,
+        "gathers_flat_over_engine": median("flat gathers", "device") / with_merge,
     }
     print_table([{"check": k, "value": v} for k, v in checks.items()], ["check", "value"],
                 title="against the targets: long_over_bound <= 1, pool_4x_over_1x <= 1.10, "

@@ -20,8 +20,9 @@ import statistics
 import time
 
 from cp_runtime.benchmarks.common import init_shard_devices, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_out,
-                                 add_page_size, add_shards, check_out_dir, length, positive_int)
+from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
+                                 add_out, add_page_size, add_shards, check_out_dir, length,
+                                 positive_int)
 
 __all__ = ["build_parser", "parse_args", "main"]
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray worker processes (--shards / --hosts devices each)")
     add_kv_cache_dtype(p, "f32")
     add_page_size(p, 16)
+    add_gathers(p)
     p.add_argument("--context", type=length, default=256,
                    help="tokens in the session before the timed decode steps")
     p.add_argument("--batch", type=positive_int, default=1, help="sessions decoded per step")
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     runtime = RuntimeConfig(model=loaded.config.name, kv_cache_dtype=args.kv_cache_dtype,
                             page_size=args.page_size, num_shards=args.shards,
                             pages_per_shard=max(4, -(-pages // args.shards) + 2),
-                            chunk_size=max(64, args.page_size), max_batch=max(8, args.batch))
+                            chunk_size=max(64, args.page_size), max_batch=max(8, args.batch),
+                            gathers=args.gathers)
     rows = []
 
     # Local: the executor's run() is the device step; its overhead is plan -> device arrays.

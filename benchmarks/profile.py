@@ -163,7 +163,8 @@ def _merge(runtime: RuntimeConfig, o: jax.Array, lse: jax.Array) -> jax.Array:
     """The step's merge of one layer's partials over `cp` (weights whole on every shard, as
     the profile's engine holds them): o f32[B, Q, H, Dv], lse f32[B, Q, H] of this shard ->
     the merged result, with the output projection (timed in the dense phase) left out."""
-    return combine(runtime.merge, o, lse, lambda merged: merged, CP_AXIS, WeightShards())
+    return combine(runtime.merge, o, lse, lambda merged: merged, CP_AXIS, WeightShards(),
+                   runtime.gathers)
 
 
 def _dense_layers(params, model: ModelConfig, tokens: jax.Array, pos: jax.Array,
@@ -442,7 +443,8 @@ class PhasePrograms:
             cand_scores, cand_pages = local_candidates(
                 layer_scores, pos, shard, rotation, num_shards=self._shards,
                 page_size=self.runtime.page_size, k=k)
-            out.append(global_top_pages(cand_scores, cand_pages, k=k, axis_name=CP_AXIS))
+            out.append(global_top_pages(cand_scores, cand_pages, k=k, axis_name=CP_AXIS,
+                                        gathers=self.runtime.gathers))
         return jnp.stack(out)
 
     def _attention(self, latent, q_rows, selection, pos, tables, rotation):

@@ -101,7 +101,8 @@ class ShardAttention:
         cand_scores, cand_pages = local_candidates(
             scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
             page_size=self.page_size, k=k)
-        return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name)
+        return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name,
+                                gathers=self.runtime.gathers)
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
@@ -120,5 +121,6 @@ class ShardAttention:
             q_row, latent[layer], sel_slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
             scale=self.model.softmax_scale, query_block=self.runtime.query_block,
             cache_dtype=self.pool.latent_dtype)
-        out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws)
+        out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
+                           self.runtime.gathers)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)

@@ -21,7 +21,7 @@ import sys
 
 from cp_runtime import demo
 from cp_runtime.capacity import TOPOLOGIES, WEIGHT_DTYPES, capacity_report, deployment_report
-from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size,
+from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size, add_gathers,
                                  add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, finite_positive_float,
                                  positive_int)
@@ -70,6 +70,7 @@ def _add_serve(sub) -> None:
                    help="where the shards' attention partials meet (auto: all_gather for "
                         "small steps, else head_scatter with sharded weights and hidden_psum "
                         "with replicated; `cp-runtime bench merge` compares them)")
+    add_gathers(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
     p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
@@ -130,7 +131,7 @@ def _run_serve(args) -> int:
                             page_size=args.page_size, num_shards=args.shards,
                             pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
                             max_batch=args.max_batch, backend=args.backend,
-                            weights=args.weights, merge=args.merge)
+                            weights=args.weights, merge=args.merge, gathers=args.gathers)
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
     factory = None

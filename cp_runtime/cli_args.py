@@ -23,7 +23,7 @@ import os
 import pathlib
 import re
 
-from cp_runtime.config import BACKENDS, load_model_config, model_names
+from cp_runtime.config import BACKENDS, GATHER_MODES, load_model_config, model_names
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "add_backend",
     "add_checkpoint",
     "add_chunk_size",
+    "add_gathers",
     "add_kv_cache_dtype",
     "add_kv_cache_dtypes",
     "add_model",
@@ -153,6 +154,13 @@ def add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="Hugging Face checkpoint directory (config.json, tokenizer.json, "
                         "*.safetensors); its config replaces --model")
+
+
+def add_gathers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gathers", choices=GATHER_MODES, default="auto",
+                   help="how the step's all-gathers (selection candidates, all_gather merges) "
+                        "run: flat, one collective over every shard; staged, groups of shards "
+                        "then the groups' results; auto: staged on CPU with 8+ shards")
 
 
 def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3") -> None:

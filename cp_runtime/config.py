@@ -37,6 +37,7 @@ INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
                   "hidden_psum")
+GATHER_MODES = ("auto", "flat", "staged")        # cp_runtime.collectives describes
 WEIGHT_MODES = ("replicated", "sharded")      # cp_runtime.weight_layout describes each
 
 
@@ -261,6 +262,10 @@ class RuntimeConfig:
     max_batch: int = 8
     backend: str = "auto"
     merge: str = "auto"
+    # How the step's all-gathers run (selection candidates; all_gather merges): "flat", one
+    # collective over every shard; "staged", groups of shards then the groups' results
+    # (cp_runtime.collectives); "auto", staged on CPU with 8 or more shards, else flat.
+    gathers: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weight_layout), which a model bigger than one device needs.
     weights: str = "replicated"
@@ -281,6 +286,8 @@ class RuntimeConfig:
             raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.merge not in MERGE_VARIANTS:
             raise ConfigError(f"merge={self.merge!r} is not one of {MERGE_VARIANTS}")
+        if self.gathers not in GATHER_MODES:
+            raise ConfigError(f"gathers={self.gathers!r} is not one of {GATHER_MODES}")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights={self.weights!r} is not one of {WEIGHT_MODES}")
         needs = {"head_scatter": "sharded", "hidden_psum": "replicated"}.get(self.merge)

@@ -18,6 +18,9 @@ The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model
                  o_proj, and psum in hidden space: the partial output is linear in o_r.
   all_gather:    all-gather the packed partials [o | lse] and merge on every shard: one
                  collective (then a hidden-space psum if the weights are split), the most bytes.
+                 The gather is flat or staged as runtime field `gathers` says (staged: groups
+                 of shards gather and merge, then the groups' merges meet; on CPU cheaper,
+                 cp_runtime.collectives says why).
   auto:          all_gather while a shard's packed partials are at most GATHER_MAX_BYTES (a
                  decode step: a collective's latency costs more than its bytes), else
                  head_scatter with sharded weights and hidden_psum with replicated ones.
@@ -30,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cp_runtime.collectives import gather_reduce
+
 __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_gather",
            "merge_to_own_heads", "MERGES", "GATHER_MAX_BYTES", "combine", "resolve_merge"]
 
@@ -39,6 +44,7 @@ __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_
 # a shard, took 189 ms all-gathered against 3.4 ms with hidden_psum; the small model's 264 B
 # saves a collective per layer.
 GATHER_MAX_BYTES = 32 << 10
+
 
 
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -85,13 +91,23 @@ def merge_all_to_all(o: jax.Array, lse: jax.Array, axis_name: str
     return full[:, :dv].reshape(*lead, dv), full[:, dv].reshape(lead)
 
 
-def merge_all_gather(o: jax.Array, lse: jax.Array, axis_name: str
+def _pack(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """o f32[..., Dv], lse f32[...] -> f32[..., Dv + 1]: one array, so one collective."""
+    return jnp.concatenate([o, lse[..., None]], axis=-1)
+
+
+def _merge_packed(every: jax.Array) -> jax.Array:
+    """Packed partials stacked on axis 0, f32[G, ..., Dv + 1] -> their merge, packed."""
+    return _pack(*merge_stacked(every[..., :-1], every[..., -1]))
+
+
+def merge_all_gather(o: jax.Array, lse: jax.Array, axis_name: str, gathers: str = "flat"
                      ) -> tuple[jax.Array, jax.Array]:
-    """Same result as `merge_gather_psum`, with one all-gather of the packed [o | lse]."""
-    dv = o.shape[-1]
-    packed = jnp.concatenate([o, lse[..., None]], axis=-1)                  # [..., Dv + 1]
-    every = lax.all_gather(packed, axis_name)                               # [S, ..., Dv + 1]
-    return merge_stacked(every[..., :dv], every[..., dv])
+    """Same result as `merge_gather_psum` (up to rounding), by an all-gather of the packed
+    [o | lse] and a merge: one collective, or with `gathers` staged (cp_runtime.collectives:
+    S = 16, groups of 4, then the 4 groups' merges) one per stage."""
+    merged = gather_reduce(_pack(o, lse), axis_name, _merge_packed, gathers)
+    return merged[..., :-1], merged[..., -1]
 
 
 MERGES = {"gather_psum": merge_gather_psum, "all_to_all": merge_all_to_all,
@@ -126,10 +142,11 @@ def resolve_merge(merge: str, split: bool, packed_bytes: int) -> str:
 
 
 def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
-            ws) -> jax.Array:
+            ws, gathers: str = "auto") -> jax.Array:
     """This shard's partials o f32[..., H, Dv], lse f32[..., H] -> the attention output
     f[..., hidden], complete on every shard. `project` maps latent outputs of the heads whose
-    weights this shard holds to hidden space (a partial sum when the weights are split, `ws`)."""
+    weights this shard holds to hidden space (a partial sum when the weights are split, `ws`).
+    gathers: how all_gather's gather runs (runtime field `gathers`, cp_runtime.collectives)."""
     merge = resolve_merge(merge, ws.split, (o.size + lse.size) * 4)
     if merge == "hidden_psum":
         if ws.split:
@@ -141,7 +158,10 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
             raise ValueError("merge 'head_scatter' needs weights split by head "
                              "(weights = 'sharded')")
         return ws.psum(project(merge_to_own_heads(o, lse, axis_name)))
-    merged, _ = MERGES[merge](o, lse, axis_name)                       # every head, everywhere
+    if merge == "all_gather":
+        merged, _ = merge_all_gather(o, lse, axis_name, gathers)     # every head, everywhere
+    else:
+        merged, _ = MERGES[merge](o, lse, axis_name)
     if not ws.split:
         return project(merged)
     heads_here = -(-o.shape[-2] // lax.axis_size(axis_name))

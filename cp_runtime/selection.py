@@ -2,9 +2,10 @@
 
 Order: score descending, then page index ascending, a total order, so ties are deterministic and
 the order does not depend on how candidates are split across shards. Each shard ranks its own
-pages and keeps K candidates; after an all-gather of the S * K candidates every shard ranks them
-again and gets the same K pages a single device would (the global top-K is contained in the union
-of the local top-Ks, and ranking by a total order is associative).
+pages and keeps K candidates; after an all-gather of the S * K candidates (on CPU, in stages of
+groups, each ranked to K) every shard ranks them again and gets the same K pages a single device
+would (the global top-K is contained in the union of the local top-Ks, and ranking by a total
+order is associative).
 
 Unused entries carry page -1 and score -inf.
 """
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cp_runtime.collectives import gather_reduce
 from cp_runtime.layout import global_page_jnp
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
@@ -103,20 +105,31 @@ def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array,
     return rank_ascending_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
 
 
-def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: str | None
-                     ) -> jax.Array:
-    """All-gather every shard's candidates f32/i32[B, Q, k] and rank them: i32[B, Q, k].
+def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: str | None,
+                     gathers: str = "auto") -> jax.Array:
+    """Gather every shard's candidates f32/i32[B, Q, k] and rank them: i32[B, Q, k].
 
     Scores and pages travel as one array (pages bit-cast to f32 and back, exactly): one
     collective, not two, since on small steps a collective's latency, not its bytes, is the
-    cost. With axis_name None (S = 1) the candidates are already global.
+    cost. The gather may run in stages (`gathers`, cp_runtime.collectives.gather_reduce), each
+    group's candidates ranked to its top k before the next: the same pages, since the top k of
+    the union is the top k of the groups' top ks. With axis_name None (S = 1) the candidates
+    are already global.
     """
-    if axis_name is not None:
-        packed = jnp.stack([scores.astype(jnp.float32),
-                            lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
-        packed = lax.all_gather(packed, axis_name, axis=packed.ndim - 1, tiled=True)
-        scores, pages = packed[0], lax.bitcast_convert_type(packed[1], jnp.int32)  # [B,Q,S*k]
-    return rank_distinct_pages(scores, pages, k)[1]
+    if axis_name is None:
+        return rank_distinct_pages(scores, pages, k)[1]
+    packed = jnp.stack([scores.astype(jnp.float32),
+                        lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
+
+    def rank_gathered(every: jax.Array) -> jax.Array:        # [G, 2, B, Q, k] -> [2, B, Q, k]
+        every = jnp.moveaxis(every, 0, -2)
+        every = every.reshape(*every.shape[:-2], -1)                       # [2, B, Q, G * k]
+        top_scores, top_pages = rank_distinct_pages(
+            every[0], lax.bitcast_convert_type(every[1], jnp.int32), k)
+        return jnp.stack([top_scores, lax.bitcast_convert_type(top_pages, jnp.float32)])
+
+    ranked = gather_reduce(packed, axis_name, rank_gathered, gathers)
+    return lax.bitcast_convert_type(ranked[1], jnp.int32)
 
 
 def attended_pages(selected: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.merge import MERGES, merge_stacked
+from cp_runtime.merge import MERGES, merge_all_gather, merge_stacked
 
 S = 16
 
@@ -29,6 +29,11 @@ def _partials(rng, lead=(3, 5, 4), dv=8, keys=12):
     return o.astype(np.float32), lse.astype(np.float32), exact, exact_lse
 
 
+# Every merge variant; all_gather both flat and staged (cp_runtime.collectives).
+VARIANTS = {**MERGES,
+            "all_gather_staged": functools.partial(merge_all_gather, gathers="staged")}
+
+
 @functools.cache
 def _collective(name: str):
     mesh = jax.make_mesh((S,), ("cp",))
@@ -37,7 +42,7 @@ def _collective(name: str):
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P("cp")),
                        out_specs=(P(), P()), check_vma=False)
     def run(o, lse):
-        return MERGES[name](o[0], lse[0], "cp")
+        return VARIANTS[name](o[0], lse[0], "cp")
 
     return mesh, run
 
@@ -49,7 +54,7 @@ def _merge_on_devices(name, o, lse):
     return np.asarray(out[0]), np.asarray(out[1])
 
 
-@pytest.mark.parametrize("name", sorted(MERGES))
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_merge_is_exact(name):
     o, lse, exact, exact_lse = _partials(np.random.default_rng(0))
     merged, merged_lse = _merge_on_devices(name, o, lse)
@@ -59,7 +64,7 @@ def test_merge_is_exact(name):
     np.testing.assert_allclose(merged, ref, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("name", sorted(MERGES))
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_empty_shards_contribute_nothing(name):
     o, lse, _, _ = _partials(np.random.default_rng(1))
     o[np.arange(S) != 5] = 0.0
@@ -80,16 +85,17 @@ def test_a_wrong_merge_is_caught():
         np.testing.assert_allclose(wrong, exact, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("merge, weights", [("gather_psum", "replicated"),
-                                            ("all_to_all", "replicated"),
-                                            ("hidden_psum", "replicated"),
-                                            ("all_gather", "replicated"),
-                                            ("auto", "replicated"),
-                                            ("gather_psum", "sharded"),
-                                            ("all_gather", "sharded"),
-                                            ("auto", "sharded"),
-                                            ("head_scatter", "sharded")])
-def test_combine_projects_the_exact_merge(merge, weights):
+@pytest.mark.parametrize("merge, weights, gathers", [("gather_psum", "replicated", "auto"),
+                                                     ("all_to_all", "replicated", "auto"),
+                                                     ("hidden_psum", "replicated", "auto"),
+                                                     ("all_gather", "replicated", "flat"),
+                                                     ("all_gather", "replicated", "staged"),
+                                                     ("auto", "replicated", "auto"),
+                                                     ("gather_psum", "sharded", "auto"),
+                                                     ("all_gather", "sharded", "flat"),
+                                                     ("auto", "sharded", "staged"),
+                                                     ("head_scatter", "sharded", "auto")])
+def test_combine_projects_the_exact_merge(merge, weights, gathers):
     """combine() = W (exact merge) for every variant, the projection's weights whole or split
     by head; 12 heads over 16 shards, so the head split is padded."""
     from cp_runtime.merge import combine
@@ -109,7 +115,8 @@ def test_combine_projects_the_exact_merge(merge, weights):
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P("cp"), w_spec),
                        out_specs=P(), check_vma=False)
     def run(o, lse, w):
-        return combine(merge, o[0], lse[0], lambda x: jnp.einsum("thc,hcd->td", x, w), "cp", ws)
+        return combine(merge, o[0], lse[0], lambda x: jnp.einsum("thc,hcd->td", x, w), "cp", ws,
+                       gathers)
 
     shard = NamedSharding(mesh, P("cp"))
     got = run(jax.device_put(o, shard), jax.device_put(lse, shard),

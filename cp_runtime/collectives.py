@@ -1,0 +1,91 @@
+"""All-gather-then-reduce over the `cp` axis, flat or in stages ("tree").
+
+Both cross-shard meetings of a decode step have this shape: every shard's candidate pages are
+gathered and ranked (`selection.global_top_pages`), every shard's attention partials are
+gathered and merged (`merge.merge_tree`). Flat, that is one all-gather over all S shards. In
+stages, the shards gather in groups (S = 16: groups of 4), each group reduces what it gathered,
+and the next stage gathers the groups' results (the 4 groups' merges): one collective per stage,
+each with fewer participants. The reduction must be one that can be applied to partial results
+again (top-K of top-Ks; a merge of merges).
+
+Why stages pay on CPU: every shard is a device thread, and an in-process collective is two
+barriers at which each participant sleeps and is woken. On a few cores that costs per
+participant: measured on a 2-core machine, 0.016 ms a collective at S = 2, 0.03-0.06 ms at
+S = 4, 0.17 ms at S = 8 and 0.36 ms at S = 16, against 0.25 ms for two stages of 4 at S = 16.
+Across processes (gloo) a collective's rounds grow with its participants too: the 16-shard
+decode step of `bench dispatch` (2 Ray workers x 8 devices) fell from 66 to 36 ms with both
+gathers staged. On TPU one collective over the interconnect is cheaper than two, so
+`gather_reduce` stages only on CPU (docs/performance.md, "Staged gathers").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+from jax import lax
+
+from cp_runtime.config import GATHER_MODES
+
+__all__ = ["TREE_MIN_SHARDS", "tree_stages", "stage_groups", "gather_reduce_flat",
+           "gather_reduce_staged", "gather_reduce"]
+
+# Fewest shards at which `gather_reduce` stages on CPU: below 8 one collective is already cheap.
+TREE_MIN_SHARDS = 8
+
+Reduce = Callable[[jax.Array], jax.Array]   # f[G, *shape] gathered -> f[*shape]
+
+
+def tree_stages(num_shards: int) -> tuple[int, ...]:
+    """Group sizes of the stages (their product is S): S's largest divisor not above its square
+    root, then S over it (16 -> (4, 4), 8 -> (2, 4)); (S,), one stage, when that divisor is 1."""
+    small = max(d for d in range(1, math.isqrt(num_shards) + 1) if num_shards % d == 0)
+    return (num_shards,) if small == 1 else (small, num_shards // small)
+
+
+def stage_groups(sizes: tuple[int, ...]) -> list[list[list[int]]]:
+    """Each stage's groups of shard indices: writing a shard's index in the mixed radix `sizes`
+    (first digit lowest), stage i groups the shards that differ only in digit i. After every
+    stage has reduced its groups, each shard holds the reduction over all shards."""
+    groups_of_stages = []
+    stride = 1
+    for size in sizes:
+        groups = [[base + j * stride for j in range(size)]
+                  for base in range(math.prod(sizes)) if (base // stride) % size == 0]
+        groups_of_stages.append(groups)
+        stride *= size
+    return groups_of_stages
+
+
+def gather_reduce_flat(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Array:
+    """reduce(all-gather of x over every shard): one collective."""
+    return reduce(lax.all_gather(x, axis_name))
+
+
+def gather_reduce_staged(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Array:
+    """The same result in the stages of `tree_stages(S)`, reducing after each (for an exact
+    `reduce`, the same value; for a floating-point merge, up to rounding)."""
+    sizes = tree_stages(lax.axis_size(axis_name))
+    if len(sizes) == 1:
+        return gather_reduce_flat(x, axis_name, reduce)
+    for groups in stage_groups(sizes):
+        x = reduce(lax.all_gather(x, axis_name, axis_index_groups=groups))
+    return x
+
+
+def gather_reduce(x: jax.Array, axis_name: str, reduce: Reduce, mode: str = "auto"
+                  ) -> jax.Array:
+    """x f[*shape] of this shard -> reduce over every shard's x, f[*shape], the same on each.
+
+    mode (config.GATHER_MODES): flat, staged, or auto: staged on CPU with at least
+    TREE_MIN_SHARDS shards, else flat (the platform is chosen when the program is lowered)."""
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode {mode!r} is not one of {GATHER_MODES}")
+    if mode == "staged":
+        return gather_reduce_staged(x, axis_name, reduce)
+    if mode == "flat" or lax.axis_size(axis_name) < TREE_MIN_SHARDS:
+        return gather_reduce_flat(x, axis_name, reduce)
+    return lax.platform_dependent(
+        x, cpu=lambda v: gather_reduce_staged(v, axis_name, reduce),
+        default=lambda v: gather_reduce_flat(v, axis_name, reduce))

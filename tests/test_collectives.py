@@ -1,0 +1,82 @@
+"""Flat and staged all-gather-then-reduce over real collectives on virtual CPU devices."""
+
+import functools
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cp_runtime.collectives import (TREE_MIN_SHARDS, gather_reduce, stage_groups,
+                                    tree_stages)
+
+
+@pytest.mark.parametrize("shards, stages", [(16, (4, 4)), (8, (2, 4)), (12, (3, 4)),
+                                            (4, (2, 2)), (2, (2,)), (7, (7,)), (1, (1,))])
+def test_tree_stages(shards, stages):
+    assert tree_stages(shards) == stages
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (2, 4), (3, 4), (2, 2, 2, 2), (16,)])
+def test_each_stage_partitions_the_shards_and_the_stages_reach_everyone(sizes):
+    shards = int(np.prod(sizes))
+    reach = [{s} for s in range(shards)]            # whose values each shard has seen so far
+    for size, groups in zip(sizes, stage_groups(sizes)):
+        assert all(len(g) == size for g in groups)
+        assert sorted(itertools.chain(*groups)) == list(range(shards))
+        group_of = {s: g for g in groups for s in g}
+        reach = [set().union(*(reach[m] for m in group_of[s])) for s in range(shards)]
+    assert all(r == set(range(shards)) for r in reach)
+
+
+def _top3(gathered):
+    """An exact reduce whose result has its input's shape: the 3 largest of f32[G, 3]."""
+    return jax.lax.top_k(gathered.reshape(-1), 3)[0]
+
+
+@functools.cache
+def _runner(shards: int, mode: str):
+    mesh = jax.make_mesh((shards,), ("cp",), devices=jax.devices()[:shards])
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"),
+                       check_vma=False)
+    def run(x):
+        return gather_reduce(x[0], "cp", _top3, mode)[None]
+
+    return mesh, run
+
+
+@pytest.mark.parametrize("shards", [16, 8, 12, 4])
+@pytest.mark.parametrize("mode", ["flat", "staged", "auto"])
+def test_every_shard_gets_the_reduce_over_all_shards(shards, mode):
+    rng = np.random.default_rng(shards)
+    x = rng.permutation(shards * 3).astype(np.float32).reshape(shards, 3)
+    mesh, run = _runner(shards, mode)
+    got = np.asarray(run(jax.device_put(x, NamedSharding(mesh, P("cp")))))
+    want = np.sort(x.reshape(-1))[::-1][:3]
+    np.testing.assert_array_equal(got, np.broadcast_to(want, (shards, 3)))
+
+
+def _replica_groups(shards: int, mode: str) -> list[str]:
+    mesh, run = _runner(shards, mode)
+    x = jax.device_put(jnp.zeros((shards, 3)), NamedSharding(mesh, P("cp")))
+    text = run.lower(x).compile().as_text()
+    return re.findall(r"all-gather\(.*?replica_groups=(\{\{[0-9,{}]*\}\})", text)
+
+
+def test_auto_stages_on_cpu_from_eight_shards_only():
+    assert TREE_MIN_SHARDS == 8
+    staged = _replica_groups(16, "auto")
+    assert staged == ["{{0,1,2,3},{4,5,6,7},{8,9,10,11},{12,13,14,15}}",
+                      "{{0,4,8,12},{1,5,9,13},{2,6,10,14},{3,7,11,15}}"]
+    assert len(_replica_groups(4, "auto")) == 1 == len(_replica_groups(16, "flat"))
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="gather mode 'tree' is not one of"):
+        gather_reduce(jnp.zeros(3), "cp", _top3, "tree")
