@@ -37,7 +37,7 @@ __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
-              "decode",
+              "decode", "collectives",
               "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"

@@ -2,7 +2,7 @@
 
 Both cross-shard meetings of a decode step have this shape: every shard's candidate pages are
 gathered and ranked (`selection.global_top_pages`), every shard's attention partials are
-gathered and merged (`merge.merge_tree`). Flat, that is one all-gather over all S shards. In
+gathered and merged (`merge.merge_all_gather`). Flat, that is one all-gather over all S shards. In
 stages, the shards gather in groups (S = 16: groups of 4), each group reduces what it gathered,
 and the next stage gathers the groups' results (the 4 groups' merges): one collective per stage,
 each with fewer participants. The reduction must be one that can be applied to partial results
@@ -10,8 +10,9 @@ again (top-K of top-Ks; a merge of merges).
 
 Why stages pay on CPU: every shard is a device thread, and an in-process collective is two
 barriers at which each participant sleeps and is woken. On a few cores that costs per
-participant: measured on a 2-core machine, 0.016 ms a collective at S = 2, 0.03-0.06 ms at
-S = 4, 0.17 ms at S = 8 and 0.36 ms at S = 16, against 0.25 ms for two stages of 4 at S = 16.
+participant: measured on a 2-core machine (`cp-runtime bench collectives`), 0.02-0.04 ms a
+collective at S = 2, 0.06 ms at S = 4, 0.14 ms at S = 8 and 0.36 ms at S = 16, against
+0.24 ms for two stages of 4 at S = 16.
 Across processes (gloo) a collective's rounds grow with its participants too: the 16-shard
 decode step of `bench dispatch` (2 Ray workers x 8 devices) fell from 66 to 36 ms with both
 gathers staged. On TPU one collective over the interconnect is cheaper than two, so

@@ -13,12 +13,12 @@ import cp_runtime.benchmarks
 from cp_runtime import cli_args
 from cp_runtime.config import model_names
 
-KNOWN = ("capacity", "kernel_error", "kernels", "merge", "million", "niah", "report",
-         "roofline", "selection", "throughput")
+KNOWN = ("capacity", "collectives", "kernel_error", "kernels", "merge", "million", "niah",
+         "report", "roofline", "selection", "throughput")
 # Old spellings that the shared flags replaced.
 RETIRED = ("--chunk", "--dtypes", "--tiny-model")
 # Benchmarks that sweep shard counts take a list; the others one count.
-SHARD_SWEEPS = ("niah", "profile", "throughput")
+SHARD_SWEEPS = ("collectives", "niah", "profile", "throughput")
 
 
 def _module(name: str):

@@ -80,3 +80,17 @@ def test_auto_stages_on_cpu_from_eight_shards_only():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="gather mode 'tree' is not one of"):
         gather_reduce(jnp.zeros(3), "cp", _top3, "tree")
+
+
+def test_the_benchmark_times_flat_and_staged_at_each_shard_count(tmp_path):
+    import json
+
+    from cp_runtime.benchmarks import collectives
+
+    argv = ["--shards", "2,4,16", "--depth", "2", "--rounds", "2", "--out", str(tmp_path)]
+    assert collectives.main(argv) == 0
+    rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
+    assert [(r["shards"], r["mode"], r["stages"]) for r in rows] == [
+        (2, "flat", "2"), (4, "flat", "4"), (4, "staged", "2x2"), (16, "flat", "16"),
+        (16, "staged", "4x4")]
+    assert all(r["program_1_ms"] > 0 for r in rows)

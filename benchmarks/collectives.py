@@ -1,0 +1,125 @@
+"""What one all-gather costs as the shards grow, flat and in stages (cp_runtime.collectives), all
+in one run. A decode step's collectives carry a few hundred bytes, so this times latency, not
+bytes.
+
+    cp-runtime bench collectives                    # S = 2, 4, 8, 16; writes out/collectives.json
+    cp-runtime bench collectives --shards 16 --depth 16
+
+Each program chains `--depth` gather-then-reduce calls over a small array of each shard (each
+reduces the gathered copies to one, so the next call depends on it), and the same program with
+one call; per call = (t(depth) - t(1)) / (depth - 1), which removes the program's launch. Flat is
+one all-gather over every shard; staged is `tree_stages(S)` grouped all-gathers (S = 16: groups
+of 4, then across the groups), so per call counts every stage. The programs run interleaved in
+a shuffled order every round, and each figure is the median over `--rounds` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import random
+import statistics
+import time
+
+from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.cli_args import (HelpFormatter, add_out, add_shard_counts, check_out_dir,
+                                 positive_int)
+
+__all__ = ["build_parser", "parse_args", "main"]
+
+MODES = ("flat", "staged")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cp-runtime bench collectives", formatter_class=HelpFormatter,
+                                description="Latency of one small all-gather, flat and staged, "
+                                            "as the shard count grows, in one run.")
+    add_shard_counts(p, "2,4,8,16")
+    p.add_argument("--depth", type=positive_int, default=9,
+                   help="chained collectives in the long program (at least 2)")
+    p.add_argument("--values", type=positive_int, default=66,
+                   help="f32 values each shard contributes (66: a decode merge's packed "
+                        "partials of `small`)")
+    p.add_argument("--rounds", type=positive_int, default=30,
+                   help="timed rounds, each running every program once")
+    add_out(p, "out")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the devices for the largest of `--shards`
+    set up, then `--out` created."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.depth < 2:
+        parser.error(f"--depth {args.depth} must be at least 2")
+    args.shards = sorted(set(args.shards))
+    init_shard_devices(parser, max(args.shards))
+    check_out_dir(parser, args.out)
+    return args
+
+
+def _program(shards: int, mode: str, calls: int, values: int):
+    """(jitted program, its input): `calls` chained gather-then-reduce calls on `shards`
+    devices, each shard holding f32[values]."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cp_runtime.collectives import gather_reduce
+
+    mesh = jax.make_mesh((shards,), ("cp",), devices=jax.devices()[:shards])
+
+    def body(x):
+        x = x[0]
+        for _ in range(calls):
+            x = gather_reduce(x, "cp", lambda every: every.mean(0), mode)
+        return x[None]
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"),
+                                check_vma=False))
+    x = jax.device_put(jnp.ones((shards, values), jnp.float32), NamedSharding(mesh, P("cp")))
+    run(x).block_until_ready()                                   # compile outside the timing
+    return run, x
+
+
+def _seconds(run, x) -> float:
+    t0 = time.perf_counter()
+    run(x).block_until_ready()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from cp_runtime.collectives import tree_stages
+
+    cases = [(s, mode) for s in args.shards for mode in MODES
+             if mode == "flat" or len(tree_stages(s)) > 1]
+    programs = {(s, mode, calls): _program(s, mode, calls, args.values)
+                for s, mode in cases for calls in (1, args.depth)}
+    samples = {key: [] for key in programs}
+    rng = random.Random(0)
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        for key in rng.sample(list(programs), len(programs)):
+            samples[key].append(_seconds(*programs[key]))
+    rows = []
+    for s, mode in cases:
+        one, deep = (statistics.median(samples[(s, mode, c)]) for c in (1, args.depth))
+        rows.append({"shards": s, "mode": mode,
+                     "stages": "x".join(map(str, tree_stages(s) if mode == "staged" else (s,))),
+                     "program_1_ms": 1e3 * one,
+                     "per_collective_ms": 1e3 * (deep - one) / (args.depth - 1)})
+    print_table(rows, ["shards", "mode", "stages", "program_1_ms", "per_collective_ms"],
+                title=f"one gather-then-reduce of {args.values} f32 per shard, median of "
+                      f"{args.rounds} rounds, {machine()['backend']} "
+                      f"({machine()['cpu_count']} cores)")
+    write_json(pathlib.Path(args.out) / "collectives.json",
+               {"args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
