@@ -46,7 +46,6 @@ __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_
 GATHER_MAX_BYTES = 32 << 10
 
 
-
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """Per-shard weights exp(lse_r - lse) and the merged lse; safe when all are -inf."""
     m = jnp.max(lse_all, axis=axis, keepdims=True)
