@@ -24,11 +24,12 @@ Phases, as the step delimits them (cp_runtime/attention.py, model.py, step.py):
     cache write                  write_kv of the step's rows: latent (every layer) and indexer
                                  keys (full layers), owner shard only, pool donated (in place)
     indexer scoring              indexer_page_scores over the shard's pages (full layers)
-    local top-K and all-gather   local_candidates, then global_top_pages (full layers)
+    local top-K and all-gather   local_candidates, then global_top_pages (full layers), its
+                                 gather flat or staged as --gathers says
     sparse attention             attended_pages, owned slots, sparse_attention (every layer)
-    merge                        cp_runtime.merge.combine with --merge (every layer), the
-                                 output projection left to the dense phase; the engine runs
-                                 the same variant
+    merge                        cp_runtime.merge.combine with --merge and --gathers (every
+                                 layer), the output projection left to the dense phase; the
+                                 engine runs the same variant
     dense and MoE layers         model.forward with attention replaced by a stub that only adds
                                  its inputs: embedding, norms, MLA and indexer projections, RoPE,
                                  W_uv/W_o, MLPs and experts, final norm
@@ -91,11 +92,11 @@ from cp_runtime.benchmarks.plots import stacked_bar_chart, token_label
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.benchmarks.throughput import (Work, attention_work, cache_write_work,
                                               indexer_work, projection_work)
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtype,
-                                 add_model, add_no_progress, add_out, add_page_size,
-                                 add_shard_counts, check_not_below_page, check_out_dir,
-                                 check_page_size, check_page_size_for_model, length_list,
-                                 positive_int)
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_gathers,
+                                 add_kv_cache_dtype, add_model, add_no_progress, add_out,
+                                 add_page_size, add_shard_counts, check_not_below_page,
+                                 check_out_dir, check_page_size, check_page_size_for_model,
+                                 length_list, positive_int)
 from cp_runtime.config import MERGE_VARIANTS, ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine, LocalExecutor
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
@@ -556,7 +557,8 @@ def _runtime(model: ModelConfig, shards: int, args) -> RuntimeConfig:
     pages = cdiv(cdiv(max(args.lengths), args.page_size), shards) + 2
     return RuntimeConfig(model=model.name, kv_cache_dtype=args.kv_cache_dtype,
                          num_shards=shards, pages_per_shard=pages, page_size=args.page_size,
-                         chunk_size=args.chunk_size, backend=args.backend, merge=args.merge)
+                         chunk_size=args.chunk_size, backend=args.backend, merge=args.merge,
+                         gathers=args.gathers)
 
 
 def _fractions(work: Work, seconds: float, roof: dict) -> dict:
@@ -722,6 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="auto",
                    help="merge of the partial attention results (cp_runtime.merge; weights are "
                         "whole here, so not head_scatter)")
+    add_gathers(p)
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed calls per phase and step (the median is reported)")
     p.add_argument("--quick", action="store_true",
