@@ -12,7 +12,9 @@ Bytes per token per device, ring algorithms over S devices, f32 values (4 bytes)
 Timing: `combine` itself runs inside shard_map with the output projection replaced by a sum over
 the heads broadcast to the hidden width (the same output shape, no weight: the real W_uv and
 o_proj of GLM-5.2 replicated on 16 CPU devices would not fit this machine), so what is timed
-is each variant's collectives plus elementwise work.
+is each variant's collectives plus elementwise work. all_gather's gather runs flat (one
+collective over every shard), as the byte counts above assume; `bench collectives` compares
+flat and staged gathers.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def _combine_program(mesh, merge: str, weights: str, hidden: int):
         return jnp.broadcast_to(o.sum((-2, -1))[..., None], (*o.shape[:-2], hidden))
 
     def body(o, lse):
-        return combine(merge, o[0], lse[0], project, "cp", ws)
+        return combine(merge, o[0], lse[0], project, "cp", ws, gathers="flat")
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("cp"), P("cp")), out_specs=P(),
                                  check_vma=False))
