@@ -1,6 +1,6 @@
-"""What one all-gather costs as the shards grow, flat and in stages (cp_runtime.collectives), all
-in one run. A decode step's collectives carry a few hundred bytes, so this times latency, not
-bytes.
+"""What one all-gather costs as the shards grow: XLA's, flat and in stages, and the native
+in-process gather (cp_runtime.collectives), all in one run. A decode step's collectives carry a
+few hundred bytes, so this times latency, not bytes.
 
     cp-runtime bench collectives                    # S = 2, 4, 8, 16; writes out/collectives.json
     cp-runtime bench collectives --shards 16 --depth 16
@@ -9,7 +9,9 @@ Each program chains `--depth` gather-then-reduce calls over a small array of eac
 reduces the gathered copies to one, so the next call depends on it), and the same program with
 one call; per call = (t(depth) - t(1)) / (depth - 1), which removes the program's launch. Flat is
 one all-gather over every shard; staged is `tree_stages(S)` grouped all-gathers (S = 16: groups
-of 4, then across the groups), so per call counts every stage. The programs run interleaved in
+of 4, then across the groups), so per call counts every stage; native is one in-process gather
+(kernels/native_gather.py; left out, with a warning, where its library cannot be built). The
+programs run interleaved in
 a shuffled order every round, and each figure is the median over `--rounds` rounds.
 """
 
@@ -27,13 +29,14 @@ from cp_runtime.cli_args import (HelpFormatter, add_out, add_shard_counts, check
 
 __all__ = ["build_parser", "parse_args", "main"]
 
-MODES = ("flat", "staged")
+MODES = ("flat", "staged", "native")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench collectives", formatter_class=HelpFormatter,
-                                description="Latency of one small all-gather, flat and staged, "
-                                            "as the shard count grows, in one run.")
+                                description="Latency of one small all-gather (XLA's flat and "
+                                            "staged, and the in-process one) as the shard "
+                                            "count grows, in one run.")
     add_shard_counts(p, "2,4,8,16")
     p.add_argument("--depth", type=positive_int, default=9,
                    help="chained collectives in the long program (at least 2)")
@@ -95,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from cp_runtime.collectives import tree_stages
+    from cp_runtime.kernels.native_gather import native_status
 
-    cases = [(s, mode) for s in args.shards for mode in MODES
-             if mode == "flat" or len(tree_stages(s)) > 1]
+    def applies(shards: int, mode: str) -> bool:
+        if mode == "staged":
+            return len(tree_stages(shards)) > 1
+        return mode == "flat" or native_status() == "native"
+
+    cases = [(s, mode) for s in args.shards for mode in MODES if applies(s, mode)]
     programs = {(s, mode, calls): _program(s, mode, calls, args.values)
                 for s, mode in cases for calls in (1, args.depth)}
     samples = {key: [] for key in programs}

@@ -160,7 +160,9 @@ def add_gathers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gathers", choices=GATHER_MODES, default="auto",
                    help="how the step's all-gathers (selection candidates, all_gather merges) "
                         "run: flat, one collective over every shard; staged, groups of shards "
-                        "then the groups' results; auto: staged on CPU with 8+ shards")
+                        "then the groups' results; native, on CPU one in-process gather (every "
+                        "shard in this process); auto: on CPU native where it can run, else "
+                        "staged with 8+ shards")
 
 
 def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3") -> None:

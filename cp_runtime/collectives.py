@@ -1,4 +1,5 @@
-"""All-gather-then-reduce over the `cp` axis, flat or in stages ("tree").
+"""All-gather-then-reduce over the `cp` axis: flat, in stages ("tree"), or through the
+in-process gather on CPU.
 
 Both cross-shard meetings of a decode step have this shape: every shard's candidate pages are
 gathered and ranked (`selection.global_top_pages`), every shard's attention partials are
@@ -17,6 +18,11 @@ Across processes (gloo) a collective's rounds grow with its participants too: th
 decode step of `bench dispatch` (2 Ray workers x 8 devices) fell from 66 to 36 ms with both
 gathers staged. On TPU one collective over the interconnect is cheaper than two, so
 `gather_reduce` stages only on CPU (docs/performance.md, "Staged gathers").
+
+Cheaper still when every shard is a device of one process: the native in-process gather
+(kernels/native_gather.py) meets at one barrier instead of XLA's two and wakes the waiting
+devices with one call, 0.04 ms at S = 16 on the same machine. `auto` takes it on CPU where it
+can (one process, the library built) and stages across processes.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ import jax
 from jax import lax
 
 from cp_runtime.config import GATHER_MODES
+from cp_runtime.kernels import native_gather
 
 __all__ = ["TREE_MIN_SHARDS", "tree_stages", "stage_groups", "gather_reduce_flat",
-           "gather_reduce_staged", "gather_reduce"]
+           "gather_reduce_staged", "gather_reduce_native", "gather_reduce"]
 
 # Fewest shards at which `gather_reduce` stages on CPU: below 8 one collective is already cheap.
 TREE_MIN_SHARDS = 8
@@ -75,18 +82,43 @@ def gather_reduce_staged(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Ar
     return x
 
 
+def gather_reduce_native(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Array:
+    """reduce(the in-process gather of x): one barrier, CPU only (native_gather.usable)."""
+    return reduce(native_gather.all_gather(x, axis_name))
+
+
+def _cpu_gather_reduce(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Array:
+    """`auto` on CPU: in process if it can, else staged from TREE_MIN_SHARDS shards, else flat."""
+    if native_gather.usable(axis_name):
+        return gather_reduce_native(x, axis_name, reduce)
+    if lax.axis_size(axis_name) >= TREE_MIN_SHARDS:
+        return gather_reduce_staged(x, axis_name, reduce)
+    return gather_reduce_flat(x, axis_name, reduce)
+
+
 def gather_reduce(x: jax.Array, axis_name: str, reduce: Reduce, mode: str = "auto"
                   ) -> jax.Array:
     """x f[*shape] of this shard -> reduce over every shard's x, f[*shape], the same on each.
 
-    mode (config.GATHER_MODES): flat, staged, or auto: staged on CPU with at least
-    TREE_MIN_SHARDS shards, else flat (the platform is chosen when the program is lowered)."""
+    mode (config.GATHER_MODES): flat; staged; native (the in-process gather on CPU, flat
+    elsewhere; refused where it cannot run); auto: on CPU native where it can run, else staged
+    from TREE_MIN_SHARDS shards, else flat; flat elsewhere. The platform is chosen when the
+    program is lowered."""
     if mode not in GATHER_MODES:
         raise ValueError(f"gather mode {mode!r} is not one of {GATHER_MODES}")
     if mode == "staged":
         return gather_reduce_staged(x, axis_name, reduce)
-    if mode == "flat" or lax.axis_size(axis_name) < TREE_MIN_SHARDS:
+    if mode == "flat" or lax.axis_size(axis_name) == 1:
         return gather_reduce_flat(x, axis_name, reduce)
+    if mode == "native":
+        if not native_gather.usable(axis_name):
+            raise ValueError(
+                "gathers 'native' needs every shard in this process, a mesh of the "
+                f"{axis_name!r} axis alone and the built library (status: "
+                f"{native_gather.native_status()}, processes: {jax.process_count()})")
+        cpu = gather_reduce_native
+    else:
+        cpu = _cpu_gather_reduce
     return lax.platform_dependent(
-        x, cpu=lambda v: gather_reduce_staged(v, axis_name, reduce),
+        x, cpu=lambda v: cpu(v, axis_name, reduce),
         default=lambda v: gather_reduce_flat(v, axis_name, reduce))

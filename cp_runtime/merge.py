@@ -18,9 +18,9 @@ The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model
                  o_proj, and psum in hidden space: the partial output is linear in o_r.
   all_gather:    all-gather the packed partials [o | lse] and merge on every shard: one
                  collective (then a hidden-space psum if the weights are split), the most bytes.
-                 The gather is flat or staged as runtime field `gathers` says (staged: groups
-                 of shards gather and merge, then the groups' merges meet; on CPU cheaper,
-                 cp_runtime.collectives says why).
+                 The gather runs as runtime field `gathers` says: flat, staged (groups of
+                 shards gather and merge, then the groups' merges meet) or, on CPU with every
+                 shard in one process, the in-process gather (cp_runtime.collectives).
   auto:          all_gather while a shard's packed partials are at most GATHER_MAX_BYTES (a
                  decode step: a collective's latency costs more than its bytes), else
                  head_scatter with sharded weights and hidden_psum with replicated ones.
@@ -103,8 +103,8 @@ def _merge_packed(every: jax.Array) -> jax.Array:
 def merge_all_gather(o: jax.Array, lse: jax.Array, axis_name: str, gathers: str = "flat"
                      ) -> tuple[jax.Array, jax.Array]:
     """Same result as `merge_gather_psum` (up to rounding), by an all-gather of the packed
-    [o | lse] and a merge: one collective, or with `gathers` staged (cp_runtime.collectives:
-    S = 16, groups of 4, then the 4 groups' merges) one per stage."""
+    [o | lse] and a merge: one collective (flat or in-process), or with `gathers` staged
+    (cp_runtime.collectives: S = 16, groups of 4, then the 4 groups' merges) one per stage."""
     merged = gather_reduce(_pack(o, lse), axis_name, _merge_packed, gathers)
     return merged[..., :-1], merged[..., -1]
 

@@ -7,10 +7,8 @@ each page once, widens and scores it in registers, and prefetches the pages ahea
 the development machine (2-core x86, AVX2), one device, a shard of a million-token context
 (1024 pages of 64 bf16 keys x 16 dims, 2.1 MB): 0.58 ms through `xla_indexer`, 0.17 ms here.
 
-The handler is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against
-the FFI headers of the installed jaxlib, and cached by the hash of source, flags and jaxlib
-version under `$CP_RUNTIME_CACHE` (default `~/.cache/cp-runtime`); later processes load the
-cached library. Compiling takes about 2 s.
+The handler is compiled on first use and cached (kernels/native_build.py); compiling takes
+about 2 s.
 
 `indexer_page_scores` has `xla_indexer`'s signature and result. It takes the native pass when
 all of these hold, and `xla_indexer` otherwise:
@@ -23,23 +21,17 @@ all of these hold, and `xla_indexer` otherwise:
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
 import pathlib
-import shutil
-import subprocess
-import tempfile
 import warnings
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 from jax import lax
 
-from cp_runtime.kernels import xla_indexer
+from cp_runtime.kernels import native_build, xla_indexer
+from cp_runtime.kernels.native_build import NativeBuildError
 
 __all__ = ["indexer_page_scores", "uses_native", "native_status", "library_path",
            "NativeBuildError", "NATIVE_MAX_ROWS"]
@@ -47,71 +39,18 @@ __all__ = ["indexer_page_scores", "uses_native", "native_status", "library_path"
 SOURCE = pathlib.Path(__file__).parent / "native" / "indexer_page_scores.cc"
 TARGET = "cp_runtime_indexer_page_scores"
 NATIVE_MAX_ROWS = 4
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-class NativeBuildError(RuntimeError):
-    """The native indexer could not be compiled or loaded (the message says why)."""
-
-
-def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("CP_RUNTIME_CACHE")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "cp-runtime"
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise NativeBuildError(f"no C++ compiler: {cxx!r} is not on PATH (set $CXX)")
-    return cxx
 
 
 def library_path() -> pathlib.Path:
     """Where the library for this source, these flags and this jaxlib is (or will be) cached."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(CXX_FLAGS).encode())
-    digest.update(jaxlib.__version__.encode())
-    return _cache_dir() / f"indexer_page_scores-{digest.hexdigest()[:16]}.so"
-
-
-def _build(target: pathlib.Path) -> None:
-    """Compile into a temporary file beside `target`, then rename: processes that build at
-    once (Ray workers) each write their own file, and the rename is atomic."""
-    cxx = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NativeBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n"
-                                   f"{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _register() -> None:
-    """Build (unless cached) and load the library, and register its handler with XLA for CPU.
-    Raises NativeBuildError. Called once per process, through `native_status`."""
-    path = library_path()
-    if not path.exists():
-        _build(path)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as err:
-        raise NativeBuildError(f"loading {path} failed: {err}") from err
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.CpIndexerPageScores),
-                                platform="cpu")
+    return native_build.library_path(SOURCE)
 
 
 @functools.cache
 def native_status() -> str:
     """'native' when the handler is registered, else 'unavailable: <why>' (warned once)."""
     try:
-        _register()
+        native_build.register(SOURCE, "CpIndexerPageScores", TARGET)
     except NativeBuildError as err:
         warnings.warn(f"native indexer unavailable, decode uses xla_indexer: {err}",
                       RuntimeWarning, stacklevel=2)

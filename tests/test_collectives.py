@@ -1,8 +1,13 @@
-"""Flat and staged all-gather-then-reduce over real collectives on virtual CPU devices."""
+"""Flat, staged and in-process all-gather-then-reduce over real collectives on virtual CPU
+devices."""
 
 import functools
 import itertools
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from cp_runtime.collectives import (TREE_MIN_SHARDS, gather_reduce, stage_groups,
                                     tree_stages)
+from cp_runtime.kernels import native_gather
 
 
 @pytest.mark.parametrize("shards, stages", [(16, (4, 4)), (8, (2, 4)), (12, (3, 4)),
@@ -52,7 +58,7 @@ def _runner(shards: int, mode: str):
 
 
 @pytest.mark.parametrize("shards", [16, 8, 12, 4])
-@pytest.mark.parametrize("mode", ["flat", "staged", "auto"])
+@pytest.mark.parametrize("mode", ["flat", "staged", "native", "auto"])
 def test_every_shard_gets_the_reduce_over_all_shards(shards, mode):
     rng = np.random.default_rng(shards)
     x = rng.permutation(shards * 3).astype(np.float32).reshape(shards, 3)
@@ -69,12 +75,44 @@ def _replica_groups(shards: int, mode: str) -> list[str]:
     return re.findall(r"all-gather\(.*?replica_groups=(\{\{[0-9,{}]*\}\})", text)
 
 
-def test_auto_stages_on_cpu_from_eight_shards_only():
+def test_staged_gathers_in_groups_of_four_then_across_them():
+    assert _replica_groups(16, "staged") == [
+        "{{0,1,2,3},{4,5,6,7},{8,9,10,11},{12,13,14,15}}",
+        "{{0,4,8,12},{1,5,9,13},{2,6,10,14},{3,7,11,15}}"]
+    assert len(_replica_groups(16, "flat")) == 1
+
+
+@pytest.mark.parametrize("shards", [16, 4])
+def test_auto_takes_the_in_process_gather_on_cpu(shards):
+    mesh, run = _runner(shards, "auto")
+    text = run.lower(jax.device_put(jnp.zeros((shards, 3)), NamedSharding(mesh, P("cp")))
+                     ).compile().as_text()
+    assert native_gather.TARGET in text and "all-gather" not in text
+
+
+def test_without_the_library_auto_stages_from_eight_shards_and_native_is_refused(tmp_path):
+    """No compiler and nothing cached: auto falls back to XLA's gathers (staged at S = 16,
+    flat at S = 4), and mode native says why it cannot run."""
+    script = textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import jax
+        jax.config.update("jax_num_cpu_devices", 16)
+        from tests.test_collectives import _replica_groups
+        print(len(_replica_groups(16, "auto")), len(_replica_groups(4, "auto")))
+        try:
+            _replica_groups(16, "native")
+        except ValueError as err:
+            print(err)
+    """)
+    env = dict(os.environ, CP_RUNTIME_CACHE=str(tmp_path), CXX="no-such-compiler")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__))
+                         ).stdout.splitlines()
+    assert out[0] == "2 1"
+    assert out[1].startswith("gathers 'native' needs every shard in this process")
+    assert "no C++ compiler: 'no-such-compiler'" in out[1]
     assert TREE_MIN_SHARDS == 8
-    staged = _replica_groups(16, "auto")
-    assert staged == ["{{0,1,2,3},{4,5,6,7},{8,9,10,11},{12,13,14,15}}",
-                      "{{0,4,8,12},{1,5,9,13},{2,6,10,14},{3,7,11,15}}"]
-    assert len(_replica_groups(4, "auto")) == 1 == len(_replica_groups(16, "flat"))
 
 
 def test_an_unknown_mode_is_refused():
@@ -82,7 +120,7 @@ def test_an_unknown_mode_is_refused():
         gather_reduce(jnp.zeros(3), "cp", _top3, "tree")
 
 
-def test_the_benchmark_times_flat_and_staged_at_each_shard_count(tmp_path):
+def test_the_benchmark_times_each_mode_at_each_shard_count(tmp_path):
     import json
 
     from cp_runtime.benchmarks import collectives
@@ -91,6 +129,6 @@ def test_the_benchmark_times_flat_and_staged_at_each_shard_count(tmp_path):
     assert collectives.main(argv) == 0
     rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
     assert [(r["shards"], r["mode"], r["stages"]) for r in rows] == [
-        (2, "flat", "2"), (4, "flat", "4"), (4, "staged", "2x2"), (16, "flat", "16"),
-        (16, "staged", "4x4")]
+        (2, "flat", "2"), (2, "native", "2"), (4, "flat", "4"), (4, "staged", "2x2"),
+        (4, "native", "4"), (16, "flat", "16"), (16, "staged", "4x4"), (16, "native", "16")]
     assert all(r["program_1_ms"] > 0 for r in rows)

@@ -91,10 +91,10 @@ def test_decode_bench_runs_every_comparison(tmp_path):
     data = json.loads((tmp_path / "decode.json").read_text())
     names = {r["configuration"] for r in data["rows"]}
     assert names == {"context 64", "context 512", "pool 1x", "pool 4x", "batch 2",
-                     "without merge", "flat gathers"}
+                     "without merge", "flat gathers", "staged gathers"}
     assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in data["rows"]
                if r["part"] != "host")
     checks = data["checks"]
     assert checks["extra_bytes"] > 0 and checks["long_bound_ms"] > checks["short_step_ms"]
     assert 0 < checks["pool_4x_over_1x"] and checks["batch_host_ms"] > 0
-    assert checks["gathers_flat_over_engine"] > 0
+    assert checks["gathers_flat_over_engine"] > 0 and checks["gathers_staged_over_engine"] > 0
