@@ -108,7 +108,7 @@ def _one_device_short():
     def body(v):
         out = jax.ShapeDtypeStruct((S + 1,) + v.shape[1:], v.dtype)
         rank = lax.axis_index("cp").astype(jnp.int32)
-        return jax.ffi.ffi_call(native_gather.TARGET, out, has_side_effect=True)(
+        return jax.ffi.ffi_call(native_gather.TARGET, out)(
             v[0], rank, size=np.int64(S + 1), call_site=np.int64(-1),
             timeout_ms=np.int64(300))[:1]
     return _spmd(body)
