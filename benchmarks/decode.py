@@ -18,7 +18,8 @@ median / max over the rounds of each round's median step.
             program before the call returns, so launch and work do not separate here)
   merge     the short step as the engine runs it, and the same step with each shard's partial
             projected alone, no collective (wrong unless S = 1, timed only); share = the
-            difference / the step
+            difference / the step, per round (the two were interleaved step by step within it),
+            reported as the median over the rounds with its min and max
   gathers   the short step with XLA's all-gathers, flat (one collective over every shard) and
             staged, beside the engine's (`auto`: on CPU the in-process gather where it can run,
             cp_runtime.collectives)
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context of the 1x vs 4x pool comparison (tokens)")
     p.add_argument("--batch", type=positive_int, default=8,
                    help="sessions decoding together for the host-time measurement")
-    p.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds")
+    p.add_argument("--rounds", type=positive_int, default=15, help="interleaved rounds")
     p.add_argument("--roofline-mib", type=positive_int, default=None,
                    help="read-bandwidth array size, all devices together (unset: by backend)")
     p.add_argument("--steps", type=positive_int, default=8,
@@ -212,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             for n in (args.short, args.long)}
     extra_s = (work[args.long] - work[args.short]) / (roof["read_gb_per_s"] * 1e9)
     short, long = median(f"context {args.short}"), median(f"context {args.long}")
-    with_merge, without = median(f"context {args.short}", "device"), median("without merge",
-                                                                             "device")
+    with_merge = median(f"context {args.short}", "device")
+    # Paired by round: drift between rounds (a shared machine) cancels.
+    shares = [(w - wo) / w for w, wo in zip(rounds[(f"context {args.short}", "device")],
+                                             rounds[("without merge", "device")])]
     checks = {
         "long_step_ms": 1e3 * long, "short_step_ms": 1e3 * short,
         "extra_bytes": work[args.long] - work[args.short],
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         "pool_4x_over_1x": median("pool 4x") / median("pool 1x"),
         "batch_host_ms": 1e3 * median(f"batch {args.batch}", "host"),
         "batch_device_ms": 1e3 * median(f"batch {args.batch}", "device"),
-        "merge_share": (with_merge - without) / with_merge,
+        "merge_share": statistics.median(shares),
+        "merge_share_min": min(shares), "merge_share_max": max(shares),
         "gathers_flat_over_engine": median("flat gathers", "device") / with_merge,
         "gathers_staged_over_engine": median("staged gathers", "device") / with_merge,
     }

@@ -97,4 +97,5 @@ def test_decode_bench_runs_every_comparison(tmp_path):
     checks = data["checks"]
     assert checks["extra_bytes"] > 0 and checks["long_bound_ms"] > checks["short_step_ms"]
     assert 0 < checks["pool_4x_over_1x"] and checks["batch_host_ms"] > 0
+    assert checks["merge_share_min"] <= checks["merge_share"] <= checks["merge_share_max"]
     assert checks["gathers_flat_over_engine"] > 0 and checks["gathers_staged_over_engine"] > 0
