@@ -21,8 +21,9 @@ gathers staged. On TPU one collective over the interconnect is cheaper than two,
 
 Cheaper still when every shard is a device of one process: the native in-process gather
 (kernels/native_gather.py) meets at one barrier instead of XLA's two and wakes the waiting
-devices with one call, 0.04 ms at S = 16 on the same machine. `auto` takes it on CPU where it
-can (one process, the library built) and stages across processes.
+devices with one call, 0.06 ms at S = 16 on the same machine. `auto` takes it on CPU for small
+parts where it can run (one process, the library built), and stages larger parts (a prefill
+chunk's candidates) and across processes.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ from jax import lax
 from cp_runtime.config import GATHER_MODES
 from cp_runtime.kernels import native_gather
 
-__all__ = ["TREE_MIN_SHARDS", "tree_stages", "stage_groups", "gather_reduce_flat",
+__all__ = ["TREE_MIN_SHARDS", "NATIVE_MAX_BYTES", "tree_stages", "stage_groups", "gather_reduce_flat",
            "gather_reduce_staged", "gather_reduce_native", "gather_reduce"]
 
 # Fewest shards at which `gather_reduce` stages on CPU: below 8 one collective is already cheap.
 TREE_MIN_SHARDS = 8
+
+# Largest part per shard that `auto` gathers in process on CPU. Every device copies out all S
+# parts, and beyond this that costs more than the wake-ups it saves: at S = 16 on the
+# development machine (`bench collectives --values`), 0.17 ms in process against 0.43 staged
+# at 8 KiB a shard, 0.52 against 0.34 at 16 KiB, 0.87 against 0.55 at 32 KiB (a prefill
+# chunk's candidates). A decode step's parts are far below it (`small` at B = 8: 1 KiB).
+NATIVE_MAX_BYTES = 8 << 10
 
 Reduce = Callable[[jax.Array], jax.Array]   # f[G, *shape] gathered -> f[*shape]
 
@@ -88,8 +96,9 @@ def gather_reduce_native(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Ar
 
 
 def _cpu_gather_reduce(x: jax.Array, axis_name: str, reduce: Reduce) -> jax.Array:
-    """`auto` on CPU: in process if it can, else staged from TREE_MIN_SHARDS shards, else flat."""
-    if native_gather.usable(axis_name):
+    """`auto` on CPU: in process if it can and x is at most NATIVE_MAX_BYTES, else staged from
+    TREE_MIN_SHARDS shards, else flat."""
+    if x.nbytes <= NATIVE_MAX_BYTES and native_gather.usable(axis_name):
         return gather_reduce_native(x, axis_name, reduce)
     if lax.axis_size(axis_name) >= TREE_MIN_SHARDS:
         return gather_reduce_staged(x, axis_name, reduce)
@@ -101,9 +110,9 @@ def gather_reduce(x: jax.Array, axis_name: str, reduce: Reduce, mode: str = "aut
     """x f[*shape] of this shard -> reduce over every shard's x, f[*shape], the same on each.
 
     mode (config.GATHER_MODES): flat; staged; native (the in-process gather on CPU, flat
-    elsewhere; refused where it cannot run); auto: on CPU native where it can run, else staged
-    from TREE_MIN_SHARDS shards, else flat; flat elsewhere. The platform is chosen when the
-    program is lowered."""
+    elsewhere; refused where it cannot run); auto: on CPU native where it can run and x is at
+    most NATIVE_MAX_BYTES, else staged from TREE_MIN_SHARDS shards, else flat; flat elsewhere.
+    The platform is chosen when the program is lowered."""
     if mode not in GATHER_MODES:
         raise ValueError(f"gather mode {mode!r} is not one of {GATHER_MODES}")
     if mode == "staged":

@@ -5,7 +5,7 @@ The shards of a local run are XLA:CPU's virtual devices, one thread each. XLA's 
 all-gather meets at two barriers, and with more device threads than cores each barrier is a
 round of sleeps and wake-ups: about 0.36 ms at 16 devices on 2 cores, for a few hundred bytes.
 The handler copies each device's part into a buffer shared by the process and wakes the waiting
-devices once, when the last part is in: 0.04 ms for the same gather on the same machine
+devices once, when the last part is in: 0.06 ms for the same gather on the same machine
 (`cp-runtime bench collectives`).
 
 `all_gather(x, axis_name)` equals `lax.all_gather(x, axis_name)` (the same bytes). Use it only

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.collectives import (TREE_MIN_SHARDS, gather_reduce, stage_groups,
-                                    tree_stages)
+from cp_runtime.collectives import (NATIVE_MAX_BYTES, TREE_MIN_SHARDS, gather_reduce,
+                                    stage_groups, tree_stages)
 from cp_runtime.kernels import native_gather
 
 
@@ -83,11 +83,28 @@ def test_staged_gathers_in_groups_of_four_then_across_them():
 
 
 @pytest.mark.parametrize("shards", [16, 4])
-def test_auto_takes_the_in_process_gather_on_cpu(shards):
+def test_auto_takes_the_in_process_gather_on_cpu_for_small_parts(shards):
     mesh, run = _runner(shards, "auto")
     text = run.lower(jax.device_put(jnp.zeros((shards, 3)), NamedSharding(mesh, P("cp")))
                      ).compile().as_text()
     assert native_gather.TARGET in text and "all-gather" not in text
+
+
+def test_auto_stages_parts_above_the_in_process_limit():
+    mesh = jax.make_mesh((16,), ("cp",))
+    values = NATIVE_MAX_BYTES // 4 + 1
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"),
+                       check_vma=False)
+    def run(x):
+        return gather_reduce(x[0], "cp", lambda every: every.max(0), "auto")[None]
+
+    x = np.random.default_rng(0).normal(size=(16, values)).astype(np.float32)
+    text = run.lower(jax.device_put(x, NamedSharding(mesh, P("cp")))).compile().as_text()
+    assert native_gather.TARGET not in text and len(re.findall(r"all-gather\(", text)) == 2
+    got = np.asarray(run(jax.device_put(x, NamedSharding(mesh, P("cp")))))
+    np.testing.assert_array_equal(got, np.broadcast_to(x.max(0), x.shape))
 
 
 def test_without_the_library_auto_stages_from_eight_shards_and_native_is_refused(tmp_path):
