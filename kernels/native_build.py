@@ -15,11 +15,12 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import jax
 import jaxlib
 
-__all__ = ["NativeBuildError", "CXX_FLAGS", "library_path", "register"]
+__all__ = ["NativeBuildError", "CXX_FLAGS", "library_path", "register", "status"]
 
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -79,3 +80,14 @@ def register(source: pathlib.Path, symbol: str, target: str) -> None:
     except OSError as err:
         raise NativeBuildError(f"loading {path} failed: {err}") from err
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+def status(source: pathlib.Path, symbol: str, target: str, unavailable: str) -> str:
+    """`register`, reporting instead of raising: 'native' when the handler is registered, else
+    'unavailable: <why>', with a warning `unavailable: <why>` (the caller's fallback)."""
+    try:
+        register(source, symbol, target)
+    except NativeBuildError as err:
+        warnings.warn(f"{unavailable}: {err}", RuntimeWarning, stacklevel=3)
+        return f"unavailable: {err}"
+    return "native"

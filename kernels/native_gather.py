@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import itertools
 import pathlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,13 +52,8 @@ def library_path() -> pathlib.Path:
 @functools.cache
 def native_status() -> str:
     """'native' when the handler is registered, else 'unavailable: <why>' (warned once)."""
-    try:
-        native_build.register(SOURCE, "CpInProcessGather", TARGET)
-    except NativeBuildError as err:
-        warnings.warn(f"in-process gather unavailable, gathers use XLA's collectives: {err}",
-                      RuntimeWarning, stacklevel=2)
-        return f"unavailable: {err}"
-    return "native"
+    return native_build.status(SOURCE, "CpInProcessGather", TARGET,
+                               "in-process gather unavailable, gathers use XLA's collectives")
 
 
 def usable(axis_name: str) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +48,8 @@ def library_path() -> pathlib.Path:
 @functools.cache
 def native_status() -> str:
     """'native' when the handler is registered, else 'unavailable: <why>' (warned once)."""
-    try:
-        native_build.register(SOURCE, "CpIndexerPageScores", TARGET)
-    except NativeBuildError as err:
-        warnings.warn(f"native indexer unavailable, decode uses xla_indexer: {err}",
-                      RuntimeWarning, stacklevel=2)
-        return f"unavailable: {err}"
-    return "native"
+    return native_build.status(SOURCE, "CpIndexerPageScores", TARGET,
+                               "native indexer unavailable, decode uses xla_indexer")
 
 
 def _native_call(q, w, keys, local_pages, q_pos, shard, rotation, *, num_shards: int,
