@@ -11,8 +11,8 @@ one call; per call = (t(depth) - t(1)) / (depth - 1), which removes the program'
 one all-gather over every shard; staged is `tree_stages(S)` grouped all-gathers (S = 16: groups
 of 4, then across the groups), so per call counts every stage; native is one in-process gather
 (kernels/native_gather.py; left out, with a warning, where its library cannot be built). The
-programs run interleaved in
-a shuffled order every round, and each figure is the median over `--rounds` rounds.
+programs run interleaved in a shuffled order every round, and each figure is the median over
+`--rounds` rounds.
 """
 
 from __future__ import annotations

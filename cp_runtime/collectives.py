@@ -37,8 +37,8 @@ from jax import lax
 from cp_runtime.config import GATHER_MODES
 from cp_runtime.kernels import native_gather
 
-__all__ = ["TREE_MIN_SHARDS", "NATIVE_MAX_BYTES", "tree_stages", "stage_groups", "gather_reduce_flat",
-           "gather_reduce_staged", "gather_reduce_native", "gather_reduce"]
+__all__ = ["TREE_MIN_SHARDS", "NATIVE_MAX_BYTES", "tree_stages", "stage_groups",
+           "gather_reduce_flat", "gather_reduce_staged", "gather_reduce_native", "gather_reduce"]
 
 # Fewest shards at which `gather_reduce` stages on CPU: below 8 one collective is already cheap.
 TREE_MIN_SHARDS = 8

@@ -37,7 +37,7 @@ INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
                   "hidden_psum")
-GATHER_MODES = ("auto", "flat", "staged", "native")        # cp_runtime.collectives describes
+GATHER_MODES = ("auto", "flat", "staged", "native")  # cp_runtime.collectives describes each
 WEIGHT_MODES = ("replicated", "sharded")      # cp_runtime.weight_layout describes each
 
 
@@ -265,8 +265,8 @@ class RuntimeConfig:
     # How the step's all-gathers run (selection candidates; all_gather merges): "flat", one
     # collective over every shard; "staged", groups of shards then the groups' results;
     # "native", on CPU the in-process gather (every shard in one process); "auto", on CPU
-    # native where it can run, else staged with 8 or more shards, else flat; flat elsewhere
-    # (cp_runtime.collectives).
+    # native where it can run for parts up to 8 KiB a shard, else staged with 8 or more
+    # shards, else flat; flat elsewhere (cp_runtime.collectives).
     gathers: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weight_layout), which a model bigger than one device needs.
