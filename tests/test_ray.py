@@ -3,6 +3,7 @@ executor's results at S = 16, `cp-runtime serve --executor ray` serves them, and
 mid-prefill or mid-decode (actor kill, process kill) costs a retryable error and a re-prefill,
 never a token. One Ray start and one worker group for the module (faults replace the group)."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -103,6 +104,9 @@ def test_bad_shapes_are_refused_before_ray_starts():
         RayExecutor(SOURCE, RUNTIME, hosts=3, devices_per_host=8)
     with pytest.raises(ValueError, match="channel"):
         RayExecutor(SOURCE, RUNTIME, hosts=2, devices_per_host=8, channel="pigeon")
+    with pytest.raises(ValueError, match="gathers 'native' .* needs every shard in one process"):
+        RayExecutor(SOURCE, dataclasses.replace(RUNTIME, gathers="native"), hosts=2,
+                    devices_per_host=8)
 
 
 # -- faults -----------------------------------------------------------------------------------
