@@ -45,8 +45,8 @@ TREE_MIN_SHARDS = 8
 
 # Largest part per shard that `auto` gathers in process on CPU. Every device copies out all S
 # parts, and beyond this that costs more than the wake-ups it saves: at S = 16 on the
-# development machine (`bench collectives --values`), 0.17 ms in process against 0.43 staged
-# at 8 KiB a shard, 0.52 against 0.34 at 16 KiB, 0.87 against 0.55 at 32 KiB (a prefill
+# development machine (`bench collectives --values`), 0.12 ms in process against 0.27 staged
+# at 8 KiB a shard, 0.51 against 0.36 at 16 KiB, 0.90 against 0.58 at 32 KiB (a prefill
 # chunk's candidates). A decode step's parts are far below it (`small` at B = 8: 1 KiB).
 NATIVE_MAX_BYTES = 8 << 10
 
