@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
 from cp_runtime.kernels_dispatch import Kernels
 from cp_runtime.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.merge import combine
@@ -89,8 +90,12 @@ class ShardAttention:
         page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
         slots = self._slots_of(page, sentinel)
         offsets = jnp.maximum(self.pos, 0) % self.page_size
+        # Each row's queries sit at consecutive positions, which bounds the tiles they touch.
+        b, q = self.pos.shape
+        max_tiles = tiles_bound(b, q, write_tile_rows(cache.shape, cache_dtype))
         return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]), slots.reshape(-1),
-                                     offsets.reshape(-1), cache_dtype=cache_dtype)
+                                     offsets.reshape(-1), cache_dtype=cache_dtype,
+                                     max_tiles=max_tiles)
 
     def _select(self, icache: jax.Array, index: IndexerInputs) -> jax.Array:
         k = self.model.index_topk // self.page_size

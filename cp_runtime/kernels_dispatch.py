@@ -19,7 +19,7 @@ import jax
 
 from cp_runtime.kernels import (cache_write, indexer, native_indexer, reference, sparse_decode,
                                sparse_prefill, xla_sparse)
-from cp_runtime.kernels.storage import from_storage, storage_dtype
+from cp_runtime.kernels.storage import from_storage
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 
@@ -46,17 +46,18 @@ def _xla(num_shards: int) -> Kernels:
                    functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
 
 
-# The Pallas kernels take caches in their value dtype (TPU has native fp8/bf16); pool buffers in
-# storage form are reinterpreted around them, a free bitcast on TPU.
+# The Pallas kernels take caches in their value dtype. On a TPU the pool already holds values
+# (storage.pool_dtype) and these are no-ops; a CPU pool (interpret mode) holds unsigned
+# integers and is reinterpreted around the kernels, which on CPU costs only CPU time.
 def _values(cache, cache_dtype):
     return cache if cache_dtype is None else from_storage(cache, cache_dtype)
 
 
-def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, interpret: bool):
+def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=None,
+                  interpret: bool):
     out = cache_write.write_kv(_values(cache, cache_dtype), new, slots, offsets,
-                               interpret=interpret)
-    return out if cache_dtype is None else jax.lax.bitcast_convert_type(
-        out, storage_dtype(cache_dtype))
+                               max_tiles=max_tiles, interpret=interpret)
+    return from_storage(out, cache.dtype)
 
 
 def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, num_shards: int,

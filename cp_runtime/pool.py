@@ -4,8 +4,9 @@ page owner over the `cp` mesh axis.
     latent[l]:  T_lat[S, P + 1, ps, D_lat_pad]   (fp8/bf16/f32, `[c | k_pe]`, parts padded)
     indexer[i]: T_idx[S, P + 1, ps, D_idx]       (bf16 unless the latent is wider)
 
-fp8 and bf16 values are stored as uint8 / uint16 of the same bits (see kernels/storage.py for
-why: no full-pool converts on backends without native narrow floats).
+The buffers' dtype is `storage.pool_dtype` of the cache dtype on the mesh's platform: uint8 /
+uint16 of the same bits on CPU (no full-pool converts on a backend without native narrow
+floats), the fp8 / bf16 values themselves on TPU (where a bitcast of a pool is a copy).
 
 Page `P` of every shard is the sentinel that non-owners write to. Buffers are donated to the
 jitted steps, which update them in place; nothing here ever copies a whole buffer.
@@ -23,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.kernels.storage import storage_dtype
+from cp_runtime.kernels.storage import pool_dtype
 
 __all__ = ["CacheRows", "KVPool", "PoolSpec", "CP_AXIS"]
 
@@ -79,20 +80,31 @@ class KVPool:
     def sharding(mesh: Mesh) -> NamedSharding:
         return NamedSharding(mesh, PartitionSpec(CP_AXIS))
 
+    @staticmethod
+    def buffer_shapes(spec: PoolSpec, mesh: Mesh) -> "KVPool":
+        """The buffers as ShapeDtypeStructs on `mesh` (what `allocate` makes; compile-only
+        programs lower against these)."""
+        sharding = KVPool.sharding(mesh)
+        platform = mesh.devices.flat[0].platform
+
+        def buffer(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, pool_dtype(dtype, platform), sharding=sharding)
+
+        return KVPool(
+            latent=tuple(buffer(spec.latent_shape, spec.latent_dtype)
+                         for _ in range(spec.model.num_hidden_layers)),
+            indexer=tuple(buffer(spec.indexer_shape, spec.indexer_dtype)
+                          for _ in range(spec.model.num_full_layers)),
+        )
+
     @classmethod
     def allocate(cls, spec: PoolSpec, mesh: Mesh) -> "KVPool":
         """Zero-filled buffers, created directly in their sharded layout."""
-        sharding = cls.sharding(mesh)
+        def zeros(like):
+            return jax.jit(lambda: jnp.zeros(like.shape, like.dtype),
+                           out_shardings=like.sharding)()
 
-        def zeros(shape, dtype):
-            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-        return cls(
-            latent=tuple(zeros(spec.latent_shape, storage_dtype(spec.latent_dtype))
-                         for _ in range(spec.model.num_hidden_layers)),
-            indexer=tuple(zeros(spec.indexer_shape, storage_dtype(spec.indexer_dtype))
-                          for _ in range(spec.model.num_full_layers)),
-        )
+        return jax.tree.map(zeros, cls.buffer_shapes(spec, mesh))
 
     def nbytes(self) -> int:
         return sum(x.nbytes for x in self.latent + self.indexer)

@@ -16,7 +16,7 @@ reference.
 Grid:   (B, nqb = ceil(Q / qb)), both parallel.
 Blocks: q [qb, Hi, Di] VMEM; w f32[qb, Hi, 1] VMEM; q_pos i32[qb, 1] VMEM; page table i32[B * Mp]
         (Mp = nkb * nb, sentinel-padded), visible key blocks i32[B * nqb] and each row's first
-        logical page i32[B] (shard - rotation) scalar prefetch (SMEM); key cache T[P + 1, ps / pk, pk, Di] stays in HBM (pl.ANY);
+        logical page i32[B] (shard - rotation) scalar prefetch (SMEM); key cache T[P + 1, ps, Di] stays in HBM (pl.ANY);
         out f32[nkb, qb, nb] VMEM (transposed to [B, Q, M] outside).
 VMEM:   R = qb * Hi rows, K = nb * ps keys per block, c = cache itemsize, q = query itemsize
           ring      NB * K * Di * c                          (NB = NUM_BUFFERS)
@@ -42,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
-                             unpack_page)
+from cp_runtime.kernels.costs import cost_estimate
+from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
 from cp_runtime.kernels.reference import NEG_INF
-from cp_runtime.kernels.vmem import vmem_limit_bytes
+from cp_runtime.kernels.vmem import tiled_bytes, vmem_limit_bytes
 
 __all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
 
@@ -84,13 +84,13 @@ def _indexer_kernel(pages_ref,          # [B * Mp] SMEM (scalar prefetch)
                     q_ref,              # [qb, Hi, Di] VMEM
                     w_ref,              # [qb, Hi, 1] VMEM
                     pos_ref,            # [qb, 1] VMEM
-                    k_hbm,              # [P + 1, ps // pk, pk, Di] HBM
+                    k_hbm,              # [P + 1, ps, Di] HBM
                     out_ref,            # [nkb, qb, nb] VMEM
-                    ring, sems,         # [NB, nb, ps // pk, pk, Di] VMEM, DMA[NB]
+                    ring, sems,         # [NB, nb, ps, Di] VMEM, DMA[NB]
                     *, num_shards: int, num_buffers: int, dot_dtype):
     nkb, qb, nb = out_ref.shape
     _, hi, di = q_ref.shape
-    ps = ring.shape[2] * ring.shape[3]
+    ps = ring.shape[2]
     keys_per_block = nb * ps
     b = pl.program_id(0)
     count = visible_ref[b * pl.num_programs(1) + pl.program_id(1)]
@@ -102,7 +102,7 @@ def _indexer_kernel(pages_ref,          # [B * Mp] SMEM (scalar prefetch)
                                       sems.at[buffer]) for i in range(nb)]
 
     def step(kb, buffer):
-        keys = unpack_page(ring[buffer]).astype(dot_dtype).reshape(keys_per_block, di)
+        keys = ring[buffer].astype(dot_dtype).reshape(keys_per_block, di)
         q = q_ref[...].astype(dot_dtype).reshape(qb * hi, di)                # [R, Di]
         logits = lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)         # [R, K]
@@ -139,7 +139,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
 
     q:           f[B, Q, Hi, Di]   indexer queries (Hi a multiple of 8 on TPU)
     w:           f[B, Q, Hi]       per-head weights
-    k_cache:     T[P + 1, ps, Di]  pool layout; viewed packed inside
+    k_cache:     T[P + 1, ps, Di]  pool layout, read a page at a time
     local_pages: i32[B, M]         slot of the j-th local page (-1 reads the sentinel, as the
                                    reference's wrapping index does)
     q_pos:       i32[B, Q]         positions, -1 = padding
@@ -167,7 +167,8 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     first_page = jnp.asarray(shard, jnp.int32) - rotation                    # [B]
     visible = _visible_blocks(q_pos.reshape(b, nqb, qb), first_page, num_blocks=nkb,
                               block_pages=nb, num_shards=num_shards, page_size=ps)
-    packed = pack_pages(k_cache)
+    figures = cost(q, w, k_cache, local_pages, q_pos, num_shards=num_shards,
+                   key_block_pages=key_block_pages)
     kernel = functools.partial(_indexer_kernel, num_shards=num_shards, num_buffers=NUM_BUFFERS,
                                dot_dtype=_dot_dtype(q.dtype, k_cache.dtype))
     out = pl.pallas_call(
@@ -183,19 +184,18 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
             ],
             out_specs=pl.BlockSpec((None, nkb, qb, nb), lambda bi, qi, *_: (bi, 0, qi, 0)),
             scratch_shapes=[
-                pltpu.VMEM((NUM_BUFFERS, nb, *packed.shape[1:]), packed.dtype),
+                pltpu.VMEM((NUM_BUFFERS, nb, *k_cache.shape[1:]), k_cache.dtype),
                 pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, nkb, nqb * qb, nb), jnp.float32),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=vmem_limit_bytes(cost(q, w, k_cache, local_pages, q_pos,
-                                                   num_shards=num_shards,
-                                                   key_block_pages=key_block_pages)["vmem_bytes"])),
+            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
+        cost_estimate=cost_estimate(figures),
         interpret=interpret_params(interpret),
         name="indexer_page_scores",
-    )(pages.reshape(-1), visible.reshape(-1), first_page, q, w, q_pos[..., None], packed)
+    )(pages.reshape(-1), visible.reshape(-1), first_page, q, w, q_pos[..., None], k_cache)
     # [B, nkb, Qp, nb] -> [B, Qp, nkb * nb] -> [B, Q, M]
     out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)
     return out[:, :nq, :m]
@@ -217,8 +217,12 @@ def cost(q, w, k_cache, local_pages, q_pos, shard=None, rotation=None, *, num_sh
     qb = min(QUERY_BLOCK, nq)
     nqb = cdiv(nq, qb)
     rows, keys = qb * hi, nb * ps
-    vmem = (NUM_BUFFERS * keys * di * c + 2 * (rows * di * qi + rows * 4 + qb * 4)
-            + 2 * mp * qb * 4 + 2 * rows * keys * 4 + keys * di * 4 + 2 * qb * keys * 4)
+    vmem = (NUM_BUFFERS * nb * tiled_bytes((ps, di), c)
+            + 2 * (tiled_bytes((qb, hi, di), qi) + tiled_bytes((qb, hi, 1), 4)
+                   + tiled_bytes((qb, 1), 4))
+            + 2 * tiled_bytes((mp // nb, qb, nb), 4)
+            + 2 * tiled_bytes((rows, keys), 4) + tiled_bytes((keys, di), 4)
+            + 2 * tiled_bytes((qb, keys), 4))
     return {
         "grid": (b, nqb),
         "blocks": {"q": (qb, hi, di), "keys": (keys, di), "out": (mp // nb, qb, nb)},

@@ -1,15 +1,18 @@
 """TPU page layout and page movement shared by the Pallas kernels.
 
-Packed page view. A TPU vreg is 8 sublanes x 128 lanes of 32-bit words; a narrower dtype packs
-`pk = 4 / itemsize` consecutive rows into each word (fp8: 4 rows, bf16: 2, f32: 1). Viewing the
-pool `T[P + 1, ps, D]` as `T[P + 1, ps // pk, pk, D]` makes that packed axis explicit, so a page
-DMA moves whole 32-bit rows and lands in VMEM already in the order the vreg load wants. The view
-is a free reshape (row-major, same bytes); it is taken outside the kernels because ref
-`.reshape`/`.bitcast` inside a kernel fail in TPU interpret mode (the CPU tests), so kernels only
-reshape values they have loaded (`unpack_page`).
+Page layout. A pool buffer is `T[P + 1, ps, D]` in its value dtype on a TPU (fp8, bf16 or f32;
+cp_runtime.kernels.storage chooses the storage form per backend). XLA:TPU stores it in tiles of
+8 sublanes of 32-bit words by 128 lanes: a tile holds 8 rows of f32, 16 of bf16 or 32 of fp8
+(`tile_rows`), the narrow rows packed `pk = 4 / itemsize` to a word (`packing`). The kernels DMA
+whole pages `cache.at[slot]` (`[ps, D]`) into VMEM buffers of the same shape and dtype, so a page
+arrives already in the packed order a vreg load wants, and nothing reshapes the pool: on a TPU a
+reshape that moves the tiled dimension (such as a view `[P + 1, ps // pk, pk, D]`) is a copy of
+the whole buffer, once per layer per step. The cache write moves whole tiles for the same reason
+(kernels/cache_write.py).
 
-`page_size % 16 == 0`: a bf16 tile is 16 sublane rows, so a page is a whole number of bf16 tiles
-and, for fp8, of 4-packed rows; a page DMA then never splits a tile.
+`page_size % 16 == 0`: a bf16 tile is 16 rows, so a page is a whole number of bf16 tiles; an
+fp8 page of 16 rows is half a tile (XLA pads it), which `cp-runtime compile` reports in the
+pool's argument bytes.
 
 Page ring. `page_ring` drives a loop over a dynamic number of items (pages, or blocks of pages)
 whose data reach VMEM through `num_buffers` scratch buffers: while item j is computed, the DMAs of
@@ -44,9 +47,7 @@ __all__ = [
     "PAGE_ALIGN",
     "packing",
     "check_page_size",
-    "pack_pages",
-    "unpack_pages",
-    "unpack_page",
+    "tile_rows",
     "interpret_params",
     "cpu_client_threads",
     "page_ring",
@@ -69,24 +70,9 @@ def check_page_size(page_size: int) -> None:
         raise ValueError(f"{page_size=} must be a multiple of {PAGE_ALIGN}")
 
 
-def pack_pages(cache: jax.Array) -> jax.Array:
-    """T[P + 1, ps, D] -> T[P + 1, ps // pk, pk, D] (free reshape)."""
-    pages, ps, d = cache.shape
-    check_page_size(ps)
-    pk = packing(cache.dtype)
-    return cache.reshape(pages, ps // pk, pk, d)
-
-
-def unpack_pages(packed: jax.Array) -> jax.Array:
-    """T[P + 1, ps // pk, pk, D] -> T[P + 1, ps, D] (free reshape)."""
-    pages, groups, pk, d = packed.shape
-    return packed.reshape(pages, groups * pk, d)
-
-
-def unpack_page(page: jax.Array) -> jax.Array:
-    """In-kernel, on a loaded value: T[..., ps // pk, pk, D] -> T[..., ps, D]."""
-    *lead, groups, pk, d = page.shape
-    return page.reshape(*lead, groups * pk, d)
+def tile_rows(dtype) -> int:
+    """Rows of `dtype` in one HBM tile on a TPU: 8 sublanes x `packing(dtype)`."""
+    return 8 * packing(dtype)
 
 
 def cpu_client_threads() -> int:

@@ -8,9 +8,9 @@ per query, `M` local pages per sequence on this shard. A position of -1 marks a 
 All four functions are pure: the cache write returns the updated cache (donated and updated in
 place by XLA under jit; the Pallas kernel aliases input and output).
 
-`cache_dtype`: the dtype of the cached values when the cache array holds them as same-width
-unsigned integers (the pool's storage form, see storage.py); None when the cache array already
-has the value dtype.
+`cache_dtype`: the dtype of the cached values, whatever the cache array's storage form (the
+same-width unsigned integers of a CPU pool, or the values themselves; see storage.py); None
+means the cache array's own dtype.
 """
 
 from __future__ import annotations
@@ -35,19 +35,21 @@ NEG_INF = -jnp.inf
 
 
 def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Array, *,
-             cache_dtype=None) -> jax.Array:
+             cache_dtype=None, max_tiles: int | None = None) -> jax.Array:
     """Write rows into a paged cache. The single cast to the cache dtype happens here.
 
     cache:   T[P + 1, ps, D]  one shard's cache of one layer
     new:     f[N, D]          rows to write (any float dtype)
     slots:   i32[N]           physical page of each row (the sentinel P for rows to discard)
     offsets: i32[N]           offset of each row inside its page
+    max_tiles: the Pallas kernel's bound on distinct tiles (kernels/cache_write.py); unused here
     returns: T[P + 1, ps, D]
     """
+    del max_tiles
     if new.ndim != 2 or new.shape[-1] != cache.shape[-1]:
         raise ValueError(f"new rows {new.shape} do not match cache rows {cache.shape}")
     rows = (saturating_cast(new, cache.dtype) if cache_dtype is None
-            else to_storage(new, cache_dtype))
+            else to_storage(new, cache_dtype, cache.dtype))
     if rows.shape[0] == 1:
         # XLA turns a one-row scatter into a dynamic-update-slice, which it then performs on a
         # copy of the whole buffer (measured on CPU: 3 buffer copies). A second, discarded row

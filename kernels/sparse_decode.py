@@ -9,7 +9,7 @@ the reference. Keys past the query's position are zeroed before the dot.
 
 Grid:   (B,), parallel.
 Blocks: q [H, D] VMEM; sel_slots, sel_pages i32[B * N] and q_pos i32[B] scalar prefetch (SMEM);
-        kv cache T[P + 1, ps / pk, pk, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
+        kv cache T[P + 1, ps, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
         out o f32[H, V] and lse f32[H, 1] VMEM; live-entry list i32[N] SMEM scratch.
 VMEM:   c = cache itemsize, q = query itemsize
           ring      NB * ps * D * c                 (NB = NUM_BUFFERS)
@@ -35,11 +35,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
-                             unpack_page)
+from cp_runtime.kernels.costs import cost_estimate
+from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 from cp_runtime.kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
-from cp_runtime.kernels.vmem import vmem_limit_bytes
+from cp_runtime.kernels.vmem import tiled_bytes, vmem_limit_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_decode", "cost"]
 
@@ -51,15 +51,15 @@ NUM_BUFFERS = 3
 
 def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM (scalar prefetch)
                    q_ref,                          # [H, D] VMEM
-                   cache_hbm,                      # [P + 1, ps // pk, pk, D] HBM
+                   cache_hbm,                      # [P + 1, ps, D] HBM
                    o_ref,                          # [H, V] VMEM
                    lse_ref,                        # [H, 1] VMEM
-                   ring, sems,                     # [NB, ps // pk, pk, D] VMEM, DMA[NB]
+                   ring, sems,                     # [NB, ps, D] VMEM, DMA[NB]
                    live_ref,                       # [N] SMEM
                    m_ref, l_ref, acc_ref,          # [H, 1], [H, 1], [H, V] VMEM
                    *, scale: float, value_dim: int, num_buffers: int):
     n = live_ref.shape[0]
-    ps = ring.shape[1] * ring.shape[2]
+    ps = ring.shape[1]
     b = pl.program_id(0)
     pos = pos_ref[b]
     init_softmax(m_ref, l_ref, acc_ref)
@@ -79,7 +79,7 @@ def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM 
 
     def step(j, buffer):
         start = pages_ref[live_ref[j]] * ps
-        kv = unpack_page(ring[buffer]).astype(q_ref.dtype)        # [ps, D]
+        kv = ring[buffer].astype(q_ref.dtype)        # [ps, D]
         row_pos = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
         kv = jnp.where(row_pos <= pos, kv, 0)                      # keys after the query
         s = lax.dot_general(q_ref[...], kv, (((1,), (1,)), ((), ())),
@@ -102,7 +102,7 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
     """Pallas twin of `reference.sparse_attention` for one query per sequence.
 
     q:         f[B, 1, H, D]     the decode query of each sequence
-    kv_cache:  T[P + 1, ps, D]   pool layout; viewed packed inside
+    kv_cache:  T[P + 1, ps, D]   pool layout, read a page at a time
     sel_slots: i32[B, 1, N]      local slot per selected page, -1 = not on this shard / unused
     sel_pages: i32[B, 1, N]      logical page of each entry
     q_pos:     i32[B, 1]         positions, -1 = padding
@@ -117,7 +117,7 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
                          "use sparse_prefill")
     n = sel_slots.shape[-1]
     check_page_size(kv_cache.shape[1])
-    packed = pack_pages(kv_cache)
+    figures = cost(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim=value_dim)
     kernel = functools.partial(_decode_kernel, scale=scale, value_dim=value_dim,
                                num_buffers=NUM_BUFFERS)
     o, lse = pl.pallas_call(
@@ -134,7 +134,7 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
                 pl.BlockSpec((None, None, h, 1), lambda bi, *_: (bi, 0, 0, 0)),
             ],
             scratch_shapes=[
-                pltpu.VMEM((NUM_BUFFERS, *packed.shape[1:]), packed.dtype),
+                pltpu.VMEM((NUM_BUFFERS, *kv_cache.shape[1:]), kv_cache.dtype),
                 pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
                 pltpu.SMEM((n,), jnp.int32),
                 pltpu.VMEM((h, 1), jnp.float32),
@@ -148,12 +148,12 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",),
-            vmem_limit_bytes=vmem_limit_bytes(cost(q, kv_cache, sel_slots, sel_pages, q_pos,
-                                                   value_dim=value_dim)["vmem_bytes"])),
+            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
+        cost_estimate=cost_estimate(figures),
         interpret=interpret_params(interpret),
         name="sparse_decode",
     )(sel_slots.astype(jnp.int32).reshape(-1), sel_pages.astype(jnp.int32).reshape(-1),
-      q_pos.astype(jnp.int32).reshape(-1), q, packed)
+      q_pos.astype(jnp.int32).reshape(-1), q, kv_cache)
     return o, lse[..., 0]
 
 
@@ -168,12 +168,16 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
     n = sel_slots.shape[-1]
     ps = kv_cache.shape[1]
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
-    vmem = (NUM_BUFFERS * ps * d * c + 2 * h * d * qi + 2 * h * (value_dim + 1) * 4
-            + h * (value_dim + 2) * 4 + 2 * h * ps * 4 + ps * d * (qi + 4))
+    vmem = (NUM_BUFFERS * tiled_bytes((ps, d), c) + 2 * tiled_bytes((h, d), qi)
+            + 2 * (tiled_bytes((h, value_dim), 4) + tiled_bytes((h, 1), 4))
+            + tiled_bytes((h, value_dim), 4) + 2 * tiled_bytes((h, 1), 4)
+            + 3 * tiled_bytes((h, ps), 4) + tiled_bytes((ps, d), qi) + tiled_bytes((ps, d), 4)
+            + tiled_bytes((h, value_dim), 4))
     return {
         "grid": (b,),
         "blocks": {"q": (h, d), "page": (ps, d), "o": (h, value_dim)},
         "vmem_bytes": vmem,
         "bytes": b * h * d * qi + b * n * (ps * d * c + 8) + b * h * (value_dim + 1) * 4,
         "flops": 2 * b * n * h * ps * (d + value_dim),
+        "transcendentals": b * n * h * ps,
     }

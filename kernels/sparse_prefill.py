@@ -17,7 +17,7 @@ union page (masked), so flops grow with the union size U <= qb * N.
 Grid:   (B, nqb = ceil(Q / qb)), both parallel.
 Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM;
         union slots and pages i32[U] SMEM (U = qb * N); union count i32[B * nqb] scalar prefetch;
-        kv cache T[P + 1, ps / pk, pk, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
+        kv cache T[P + 1, ps, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
         out o f32[qb, H, V] and lse f32[qb, H, 1] VMEM.
 VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
           ring      NB * ps * D * c                      (NB = NUM_BUFFERS)
@@ -44,10 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.packing import (check_page_size, interpret_params, pack_pages, page_ring,
-                             unpack_page)
+from cp_runtime.kernels.costs import cost_estimate
+from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
-from cp_runtime.kernels.vmem import fit_block, vmem_limit_bytes
+from cp_runtime.kernels.vmem import fit_block, tiled_bytes, vmem_limit_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
            "finalize_softmax", "cost"]
@@ -122,36 +122,36 @@ def finalize_softmax(m_ref, l_ref, acc_ref) -> tuple[jax.Array, jax.Array]:
 
 
 def _prefill_kernel(count_ref,                # [B * nqb] SMEM (scalar prefetch)
-                    uslots_ref, upages_ref,   # [U] SMEM
+                    uslots_ref, upages_ref,   # [1, U] SMEM
                     q_ref,                    # [qb, H, D] VMEM
                     sel_ref,                  # [qb, N] VMEM
                     pos_ref,                  # [qb, 1] VMEM
-                    cache_hbm,                # [P + 1, ps // pk, pk, D] HBM
+                    cache_hbm,                # [P + 1, ps, D] HBM
                     o_ref,                    # [qb, H, V] VMEM
                     lse_ref,                  # [qb, H, 1] VMEM
-                    ring, sems,               # [NB, ps // pk, pk, D] VMEM, DMA[NB]
+                    ring, sems,               # [NB, ps, D] VMEM, DMA[NB]
                     m_ref, l_ref, acc_ref,    # [R, 1], [R, 1], [R, V] VMEM
                     *, scale: float, value_dim: int, num_buffers: int):
     qb, h, d = q_ref.shape
-    ps = ring.shape[1] * ring.shape[2]
+    ps = ring.shape[1]
     count = count_ref[pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)]
     pos = pos_ref[...]                                            # [qb, 1]
     max_pos = jnp.max(pos)
     init_softmax(m_ref, l_ref, acc_ref)
 
     def copies(j, buffer):
-        return [pltpu.make_async_copy(cache_hbm.at[uslots_ref[j]], ring.at[buffer],
+        return [pltpu.make_async_copy(cache_hbm.at[uslots_ref[0, j]], ring.at[buffer],
                                       sems.at[buffer])]
 
     def step(j, buffer):
-        start = upages_ref[j] * ps
-        kv = unpack_page(ring[buffer]).astype(q_ref.dtype)        # [ps, D]
+        start = upages_ref[0, j] * ps
+        kv = ring[buffer].astype(q_ref.dtype)        # [ps, D]
         row_pos = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
         kv = jnp.where(row_pos <= max_pos, kv, 0)                  # no query sees these rows
         q = q_ref[...].reshape(qb * h, d)                          # [R, D]
         s = lax.dot_general(q, kv, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale  # [R, ps]
-        weight = jnp.sum((sel_ref[...] == uslots_ref[j]).astype(jnp.float32), axis=1,
+        weight = jnp.sum((sel_ref[...] == uslots_ref[0, j]).astype(jnp.float32), axis=1,
                          keepdims=True)                            # [qb, 1]
         key_pos = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
         visible = (weight > 0) & (key_pos <= pos)                  # [qb, ps]
@@ -178,7 +178,7 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     """Pallas twin of `reference.sparse_attention`; same arguments and results.
 
     q:         f[B, Q, H, D]     queries in the cached layout (H a multiple of 8 on TPU)
-    kv_cache:  T[P + 1, ps, D]   pool layout; viewed packed inside
+    kv_cache:  T[P + 1, ps, D]   pool layout, read a page at a time
     sel_slots: i32[B, Q, N]      local slot per selected page, -1 = not on this shard / unused
     sel_pages: i32[B, Q, N]      logical page of each entry
     q_pos:     i32[B, Q]         positions, -1 = padding query
@@ -198,9 +198,13 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     q_pos = _pad_queries(q_pos.astype(jnp.int32), pad, -1)
     uslots, upages, count = block_union(sel_slots, sel_pages, q_pos, page_size=ps,
                                         query_block=qb)
-    packed = pack_pages(kv_cache)
-    union_spec = pl.BlockSpec((None, None, qb * n), lambda bi, qi, *_: (bi, qi, 0),
+    # One [1, U] row of SMEM per (sequence, block): a block's last two dims then equal the
+    # array's, as Pallas requires of every block, however many query blocks there are.
+    uslots, upages = (x.reshape(b * nqb, 1, qb * n) for x in (uslots, upages))
+    union_spec = pl.BlockSpec((None, 1, qb * n), lambda bi, qi, *_: (bi * nqb + qi, 0, 0),
                               memory_space=pltpu.SMEM)
+    figures = cost(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim=value_dim,
+                   query_block=qb)
     kernel = functools.partial(_prefill_kernel, scale=scale, value_dim=value_dim,
                                num_buffers=NUM_BUFFERS)
     o, lse = pl.pallas_call(
@@ -221,7 +225,7 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
                 pl.BlockSpec((None, qb, h, 1), lambda bi, qi, *_: (bi, qi, 0, 0)),
             ],
             scratch_shapes=[
-                pltpu.VMEM((NUM_BUFFERS, *packed.shape[1:]), packed.dtype),
+                pltpu.VMEM((NUM_BUFFERS, *kv_cache.shape[1:]), kv_cache.dtype),
                 pltpu.SemaphoreType.DMA((NUM_BUFFERS,)),
                 pltpu.VMEM((qb * h, 1), jnp.float32),
                 pltpu.VMEM((qb * h, 1), jnp.float32),
@@ -234,22 +238,27 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=vmem_limit_bytes(cost(q, kv_cache, sel_slots, sel_pages, q_pos,
-                                                   value_dim=value_dim,
-                                                   query_block=qb)["vmem_bytes"])),
+            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
+        cost_estimate=cost_estimate(figures),
         interpret=interpret_params(interpret),
         name="sparse_prefill",
-    )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], packed)
+    )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], kv_cache)
     return o[:, :nq], lse[:, :nq, :, 0]
 
 
 def _vmem_bytes(qb: int, h: int, d: int, n: int, ps: int, value_dim: int, c: int,
                 qi: int) -> int:
-    """VMEM of one grid step (the module doc's formula) for query blocks of qb queries."""
+    """VMEM of one grid step (the module doc's terms, each as Mosaic pads it) for query blocks
+    of qb queries."""
     rows = qb * h
-    return (NUM_BUFFERS * ps * d * c + 2 * (rows * d * qi + qb * n * 4 + qb * 4)
-            + 2 * rows * (value_dim + 1) * 4 + rows * (value_dim + 2) * 4
-            + 2 * rows * ps * 4 + ps * d * (qi + 4))
+    ring = NUM_BUFFERS * tiled_bytes((ps, d), c)
+    inputs = 2 * (tiled_bytes((qb, h, d), qi) + tiled_bytes((qb, n), 4)
+                  + tiled_bytes((qb, 1), 4))
+    outputs = 2 * (tiled_bytes((qb, h, value_dim), 4) + tiled_bytes((qb, h, 1), 4))
+    scratch = tiled_bytes((rows, value_dim), 4) + 2 * tiled_bytes((rows, 1), 4)
+    temps = (3 * tiled_bytes((rows, ps), 4) + tiled_bytes((ps, d), qi) + tiled_bytes((ps, d), 4)
+             + tiled_bytes((rows, value_dim), 4))
+    return ring + inputs + outputs + scratch + temps
 
 
 def _query_block(q, kv_cache, n: int, value_dim: int, query_block: int) -> int:
@@ -284,4 +293,5 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
         "bytes": (b * nq * h * d * qi + b * nq * n * 4 + b * nqb * union * (ps * d * c + 8)
                   + b * nq * h * (value_dim + 1) * 4),
         "flops": 2 * b * nqb * union * rows * ps * (d + value_dim),
+        "transcendentals": b * nqb * union * rows * ps,
     }

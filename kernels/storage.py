@@ -1,11 +1,18 @@
 """How caches are stored, and the one integer helper every kernel needs.
 
-Pool buffers hold narrow floats as same-width unsigned integers. XLA's CPU backend has no fp8 or
-bf16 arithmetic, so a scatter into (or a gather from) an fp8/bf16 buffer is rewritten as
-convert-the-whole-buffer, update, convert back: a full-pool copy per layer per step that grows
-with the pool (measured: a tiny-model decode step's temporaries grew from 2.7 MB to 42 MB per
-device as the pool went from 64 to 1024 pages per shard). Integer buffers are moved natively
-everywhere; rows are bitcast on the way in and out, which is free on TPU.
+Storage form, chosen per backend in one place (`pool_dtype`):
+  - XLA:CPU has no fp8 or bf16 arithmetic, so a scatter into (or a gather from) an fp8/bf16
+    buffer is rewritten as convert-the-whole-buffer, update, convert back: a full-pool copy per
+    layer per step that grows with the pool (measured: a tiny-model decode step's temporaries
+    grew from 2.7 MB to 42 MB per device as the pool went from 64 to 1024 pages per shard). On
+    CPU a pool of narrow floats is therefore held as same-width unsigned integers
+    (`storage_dtype`), which XLA moves natively; rows are bitcast on the way in and out.
+  - On a TPU the pool holds its values natively (fp8, bf16): there a bitcast or reshape of a
+    whole pool buffer is not free but a copy (the compiled decode kernel's temporaries were
+    twice its pool with the bitcast around it), and the Pallas kernels read native pages.
+
+Cached rows on the host (snapshots, `CacheRows`) are always in the unsigned form, whatever the
+pool's, so a snapshot taken on one backend restores on another.
 
 Every write into a cache goes through `saturating_cast`: a plain `astype(float8_e4m3fn)` turns
 500.0 into NaN (e4m3fn has no inf; anything past 464 rounds to its NaN code), and one NaN in a
@@ -23,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["cdiv", "storage_dtype", "saturating_cast", "to_storage", "from_storage"]
+__all__ = ["cdiv", "storage_dtype", "pool_dtype", "saturating_cast", "to_storage",
+           "from_storage"]
 
 _STORAGE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 
@@ -33,8 +41,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 def storage_dtype(dtype) -> np.dtype:
-    """The dtype a pool buffer of `dtype` values is stored as."""
+    """The unsigned form of `dtype` values: a CPU pool's buffers, and cached rows on the host."""
     return _STORAGE.get(np.dtype(dtype).itemsize, np.dtype(dtype))
+
+
+def pool_dtype(dtype, platform: str) -> np.dtype:
+    """The dtype a pool buffer of `dtype` values has on `platform` ("cpu", "tpu", ...): the
+    unsigned form on CPU, the values themselves elsewhere (module docstring)."""
+    return storage_dtype(dtype) if platform == "cpu" else np.dtype(dtype)
 
 
 @functools.cache
@@ -69,10 +83,11 @@ def saturating_cast(x: jax.Array, dtype) -> jax.Array:
     return jnp.clip(x, -hi, hi).astype(dtype)
 
 
-def to_storage(x: jax.Array, dtype) -> jax.Array:
-    """Cast x to the cache dtype (the single, saturating cast) and reinterpret it as storage."""
+def to_storage(x: jax.Array, dtype, storage=None) -> jax.Array:
+    """Cast x to the cache dtype (the single, saturating cast) and reinterpret it as `storage`
+    (default: the unsigned form)."""
     x = saturating_cast(x, dtype)
-    storage = storage_dtype(dtype)
+    storage = storage_dtype(dtype) if storage is None else np.dtype(storage)
     return x if storage == x.dtype else lax.bitcast_convert_type(x, storage)
 
 

@@ -3,7 +3,8 @@
 TPU v7x (Ironwood) has 64 MiB of VMEM per TensorCore (Google Cloud TPU documentation, "TPU v7x"
 system architecture page); a kernel runs on one TensorCore, so that is the whole budget.
 
-Each kernel's `cost()` estimates its VMEM bytes (buffers, scratch and the large temporaries).
+Each kernel's `cost()` estimates its VMEM bytes (buffers, scratch and the large temporaries),
+each array counted as Mosaic pads it (`tiled_bytes`).
 `vmem_limit_bytes(estimate)` turns that into the `pltpu.CompilerParams(vmem_limit_bytes=...)`
 of the call: the estimate plus HEADROOM (Mosaic's own temporaries and layout padding the formula
 does not count), never below the compiler's usual 16 MiB default scope, never above the core's
@@ -14,9 +15,11 @@ VMEM_BUDGET_BYTES; blocking changes the grid, never the result.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
-__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "vmem_limit_bytes"]
+__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "tiled_bytes",
+           "vmem_limit_bytes"]
 
 VMEM_BYTES_PER_CORE = 64 * 1024 * 1024     # TPU v7x, per TensorCore
 HEADROOM = 1.25                             # x the estimate, plus HEADROOM_BYTES
@@ -24,6 +27,19 @@ HEADROOM_BYTES = 2 * 1024 * 1024
 MIN_LIMIT_BYTES = 16 * 1024 * 1024          # the default scoped-VMEM limit
 # An estimate at most this large still gets its headroom under the per-core figure.
 VMEM_BUDGET_BYTES = int((VMEM_BYTES_PER_CORE - HEADROOM_BYTES) / HEADROOM)
+
+
+LANES = 128
+
+
+def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of a VMEM array as Mosaic lays it out: the last dim padded to 128 lanes, the one
+    before to a whole tile (8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of fp8).
+    A `[R, 1]` column of f32 thus takes R * 128 * 4 bytes, not R * 4."""
+    *lead, rows, cols = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+    sublanes = 8 * (4 // itemsize)
+    return (math.prod(lead) * (-(-rows // sublanes) * sublanes)
+            * (-(-cols // LANES) * LANES) * itemsize)
 
 
 def vmem_limit_bytes(estimate: int) -> int:

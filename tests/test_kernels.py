@@ -13,9 +13,9 @@ import pytest
 
 from cp_runtime.layout import cdiv
 from cp_runtime.kernels import reference
-from cp_runtime.kernels.cache_write import write_kv
+from cp_runtime.kernels.cache_write import tiles_bound, write_kv, write_tile_rows
 from cp_runtime.kernels.indexer import indexer_page_scores
-from cp_runtime.kernels.packing import pack_pages, packing, unpack_pages
+from cp_runtime.kernels.packing import check_page_size, packing, tile_rows
 from cp_runtime.kernels.sparse_decode import sparse_decode
 from cp_runtime.kernels.sparse_prefill import block_union, sparse_prefill
 
@@ -119,22 +119,16 @@ def attention_inputs(dtype, lengths, q_pos, *, n, seed=0):
 
 # ---- packing ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,pk", [(jnp.float8_e4m3fn, 4), (jnp.bfloat16, 2),
-                                      (jnp.float32, 1)])
-def test_packed_view_is_a_free_reshape(dtype, pk):
-    # Each row holds its offset in the page: integers below 16 are exact in every dtype here.
-    rows = jnp.arange(3 * PS, dtype=jnp.float32) % PS
-    cache = jnp.broadcast_to(rows.reshape(3, PS, 1), (3, PS, 128)).astype(dtype)
-    packed = pack_pages(cache)
-    assert packing(dtype) == pk and packed.shape == (3, PS // pk, pk, 128)
-    np.testing.assert_array_equal(packed[1, 2, pk - 1], cache[1, 2 * pk + pk - 1])
-    np.testing.assert_array_equal(unpack_pages(packed), cache)
+@pytest.mark.parametrize("dtype,pk,rows", [(jnp.float8_e4m3fn, 4, 32), (jnp.bfloat16, 2, 16),
+                                           (jnp.float32, 1, 8)])
+def test_tile_rows_follow_packing(dtype, pk, rows):
+    assert packing(dtype) == pk and tile_rows(dtype) == rows
 
 
 def test_page_size_not_multiple_of_16_is_refused():
     cache = jnp.zeros((3, 24, D), jnp.bfloat16)
     with pytest.raises(ValueError, match="page_size=24"):
-        pack_pages(cache)
+        check_page_size(24)
     q = jnp.zeros((1, 1, H, D), jnp.bfloat16)
     sel = jnp.zeros((1, 1, 2), jnp.int32)
     pos = jnp.zeros((1, 1), jnp.int32)
@@ -149,14 +143,21 @@ def test_page_size_not_multiple_of_16_is_refused():
 
 # ---- cache write ------------------------------------------------------------------------------
 
+def _assert_same_bits(x, y):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 @pytest.mark.parametrize("new_dtype", [jnp.float32, jnp.bfloat16])
 def test_write_kv_is_bit_exact(name, new_dtype):
+    """Scattered rows (decode-like): each lands in a tile of its own or shares one; rows aimed
+    at the sentinel are dropped by the kernel, written by the reference; every other page is
+    bit-identical."""
     rng = np.random.default_rng(1)
     pages = 5
     cache = jnp.asarray(rng.standard_normal((pages + 1, PS, D)), jnp.float32)
     cache = cache.astype(CACHE_DTYPES[name])
-    rows = 11  # not a multiple of the rows per grid step
+    rows = 11
     flat = rng.permutation(pages * PS)[:rows]
     slots, offsets = flat // PS, flat % PS
     slots[[3, 7]] = pages  # discarded rows go to the sentinel (distinct offsets)
@@ -164,8 +165,30 @@ def test_write_kv_is_bit_exact(name, new_dtype):
     out = write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets), interpret=True)
     ref = reference.write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets))
     assert out.dtype == cache.dtype
-    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(ref).view(np.uint8))
+    _assert_same_bits(out[:pages], ref[:pages])
+    _assert_same_bits(out[pages], cache[pages])             # the sentinel is never written
     assert (np.asarray(out).view(np.uint8) != np.asarray(cache).view(np.uint8)).any()
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+@pytest.mark.parametrize("start", [0, 5, PS - 1])
+def test_write_kv_chunk_of_consecutive_rows(name, start):
+    """A prefill chunk: consecutive positions over several pages, whole tiles and partial ones
+    at both ends, with the tile bound a step passes (`tiles_bound`)."""
+    rng = np.random.default_rng(start)
+    pages = 6
+    dtype = CACHE_DTYPES[name]
+    cache = jnp.asarray(rng.standard_normal((pages + 1, PS, D)), jnp.float32).astype(dtype)
+    rows = 3 * PS + 3
+    table = rng.permutation(pages)[:5]                       # logical page -> slot
+    pos = start + np.arange(rows)
+    slots, offsets = table[pos // PS].astype(np.int32), (pos % PS).astype(np.int32)
+    new = jnp.asarray(rng.standard_normal((rows, D)), jnp.float32)
+    bound = tiles_bound(1, rows, write_tile_rows(cache.shape, cache.dtype))
+    out = write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets), max_tiles=bound,
+                   interpret=True)
+    ref = reference.write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets))
+    _assert_same_bits(out, ref)
 
 
 def test_write_kv_rejects_wrong_width():

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels_dispatch import select_kernels
+from cp_runtime.kernels.storage import from_storage, storage_dtype
 from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.step import Segment, make_step
 from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, place_weights,
@@ -95,11 +96,22 @@ def make_page_copy(mesh):
     return jax.jit(spmd, donate_argnums=(0,))
 
 
+def _join_rows(rows: jax.Array, mine: jax.Array) -> jax.Array:
+    """Rows T[N, D] held by one shard each -> the same rows on every shard, in the host form
+    (storage.storage_dtype: unsigned integers for narrow floats, whatever the pool's form).
+    Integers are summed as i32, so the join is exact and needs no narrow-float collective."""
+    host = from_storage(rows, storage_dtype(rows.dtype))       # a bitcast, or nothing
+    if host.dtype == jnp.float32:
+        return jax.lax.psum(jnp.where(mine, host, 0), CP_AXIS)
+    wide = jnp.where(mine, host.astype(jnp.int32), 0)
+    return jax.lax.psum(wide, CP_AXIS).astype(host.dtype)
+
+
 def make_row_io(mesh):
     """(read, write) of cached rows at (shard, slot, offset) i32[N], every layer:
 
-    read(bufs, shard, slot, offset) -> T[N, D] per buffer, replicated (each shard reads the
-        rows it holds, zeros elsewhere, and a psum joins them);
+    read(bufs, shard, slot, offset) -> rows [N, D] per buffer in the host form, replicated
+        (each shard reads the rows it holds, zeros elsewhere, and a psum joins them);
     write(pool, shard, slot, offset, latent rows, indexer rows) -> pool, in place (donated):
         each shard writes its own rows, the others go to its sentinel page.
     """
@@ -107,15 +119,14 @@ def make_row_io(mesh):
 
     def read_body(bufs, shard, slot, offset):
         mine = (shard == jax.lax.axis_index(CP_AXIS))[:, None]
-        return tuple(jax.lax.psum(jnp.where(mine, b[0, slot, offset], 0), CP_AXIS)
-                     for b in bufs)
+        return tuple(_join_rows(b[0, slot, offset], mine) for b in bufs)
 
     def write_body(kv: KVPool, shard, slot, offset, latent, indexer) -> KVPool:
         mine = shard == jax.lax.axis_index(CP_AXIS)
 
         def put(bufs, rows):                                  # bufs: [1, P + 1, ps, D] each
-            return tuple(b.at[0, jnp.where(mine, slot, b.shape[1] - 1), offset].set(r)
-                         for b, r in zip(bufs, rows))
+            return tuple(b.at[0, jnp.where(mine, slot, b.shape[1] - 1), offset].set(
+                from_storage(r, b.dtype)) for b, r in zip(bufs, rows))
 
         return KVPool(latent=put(kv.latent, latent), indexer=put(kv.indexer, indexer))
 
