@@ -69,6 +69,7 @@ class Topology:
 # TPU v7x (Ironwood): a chip has two TensorCores, each a JAX device with 96 GiB of HBM (192 GiB
 # per chip); a host holds 4 chips = 8 devices.
 TOPOLOGIES = {
+    "tpu7x-8": Topology("tpu7x-8", devices=8, hbm_gib=96.0, chips=4, hosts=1, shape="2x2x1"),
     "tpu7x-16": Topology("tpu7x-16", devices=16, hbm_gib=96.0, chips=8, hosts=2, shape="2x2x2"),
     "tpu7x-32": Topology("tpu7x-32", devices=32, hbm_gib=96.0, chips=16, hosts=4, shape="2x2x4"),
 }

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.kernels_dispatch import select_kernels
+from cp_runtime.kernels_dispatch import Kernels, select_kernels
 from cp_runtime.kernels.storage import from_storage, storage_dtype
 from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.step import Segment, make_step
@@ -107,13 +107,15 @@ def _join_rows(rows: jax.Array, mine: jax.Array) -> jax.Array:
     return jax.lax.psum(wide, CP_AXIS).astype(host.dtype)
 
 
-def make_row_io(mesh):
+def make_row_io(mesh, kernels: Kernels, spec: PoolSpec):
     """(read, write) of cached rows at (shard, slot, offset) i32[N], every layer:
 
     read(bufs, shard, slot, offset) -> rows [N, D] per buffer in the host form, replicated
         (each shard reads the rows it holds, zeros elsewhere, and a psum joins them);
-    write(pool, shard, slot, offset, latent rows, indexer rows) -> pool, in place (donated):
-        each shard writes its own rows, the others go to its sentinel page.
+    write(pool, shard, slot, offset, latent rows, indexer rows) -> pool, in place (donated),
+        through the step's own cache write (`kernels.write_kv`): each shard writes its own
+        rows, the others go to its sentinel page. (A plain scatter into an fp8 pool is a
+        whole-pool copy on TPU: the compiler asked for 106 GiB of temporaries.)
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
 
@@ -124,11 +126,13 @@ def make_row_io(mesh):
     def write_body(kv: KVPool, shard, slot, offset, latent, indexer) -> KVPool:
         mine = shard == jax.lax.axis_index(CP_AXIS)
 
-        def put(bufs, rows):                                  # bufs: [1, P + 1, ps, D] each
-            return tuple(b.at[0, jnp.where(mine, slot, b.shape[1] - 1), offset].set(
-                from_storage(r, b.dtype)) for b, r in zip(bufs, rows))
+        def put(bufs, rows, dtype):                           # bufs: [1, P + 1, ps, D] each
+            return tuple(kernels.write_kv(
+                b[0], from_storage(r, dtype), jnp.where(mine, slot, b.shape[1] - 1), offset,
+                cache_dtype=dtype, max_tiles=r.shape[0])[None] for b, r in zip(bufs, rows))
 
-        return KVPool(latent=put(kv.latent, latent), indexer=put(kv.indexer, indexer))
+        return KVPool(latent=put(kv.latent, latent, spec.latent_dtype),
+                      indexer=put(kv.indexer, indexer, spec.indexer_dtype))
 
     read = jax.shard_map(read_body, mesh=mesh, in_specs=(sharded, rep, rep, rep), out_specs=rep,
                          check_vma=False)
@@ -160,7 +164,7 @@ class LocalExecutor(Executor):
         self.params = place_weights(blocks, model, self.mesh, runtime.weights, CP_AXIS)
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
-        self._read_rows, self._write_rows = make_row_io(self.mesh)
+        self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
         self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
                                blocks.shapes)
 

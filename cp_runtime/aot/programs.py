@@ -1,0 +1,160 @@
+"""Every program the executor runs on a slice, as a jitted function and ShapeDtypeStruct
+arguments placed on compile-only devices: nothing is allocated.
+
+    decode          one "sample" segment: max_batch rows of one query each
+    prefill_fill    one "fill" segment: a chunk of chunk_size queries, no lm head
+    prefill_sample  the same chunk, then sampling after its last query
+    prefill_logits  the same chunk, then the logits of its last query
+    row_export      read a chunk's cached rows, every layer (snapshots): latent, then indexer
+    row_import      write them back into the pool (restores)
+    page_copy       copy one page, every layer, on one shard (forks)
+
+The step programs see a page table as wide as `context` tokens need (a session that long, its
+pages spread over the shards by the layout rule) in a pool of `pages_per_shard` pages a shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.engine.executor import make_page_copy, make_row_io, pool_spec_for
+from cp_runtime.kernels.storage import cdiv, storage_dtype
+from cp_runtime.kernels_dispatch import select_kernels
+from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
+from cp_runtime.sampler import SamplingArrays
+from cp_runtime.step import StepInputs, make_step
+from cp_runtime.weight_layout import padded_shape, split_of
+from cp_runtime.weight_placement import param_specs
+from cp_runtime.weights import model_shapes
+
+__all__ = ["WEIGHT_DTYPES", "Program", "cut_model", "executor_programs", "param_structs",
+           "pool_structs"]
+
+# Weight dtypes the compiled programs take. bf16: every tensor 2 bytes, the capacity rule's
+# `bf16` (e_score_correction_bias f32, as there); f32: every tensor 4 bytes.
+WEIGHT_DTYPES = ("bf16", "f32")
+_F32_ALWAYS = ("e_score_correction_bias",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program: `fn(*args)` lowers it; `weights` marks which arguments are weights
+    (their bytes are the program's weight bytes)."""
+
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    weights: tuple[bool, ...]
+    pool_args: tuple[bool, ...]
+
+
+def cut_model(model: ModelConfig, layers: int | None) -> ModelConfig:
+    """The model's first `layers` layers at full width (all of them for None)."""
+    if layers is None or layers >= model.num_hidden_layers:
+        return model
+    if layers < 1:
+        raise ValueError(f"layers={layers} must be at least 1")
+    return dataclasses.replace(
+        model, num_hidden_layers=layers, indexer_types=model.indexer_types[:layers],
+        first_k_dense_replace=min(model.first_k_dense_replace, layers))
+
+
+def param_structs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh,
+                  weight_dtype: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """The weights as the executor places them (model layout; split per runtime.weights)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+    shapes = model_shapes(model)
+    specs = param_specs(shapes, model, runtime.weights, CP_AXIS)
+    out = {}
+    for name, shape in shapes.items():
+        sharded = runtime.weights == "sharded" and split_of(name, shape, model) is not None
+        full = padded_shape(name, shape, model, mesh.shape[CP_AXIS]) if sharded else shape
+        dtype = (jnp.float32 if weight_dtype == "f32" or any(s in name for s in _F32_ALWAYS)
+                 else jnp.bfloat16)
+        out[name] = jax.ShapeDtypeStruct(full, dtype, sharding=NamedSharding(mesh, specs[name]))
+    return out
+
+
+def pool_structs(spec: PoolSpec, mesh: Mesh) -> KVPool:
+    return KVPool.buffer_shapes(spec, mesh)
+
+
+def _structs(arrays: list[np.ndarray], shardings: list[NamedSharding]) -> list:
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(arrays, shardings)]
+
+
+def _segment_structs(rows: int, queries: int, table_width: int, sampled: bool,
+                     mesh: Mesh, num_shards: int) -> tuple:
+    """A segment's argument tuple (as `Segment.to_device` makes it) as ShapeDtypeStructs."""
+    zeros = np.zeros((rows, queries), np.int32)
+    inputs = StepInputs(tokens=zeros, positions=zeros,
+                        page_table=np.zeros((rows, table_width), np.int32),
+                        logit_index=np.zeros((rows,), np.int32))
+    args = _structs(*inputs.host_arrays(mesh, num_shards))
+    sampling = None
+    if sampled:
+        rep = NamedSharding(mesh, PartitionSpec())
+        sampling = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                                SamplingArrays.greedy(rows))
+    return (*args, sampling)
+
+
+def _table_width(context: int, page_size: int, num_shards: int) -> int:
+    """Page-table entries of a `context`-token session: whole pages, a multiple of S (plus one
+    S-block for the rotation, as the engine sizes it)."""
+    return (cdiv(cdiv(context, page_size), num_shards) + 1) * num_shards
+
+
+def _replicated(mesh: Mesh, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
+                      weight_dtype: str, context: int) -> list[Program]:
+    """The programs of the module docstring, for `model` and `runtime` on `mesh`
+    (runtime.num_shards devices), with backend runtime.backend."""
+    spec = pool_spec_for(model, runtime)
+    params = param_structs(model, runtime, mesh, weight_dtype)
+    pool = pool_structs(spec, mesh)
+    kernels = select_kernels(runtime.backend, runtime.num_shards)
+    step = make_step(model, runtime, spec, mesh, kernels,
+                     model_shapes(model))
+    width = _table_width(context, runtime.page_size, runtime.num_shards)
+    s = runtime.num_shards
+    decode = _segment_structs(runtime.max_batch, 1, width, True, mesh, s)
+    programs = [Program("decode", step, (params, pool, (decode,)), {"kinds": ("sample",)},
+                        (True, False, False), (False, True, False))]
+    for kind in ("fill", "sample", "logits"):
+        chunk = _segment_structs(1, runtime.chunk_size, width, kind == "sample", mesh, s)
+        programs.append(Program(f"prefill_{kind}", step, (params, pool, (chunk,)),
+                                {"kinds": (kind,)}, (True, False, False), (False, True, False)))
+    read, write = make_row_io(mesh, kernels, spec)
+    n = runtime.chunk_size
+    where = tuple(_replicated(mesh, (n,), jnp.int32) for _ in range(3))
+
+    def rows(bufs, dtype):              # cached rows on the host: the unsigned form
+        return tuple(_replicated(mesh, (n, b.shape[-1]), storage_dtype(dtype)) for b in bufs)
+
+    no = (False,) * 3
+    programs += [
+        Program("row_export_latent", read, (pool.latent, *where), {}, (False,) * 4,
+                (True,) + no),
+        Program("row_export_indexer", read, (pool.indexer, *where), {}, (False,) * 4,
+                (True,) + no),
+        Program("row_import", write, (pool, *where, rows(pool.latent, spec.latent_dtype),
+                                         rows(pool.indexer, spec.indexer_dtype)),
+                {}, (False,) * 6, (True,) + (False,) * 5),
+        Program("page_copy", make_page_copy(mesh),
+                (pool, *(_replicated(mesh, (), jnp.int32) for _ in range(3))), {},
+                (False,) * 4, (True,) + no),
+    ]
+    return programs

@@ -1,0 +1,120 @@
+"""Compile programs for compile-only TPU devices and tabulate what the compiler reports.
+
+Per program: compiled or the compiler's error (its first lines and code), compile seconds, and
+per device the argument / output / alias / temp bytes (`memory_analysis`), the peak (arguments +
+outputs - aliased + temporaries) against the device's HBM, and the compiler's flops, bytes
+accessed and time estimate (`cost_analysis`; `optimal_seconds`, None where the compiler gives
+none or a negative placeholder).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import jax
+import numpy as np
+
+from cp_runtime.aot.programs import Program
+
+__all__ = ["FIELDS", "compile_program", "per_device_bytes", "format_table"]
+
+FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
+          "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
+          "bytes_accessed", "optimal_seconds", "weight_argument_bytes", "pool_argument_bytes")
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest share)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _error_code(message: str) -> str | None:
+    """`E1001` style codes where XLA gives one, else the status word (`INTERNAL`, ...)."""
+    found = re.search(r"\bE\d{4}\b", message)
+    if found:
+        return found.group(0)
+    status = re.match(r"\s*([A-Z_]{4,}):", message)
+    return status.group(1) if status else None
+
+
+def _first_lines(message: str, lines: int = 4) -> str:
+    return "\n".join(line for line in message.strip().splitlines()[:lines])
+
+
+def compile_program(program: Program, device) -> dict:
+    """Lower and compile `program` with `device` as the default device (Pallas reads the TPU
+    generation from it); the figures of the module docstring, or the error."""
+    out = dict.fromkeys(FIELDS)
+    out["name"] = program.name
+    out["weight_argument_bytes"] = per_device_bytes(
+        [a for a, w in zip(program.args, program.weights) if w])
+    out["pool_argument_bytes"] = per_device_bytes(
+        [a for a, p in zip(program.args, program.pool_args) if p])
+    t0 = time.perf_counter()
+    try:
+        with jax.default_device(device):
+            compiled = program.fn.lower(*program.args, **program.kwargs).compile()
+    except Exception as error:  # noqa: BLE001 - the compiler's refusal is the result
+        message = f"{type(error).__name__}: {error}"
+        out.update(compiled=False, error=_first_lines(message), error_code=_error_code(str(error)),
+                   compile_s=round(time.perf_counter() - t0, 2))
+        return out
+    out["compile_s"] = round(time.perf_counter() - t0, 2)
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):           # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    seconds = cost.get("optimal_seconds")
+    out.update(
+        compiled=True,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        peak_bytes=int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                       - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        optimal_seconds=float(seconds) if seconds is not None and seconds >= 0 else None,
+    )
+    return out
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def _short(x, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{suffix}{unit}"
+    return f"{x:.0f}{unit}"
+
+
+def format_table(rows: list[dict], hbm_bytes: int) -> str:
+    """One line per program; failures show their error code and first line below."""
+    head = (f"{'program':<20} {'ok':<3} {'compile':>8} {'args GiB':>9} {'out GiB':>8} "
+            f"{'alias GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} {'flops':>9} "
+            f"{'bytes':>9} {'est. time':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if not r["compiled"]:
+            lines.append(f"{r['name']:<20} {'no':<3} {r['compile_s']:>7.1f}s  "
+                         f"{r['error_code'] or 'error'}: {r['error'].splitlines()[0][:90]}")
+            continue
+        est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e3:.3f} ms"
+        lines.append(
+            f"{r['name']:<20} {'yes':<3} {r['compile_s']:>7.1f}s {_gib(r['argument_bytes']):>9} "
+            f"{_gib(r['output_bytes']):>8} {_gib(r['alias_bytes']):>9} "
+            f"{_gib(r['temp_bytes']):>9} {_gib(r['peak_bytes']):>9} "
+            f"{r['peak_bytes'] / hbm_bytes:>6.1%} {_short(r['flops']):>9} "
+            f"{_short(r['bytes_accessed'], 'B'):>9} {est:>10}")
+    return "\n".join(lines)
