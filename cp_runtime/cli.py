@@ -4,6 +4,7 @@
                                                      "listening on HOST:PORT")
     cp-runtime demo [--tokens 1m]                    a served long-context session, end to end
     cp-runtime capacity --model glm-5.2 --json       bytes per token and tokens that fit
+    cp-runtime compile --model glm-5.2 --layers 4    every program compiled for a TPU slice
     cp-runtime bench NAME [...]                      a benchmark (niah, serving, throughput, ...)
 
 The same flag means the same thing in every subcommand and benchmark (cp_runtime.cli_args).
@@ -25,9 +26,11 @@ from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size, 
                                  add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, finite_positive_float,
                                  positive_int)
+from cp_runtime.compile_cmd import add_compile, run_compile
 from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, WEIGHT_MODES, ConfigError,
                                RuntimeConfig, load_model_config)
 from cp_runtime.devices import init_cpu_devices
+from cp_runtime.platform import keep_jax_off_absent_tpus
 from cp_runtime.serving.app import build_server, check_bind, serve_forever
 from cp_runtime.serving.server import ServerLimits
 from cp_runtime.serving.state import FSYNC_POLICIES, TokenStore
@@ -249,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_demo(sub)
     _add_capacity(sub)
+    add_compile(sub)
     bench = sub.add_parser("bench", help="run a benchmark of the long-context suite")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark "
@@ -262,6 +266,7 @@ def _run_benchmark(name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_jax_off_absent_tpus()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.run(args)
         if args.command == "capacity":
             return _run_capacity(args)
+        if args.command == "compile":
+            return run_compile(args)
         return _run_benchmark("report" if args.name == "all" else args.name, args.rest)
     except (ConfigError, ValueError) as e:
         print(f"cp-runtime: error: {e}", file=sys.stderr)

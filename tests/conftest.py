@@ -9,6 +9,9 @@ CPU_DEVICES = 16
 # all 16 devices at once otherwise deadlock (see kernels/packing.py).
 os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, CPU_DEVICES + 1)))
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+from cp_runtime.platform import keep_jax_off_absent_tpus  # noqa: E402
+
+keep_jax_off_absent_tpus()   # libtpu (the tpu extra) stays unloaded but for the compile tests
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

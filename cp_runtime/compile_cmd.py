@@ -1,0 +1,122 @@
+"""`cp-runtime compile`: check that a deployment compiles for, and fits, a TPU slice, on any
+machine (libtpu compiles for a compile-only topology; no TPU and no array is needed).
+
+Loads cp_runtime.aot (and through it libtpu) only when run, so the other commands never start
+libtpu.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+from cp_runtime.capacity import TOPOLOGIES
+from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+                                 add_page_size, length, positive_int)
+from cp_runtime.config import WEIGHT_MODES
+
+__all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
+
+PROGRAM_NAMES = ("decode", "prefill_fill", "prefill_sample", "prefill_logits",
+                 "row_export_latent", "row_export_indexer", "row_import", "page_copy")
+EXIT_NO_LIBTPU = 2
+
+
+def add_compile(sub) -> None:
+    p = sub.add_parser(
+        "compile", help="compile every program of a deployment for a TPU slice (no TPU needed)",
+        formatter_class=HelpFormatter,
+        description="Lower every program the executor runs on the slice (the decode step, a "
+                    "prefill chunk with and without its lm head, snapshot row export and "
+                    "import, the page copy of forks) from shapes alone, compile each with "
+                    "XLA:TPU and Mosaic for the topology's compile-only devices, and print per "
+                    "program: compiled or the compiler's error, compile seconds, per-device "
+                    "argument/output/alias/temporary bytes, the peak against HBM, and the "
+                    "compiler's flops, bytes and time estimate. Needs the tpu extra (libtpu); "
+                    "what compiling cannot show (DMA timing, real collectives, HBM speed) it "
+                    "does not claim.")
+    add_model(p, "glm-5.2")
+    p.add_argument("--topology", choices=list(TOPOLOGIES), default="tpu7x-16",
+                   help="the slice: tpu7x-N is N TensorCores (devices) of 96 GiB, 8 a host")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="cut the model to its first N layers at full width (faster "
+                        "compiles; the figures then describe the cut model)")
+    add_kv_cache_dtype(p, "fp8_e4m3")
+    add_page_size(p, 64)
+    p.add_argument("--pages-per-shard", type=positive_int, default=None,
+                   help="KV pages per shard (default: the pool `cp-runtime capacity "
+                        "--topology` sizes for this model with bf16 weights)")
+    add_chunk_size(p, 1024)
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="decode rows of the decode program")
+    p.add_argument("--context", type=length, default=1 << 20,
+                   help="tokens of the session the step programs serve: sets the page "
+                        "table's width (k/m suffixes allowed)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="sharded",
+                   help="sharded: each device holds its part of the model; replicated: all "
+                        "of it")
+    p.add_argument("--weight-dtype", choices=("bf16", "f32"), default="bf16",
+                   help="dtype of the weight arguments (bf16: the capacity rule's bf16)")
+    p.add_argument("--programs", default=None, metavar="NAME[,NAME...]",
+                   help=f"compile only these, from: {', '.join(PROGRAM_NAMES)}")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the table")
+
+
+def _progress(name: str) -> None:
+    print(f"compiling {name} ...", file=sys.stderr, flush=True)
+
+
+def run_compile(args) -> int:
+    from cp_runtime.aot.topology import TPUCompilerMissing, has_libtpu
+
+    if not has_libtpu():
+        print("cp-runtime compile: error: compiling for a TPU needs libtpu; install the tpu "
+              "extra: pip install -e '.[tpu]'", file=sys.stderr)
+        return EXIT_NO_LIBTPU
+    deploy = importlib.import_module("cp_runtime.aot.deploy")
+    report = importlib.import_module("cp_runtime.aot.report")
+    programs = None
+    if args.programs:
+        programs = tuple(p.strip() for p in args.programs.split(","))
+        bad = [p for p in programs if p not in PROGRAM_NAMES]
+        if bad:
+            raise ValueError(f"--programs: {bad[0]!r} is not one of {', '.join(PROGRAM_NAMES)}")
+    plan = deploy.CompilePlan(
+        model=args.model, topology=args.topology, layers=args.layers,
+        kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
+        pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
+        max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
+        context=args.context, programs=programs)
+    try:
+        result = deploy.compile_plan(plan, progress=None if args.json else _progress)
+    except TPUCompilerMissing as e:
+        print(f"cp-runtime compile: error: {e}", file=sys.stderr)
+        return EXIT_NO_LIBTPU
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_summary(result))
+        print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
+    return 0 if all(p["compiled"] for p in result["programs"]) else 1
+
+
+def _summary(r: dict) -> str:
+    gib = 2 ** 30
+    cut = (f", cut to its first {r['layers']} of {r['layers_of_model']} layers at full width"
+           if r["layers"] != r["layers_of_model"] else "")
+    cap = r["capacity_weight_bytes_per_device"]
+    cap_text = "" if cap is None else f" (capacity rule: {cap / gib:.2f} GiB)"
+    return "\n".join([
+        f"{r['model']}{cut} on {r['topology']}: {r['devices']} {r['device_kind']} devices "
+        f"(compile-only), backend {r['backend']}",
+        f"per device: HBM {r['hbm_bytes_per_device'] / gib:.0f} GiB, pool "
+        f"{r['pool_bytes_per_device'] / gib:.2f} GiB ({r['pages_per_shard']:,} pages of "
+        f"{r['page_size']}, {r['kv_cache_dtype']}), weights "
+        f"{r['weight_bytes_per_device'] / gib:.2f} GiB {r['weights']} {r['weight_dtype']}"
+        + cap_text,
+        f"steps: decode {r['max_batch']} rows, prefill chunks of {r['chunk_size']} tokens, "
+        f"page tables for a {r['context']:,}-token session",
+        "",
+    ])
