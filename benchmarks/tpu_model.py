@@ -69,6 +69,7 @@ from cp_runtime.capacity import bytes_per_token
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_out, add_page_size, check_out_dir, check_page_size,
                                  finite_nonnegative_float, finite_positive_float, length_list,
+                                 positive_int,
                                  positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
@@ -76,7 +77,7 @@ from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefi
 from cp_runtime.kernels.storage import cdiv
 
 __all__ = ["Hardware", "Term", "Setup", "tpu7x_16", "decode_terms", "prefill_terms",
-           "hbm_use", "scenarios", "build_parser", "main"]
+           "chunk_terms", "hbm_use", "scenarios", "build_parser", "main"]
 
 GB, TFLOP = 1e9, 1e12
 
@@ -318,14 +319,19 @@ def prefill_terms(model: ModelConfig, hw: Hardware, setup: Setup, *, length: int
     totals: dict[str, Term] = {}
     for start in range(0, length, setup.chunk_size):
         end = min(start + setup.chunk_size, length)
-        q, pages = end - start, cdiv(end, setup.page_size)
-        local = cdiv(pages, hw.devices)
-        for t in [_projections(model, hw, setup, q, 1), _indexer(model, hw, setup, 1, q, local),
-                  _prefill_attention(model, hw, setup, q, local, pages, union=union),
-                  _cache_writes(model, hw, setup, q),
-                  *_collectives(model, hw, setup, q, pages)]:
+        for t in chunk_terms(model, hw, setup, start=start, end=end, union=union):
             totals[t.name] = totals[t.name] + t if t.name in totals else t
     return _split_latency(list(totals.values()))
+
+
+def chunk_terms(model: ModelConfig, hw: Hardware, setup: Setup, *, start: int, end: int,
+                union: float | None) -> list[Term]:
+    """One prefill chunk step: queries start..end of one sequence, its lm head on one row."""
+    q, pages = end - start, cdiv(end, setup.page_size)
+    local = cdiv(pages, hw.devices)
+    return [_projections(model, hw, setup, q, 1), _indexer(model, hw, setup, 1, q, local),
+            _prefill_attention(model, hw, setup, q, local, pages, union=union),
+            _cache_writes(model, hw, setup, q), *_collectives(model, hw, setup, q, pages)]
 
 
 def hbm_use(model: ModelConfig, hw: Hardware, setup: Setup, *, tokens: int) -> float:
@@ -398,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the per-device one-way ICI rate a collective achieves")
     p.add_argument("--collective-us", type=finite_nonnegative_float, default=10.0,
                    help="latency of one collective in microseconds (an assumption)")
+    p.add_argument("--compiler", action="store_true",
+                   help="also compile the runtime's decode step and a prefill chunk for "
+                        "tpu7x-16 (needs the tpu extra) and print the hand model beside the "
+                        "compiler's flops, bytes and time estimate, term by term")
+    p.add_argument("--compiler-layers", type=positive_int, default=4,
+                   help="with --compiler: cut the model to its first N layers (compile time)")
     add_out(p, None)
     return p
 
@@ -449,13 +461,39 @@ def main(argv: list[str] | None = None) -> int:
     results = [evaluate(model, hw, setup, c)
                for c in scenarios(args.prefill_lengths, args.contexts, args.batches)]
     _print(results, hw, setup, model)
+    compared = _compare_with_compiler(args, model, hw, setup) if args.compiler else None
     if args.out_dir is not None:
         path = args.out_dir / "tpu_model.json"
         path.write_text(json.dumps({"model": model.name, "hardware": dataclasses.asdict(hw),
-                                    "setup": dataclasses.asdict(setup), "results": results},
-                                   indent=2))
+                                    "setup": dataclasses.asdict(setup), "results": results,
+                                    "compiler": compared}, indent=2))
         print(f"\nwrote {path}")
     return 0
+
+
+def _compare_with_compiler(args, model: ModelConfig, hw: Hardware, setup: Setup) -> dict:
+    """The hand model beside the TPU compiler's figures (benchmarks/tpu_compiler.py)."""
+    from cp_runtime.aot.topology import has_libtpu
+    from cp_runtime.benchmarks import tpu_compiler
+
+    if not has_libtpu():
+        raise SystemExit("cp-runtime bench tpu_model: --compiler needs libtpu; install the "
+                         "tpu extra: pip install -e '.[tpu]'")
+    out = tpu_compiler.compare(model, hw, setup, layers=args.compiler_layers,
+                               context=args.contexts[0], batch=args.batches[0],
+                               decode_terms=decode_terms, chunk_terms=chunk_terms,
+                               progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print()
+    print_table(out["rows"], ["program", "term", "hand GFLOP", "compiler GFLOP", "flops x",
+                              "hand GB", "compiler GB", "bytes x", "hand ms", "compiler ms",
+                              "differs"],
+                title=f"hand model vs the TPU compiler: {out['model']} cut to {out['layers']} "
+                      f"layers on {out['topology']}, {out['weights']} weights "
+                      f"(x = compiler / hand; named where off by more than "
+                      f"{tpu_compiler.TOLERANCE:.0%})")
+    for term, why in out["differing_terms"].items():
+        print(f"  differs: {term}: {why}")
+    return out
 
 
 if __name__ == "__main__":

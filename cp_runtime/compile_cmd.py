@@ -69,20 +69,20 @@ def _progress(name: str) -> None:
 
 
 def run_compile(args) -> int:
-    from cp_runtime.aot.topology import TPUCompilerMissing, has_libtpu
+    from cp_runtime.aot import topology
 
-    if not has_libtpu():
-        print("cp-runtime compile: error: compiling for a TPU needs libtpu; install the tpu "
-              "extra: pip install -e '.[tpu]'", file=sys.stderr)
-        return EXIT_NO_LIBTPU
-    deploy = importlib.import_module("cp_runtime.aot.deploy")
-    report = importlib.import_module("cp_runtime.aot.report")
     programs = None
     if args.programs:
         programs = tuple(p.strip() for p in args.programs.split(","))
         bad = [p for p in programs if p not in PROGRAM_NAMES]
         if bad:
             raise ValueError(f"--programs: {bad[0]!r} is not one of {', '.join(PROGRAM_NAMES)}")
+    if not topology.has_libtpu():
+        print("cp-runtime compile: error: compiling for a TPU needs libtpu; install the tpu "
+              "extra: pip install -e '.[tpu]'", file=sys.stderr)
+        return EXIT_NO_LIBTPU
+    deploy = importlib.import_module("cp_runtime.aot.deploy")
+    report = importlib.import_module("cp_runtime.aot.report")
     plan = deploy.CompilePlan(
         model=args.model, topology=args.topology, layers=args.layers,
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
@@ -91,7 +91,7 @@ def run_compile(args) -> int:
         context=args.context, programs=programs)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
-    except TPUCompilerMissing as e:
+    except topology.TPUCompilerMissing as e:
         print(f"cp-runtime compile: error: {e}", file=sys.stderr)
         return EXIT_NO_LIBTPU
     if args.json:

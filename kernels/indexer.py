@@ -45,7 +45,7 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.costs import cost_estimate
 from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
 from cp_runtime.kernels.reference import NEG_INF
-from cp_runtime.kernels.vmem import tiled_bytes, vmem_limit_bytes
+from cp_runtime.kernels.vmem import fit_block, tiled_bytes, vmem_limit_bytes
 
 __all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
 
@@ -152,7 +152,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     m = local_pages.shape[1]
     sentinel, ps = k_cache.shape[0] - 1, k_cache.shape[1]
     check_page_size(ps)
-    nb = min(key_block_pages, m)
+    nb = _key_block(q, k_cache, m, key_block_pages)
     nkb = cdiv(m, nb)
     qb = min(QUERY_BLOCK, nq)
     nqb = cdiv(nq, qb)
@@ -201,6 +201,31 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     return out[:, :nq, :m]
 
 
+def _vmem_bytes(qb: int, hi: int, di: int, nb: int, mp: int, ps: int, c: int, qi: int) -> int:
+    """VMEM of one grid step (the module doc's terms, each as Mosaic pads it)."""
+    rows, keys = qb * hi, nb * ps
+    return (NUM_BUFFERS * nb * tiled_bytes((ps, di), c)
+            + 2 * (tiled_bytes((qb, hi, di), qi) + tiled_bytes((qb, hi, 1), 4)
+                   + tiled_bytes((qb, 1), 4))
+            + 2 * tiled_bytes((mp // nb, qb, nb), 4)
+            + 2 * tiled_bytes((rows, keys), 4) + tiled_bytes((keys, di), 4)
+            + 2 * tiled_bytes((qb, keys), 4))
+
+
+def _key_block(q, k_cache, m: int, key_block_pages: int) -> int:
+    """min(key_block_pages, M) pages per key block, halved by `vmem.fit_block` while a step's
+    VMEM exceeds the budget: DeepSeek-V3.2's 64 indexer heads over 32 queries take 64 pages
+    (4096 keys) to 32; GLM-5.2's 32 heads keep 64."""
+    _, nq, hi, di = q.shape
+    qb = min(QUERY_BLOCK, nq)
+    c, qi = np.dtype(k_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+
+    def vmem(nb):
+        return _vmem_bytes(qb, hi, di, nb, cdiv(m, nb) * nb, k_cache.shape[1], c, qi)
+
+    return fit_block(vmem, min(key_block_pages, m))
+
+
 def cost(q, w, k_cache, local_pages, q_pos, shard=None, rotation=None, *, num_shards: int,
          key_block_pages: int) -> dict:
     """Grid, blocks, VMEM bytes, and the upper bounds of HBM bytes and flops of one call.
@@ -212,17 +237,12 @@ def cost(q, w, k_cache, local_pages, q_pos, shard=None, rotation=None, *, num_sh
     m = local_pages.shape[1]
     ps = k_cache.shape[1]
     c, qi = np.dtype(k_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
-    nb = min(key_block_pages, m)
+    nb = _key_block(q, k_cache, m, key_block_pages)
     mp = cdiv(m, nb) * nb
     qb = min(QUERY_BLOCK, nq)
     nqb = cdiv(nq, qb)
     rows, keys = qb * hi, nb * ps
-    vmem = (NUM_BUFFERS * nb * tiled_bytes((ps, di), c)
-            + 2 * (tiled_bytes((qb, hi, di), qi) + tiled_bytes((qb, hi, 1), 4)
-                   + tiled_bytes((qb, 1), 4))
-            + 2 * tiled_bytes((mp // nb, qb, nb), 4)
-            + 2 * tiled_bytes((rows, keys), 4) + tiled_bytes((keys, di), 4)
-            + 2 * tiled_bytes((qb, keys), 4))
+    vmem = _vmem_bytes(qb, hi, di, nb, mp, ps, c, qi)
     return {
         "grid": (b, nqb),
         "blocks": {"q": (qb, hi, di), "keys": (keys, di), "out": (mp // nb, qb, nb)},

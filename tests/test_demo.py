@@ -24,3 +24,28 @@ def test_the_document_plants_one_fact_and_ends_with_its_question():
 def test_bad_demo_flags_are_usage_errors(capsys):
     assert main(["demo", "--depth", "2"]) == 2
     assert "--depth" in capsys.readouterr().err
+
+
+def test_the_demo_starts_no_libtpu_on_a_machine_without_a_tpu():
+    """With the tpu extra installed, libtpu would look for a TPU at JAX's first backend use and
+    print a page of warnings (TPU_ACCELERATOR_TYPE, worker hostnames); the command line keeps
+    JAX on the CPU where no TPU chip is attached (cp_runtime.platform)."""
+    import os
+    import subprocess
+    import sys
+
+    from cp_runtime.platform import tpu_chips_present
+
+    if tpu_chips_present():
+        import pytest
+        pytest.skip("this machine has TPU chips")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "CP_RUNTIME_TOKEN")}
+    out = subprocess.run([sys.executable, "-m", "cp_runtime.cli", "demo", "--tokens", "4k",
+                          "--no-progress"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout + out.stderr
+    for noise in ("libtpu", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle",
+                  "Unable to initialize backend"):
+        assert noise not in printed, (noise, printed[-2000:])
+    assert "(right;" in out.stdout

@@ -18,7 +18,7 @@ import numpy as np
 
 from cp_runtime.aot.programs import Program
 
-__all__ = ["FIELDS", "compile_program", "per_device_bytes", "format_table"]
+__all__ = ["FIELDS", "compile_figures", "compile_program", "per_device_bytes", "format_table"]
 
 FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
@@ -48,18 +48,25 @@ def _first_lines(message: str, lines: int = 4) -> str:
 
 
 def compile_program(program: Program, device) -> dict:
-    """Lower and compile `program` with `device` as the default device (Pallas reads the TPU
-    generation from it); the figures of the module docstring, or the error."""
-    out = dict.fromkeys(FIELDS)
-    out["name"] = program.name
+    """`compile_figures` of a program, with its weight and pool argument bytes per device."""
+    out = compile_figures(program.name, program.fn, program.args, program.kwargs, device)
     out["weight_argument_bytes"] = per_device_bytes(
         [a for a, w in zip(program.args, program.weights) if w])
     out["pool_argument_bytes"] = per_device_bytes(
         [a for a, p in zip(program.args, program.pool_args) if p])
+    return out
+
+
+def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
+    """Lower and compile jitted `fn(*args, **kwargs)` with `device` as the default device
+    (Pallas reads the TPU generation from it); the figures of the module docstring, or the
+    error."""
+    out = dict.fromkeys(FIELDS)
+    out["name"] = name
     t0 = time.perf_counter()
     try:
         with jax.default_device(device):
-            compiled = program.fn.lower(*program.args, **program.kwargs).compile()
+            compiled = fn.lower(*args, **kwargs).compile()
     except Exception as error:  # noqa: BLE001 - the compiler's refusal is the result
         message = f"{type(error).__name__}: {error}"
         out.update(compiled=False, error=_first_lines(message), error_code=_error_code(str(error)),

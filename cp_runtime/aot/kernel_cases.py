@@ -1,0 +1,152 @@
+"""The four Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
+
+Shapes per shard: the latent cache `[P + 1, ps, D_lat]` in the cache dtype, queries with every
+head (the step gathers q heads before the sparse attention), `N = index_topk / ps + 1` pages per
+query, the indexer's bf16 key cache `[P + 1, ps, D_idx]` and its heads. The pool is sized past
+VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
+
+    write    decode rows (N = batch) and a prefill chunk (with the step's tile bound)
+    decode   batches of one query per row
+    prefill  chunks of 1 .. many query blocks (partial last blocks too)
+    indexer  the decode query and a prefill chunk against the bf16 key cache
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
+from cp_runtime.kernels.storage import cdiv
+
+__all__ = ["KernelCase", "POOL_BYTES", "kernel_cases"]
+
+POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
+CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
+NUM_SHARDS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """`fn(*args)` is one kernel call; `cost` is its cost() (flops, bytes, VMEM); `donate`:
+    the argument the kernel updates in place (the cache write's cache), donated as the step
+    donates the pool, so the compiled figures show no copy of it."""
+
+    name: str
+    kernel: str
+    fn: Callable
+    args: tuple
+    cost: dict
+    donate: tuple[int, ...] = ()
+
+    def jitted(self):
+        return jax.jit(self.fn, donate_argnums=self.donate)
+
+
+def _structs(device, *shapes_and_dtypes) -> tuple:
+    sharding = SingleDeviceSharding(device)
+    return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                 for shape, dtype in shapes_and_dtypes)
+
+
+def _pages(page_size: int, row_bytes: int) -> int:
+    return cdiv(POOL_BYTES, page_size * row_bytes)
+
+
+def write_cases(model: ModelConfig, kv_dtype: str, page_size: int, rows: tuple[int, ...],
+                device) -> list[KernelCase]:
+    dtype = latent_cache_dtype(kv_dtype)
+    d = model.latent_dim
+    pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
+    out = []
+    for n, queries in rows:
+        cache_shape = (pages + 1, page_size, d)
+        bound = cache_write.tiles_bound(n // queries, queries,
+                                        cache_write.write_tile_rows(cache_shape, dtype))
+        args = _structs(device, (cache_shape, dtype), ((n, d), jnp.bfloat16), ((n,), jnp.int32),
+                        ((n,), jnp.int32))
+
+        def fn(cache, new, slots, offsets, bound=bound):
+            return cache_write.write_kv(cache, new, slots, offsets, max_tiles=bound)
+
+        out.append(KernelCase(f"write {n // queries}x{queries}", "cache_write", fn, args,
+                              cache_write.cost(*args, max_tiles=bound), donate=(0,)))
+    return out
+
+
+def decode_cases(model: ModelConfig, kv_dtype: str, page_size: int, batches: tuple[int, ...],
+                 device) -> list[KernelCase]:
+    dtype = latent_cache_dtype(kv_dtype)
+    h, d, n = model.num_attention_heads, model.latent_dim, model.index_topk // page_size + 1
+    pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
+    out = []
+    for b in batches:
+        args = _structs(device, ((b, 1, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
+                        ((b, 1, n), jnp.int32), ((b, 1, n), jnp.int32), ((b, 1), jnp.int32))
+        statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
+
+        def fn(*a, statics=statics):
+            return sparse_decode.sparse_decode(*a, **statics)
+
+        out.append(KernelCase(f"decode B={b}", "sparse_decode", fn, args,
+                              sparse_decode.cost(*args, value_dim=model.kv_lora_rank)))
+    return out
+
+
+def prefill_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
+                  device) -> list[KernelCase]:
+    dtype = latent_cache_dtype(kv_dtype)
+    h, d, n = model.num_attention_heads, model.latent_dim, model.index_topk // page_size + 1
+    pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
+    out = []
+    for q in chunks:
+        args = _structs(device, ((1, q, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
+                        ((1, q, n), jnp.int32), ((1, q, n), jnp.int32), ((1, q), jnp.int32))
+        statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
+
+        def fn(*a, statics=statics):
+            return sparse_prefill.sparse_prefill(*a, **statics)
+
+        out.append(KernelCase(f"prefill Q={q}", "sparse_prefill", fn, args,
+                              sparse_prefill.cost(*args, value_dim=model.kv_lora_rank)))
+    return out
+
+
+def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
+                  key_block_pages: int, device) -> list[KernelCase]:
+    dtype = indexer_cache_dtype(kv_dtype)
+    hi, di = model.index_n_heads, model.index_head_dim
+    pages = _pages(page_size, di * jnp.dtype(dtype).itemsize)
+    local = cdiv(cdiv(CONTEXT, page_size), NUM_SHARDS)
+    out = []
+    for q in chunks:
+        args = _structs(device, ((1, q, hi, di), jnp.bfloat16), ((1, q, hi), jnp.float32),
+                        ((pages + 1, page_size, di), dtype), ((1, local), jnp.int32),
+                        ((1, q), jnp.int32), ((), jnp.int32))
+        statics = dict(num_shards=NUM_SHARDS, key_block_pages=key_block_pages)
+
+        def fn(*a, statics=statics):
+            return indexer.indexer_page_scores(*a, **statics)
+
+        out.append(KernelCase(f"indexer Q={q}", "indexer", fn, args,
+                              indexer.cost(*args, **statics)))
+    return out
+
+
+def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
+                 decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
+                 write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
+                 key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
+    """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
+    `cp-runtime compile --kernels`)."""
+    return (write_cases(model, kv_dtype, page_size, write_rows, device)
+            + decode_cases(model, kv_dtype, page_size, decode_batches, device)
+            + prefill_cases(model, kv_dtype, page_size, prefill_chunks, device)
+            + indexer_cases(model, kv_dtype, page_size, indexer_chunks, key_block_pages,
+                            device))
