@@ -45,8 +45,8 @@ KNOWN_CAUSES = {
                                "every shard; the hand model counts the pages a shard owns "
                                "(1/S of them); a prefill block's union is qb x N in the "
                                "estimate, --prefill-union x N in the model",
-    "indexer scores": "the estimate scans the page table's width (a 1M-token session) for "
-                      "every query block; the hand model the pages up to the query",
+    "indexer scores": "the estimate reads whole key blocks of the page table's width for "
+                      "every query block; the hand model the pages up to the chunk's end",
     "cache writes": "the estimate moves whole tiles of every row on every shard (the "
                     "sentinel's included in the grid); the hand model one row's bytes, once, "
                     "on its owner; the compiler adds the XLA grouping (sort, scatter)",

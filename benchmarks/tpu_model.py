@@ -61,7 +61,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from cp_runtime.benchmarks.common import print_table
 from cp_runtime.benchmarks.throughput import matmul_weights, projection_work

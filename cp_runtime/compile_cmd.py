@@ -60,6 +60,10 @@ def add_compile(sub) -> None:
                    help="dtype of the weight arguments (bf16: the capacity rule's bf16)")
     p.add_argument("--programs", default=None, metavar="NAME[,NAME...]",
                    help=f"compile only these, from: {', '.join(PROGRAM_NAMES)}")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead of the programs, compile each Pallas kernel alone at the "
+                        "model's per-shard shapes (decode batches 1-64, prefill chunks 1-8192 "
+                        "queries, cache writes, indexer) for this cache dtype and page size")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
 
@@ -81,6 +85,8 @@ def run_compile(args) -> int:
         print("cp-runtime compile: error: compiling for a TPU needs libtpu; install the tpu "
               "extra: pip install -e '.[tpu]'", file=sys.stderr)
         return EXIT_NO_LIBTPU
+    if args.kernels:
+        return _run_kernels(args)
     deploy = importlib.import_module("cp_runtime.aot.deploy")
     report = importlib.import_module("cp_runtime.aot.report")
     plan = deploy.CompilePlan(
@@ -100,6 +106,43 @@ def run_compile(args) -> int:
         print(_summary(result))
         print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
     return 0 if all(p["compiled"] for p in result["programs"]) else 1
+
+
+def _run_kernels(args) -> int:
+    """`--kernels`: each kernel case compiled alone (cp_runtime.aot.kernel_cases)."""
+    from cp_runtime.aot.kernel_cases import kernel_cases
+    from cp_runtime.aot.report import compile_figures
+    from cp_runtime.aot.topology import compile_only_devices
+    from cp_runtime.config import load_model_config
+
+    device = compile_only_devices(args.topology)[0]
+    model = load_model_config(args.model)
+    rows = []
+    for case in kernel_cases(model, args.kv_cache_dtype, args.page_size, device):
+        if not args.json:
+            _progress(case.name)
+        r = compile_figures(case.name, case.jitted(), case.args, {}, device)
+        rows.append({**r, "kernel": case.kernel, "cost_flops": case.cost["flops"],
+                     "cost_bytes": case.cost["bytes"], "vmem_bytes": case.cost["vmem_bytes"],
+                     "blocks": {k: list(v) for k, v in case.cost["blocks"].items()}})
+    if args.json:
+        print(json.dumps({"model": model.name, "kv_cache_dtype": args.kv_cache_dtype,
+                          "page_size": args.page_size, "device_kind": device.device_kind,
+                          "kernels": rows}, indent=2))
+    else:
+        print(f"{model.name}, {args.kv_cache_dtype} cache, pages of {args.page_size}, one "
+              f"{device.device_kind} device")
+        print(f"{'case':<16} {'ok':<3} {'compile':>8} {'VMEM est.':>10} {'temp MB':>8} "
+              f"{'flops':>10} {'cost() flops':>12} {'bytes':>10} {'est. time':>10}")
+        for r in rows:
+            if not r["compiled"]:
+                print(f"{r['name']:<16} no  {r['error_code']}: {r['error'].splitlines()[0]}")
+                continue
+            est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e6:.1f} us"
+            print(f"{r['name']:<16} yes {r['compile_s']:>7.1f}s {r['vmem_bytes'] / 2**20:>7.1f} "
+                  f"MiB {r['temp_bytes'] / 1e6:>8.1f} {r['flops']:>10.3g} "
+                  f"{r['cost_flops']:>12.3g} {r['bytes_accessed']:>10.3g} {est:>10}")
+    return 0 if all(r["compiled"] for r in rows) else 1
 
 
 def _summary(r: dict) -> str:

@@ -43,7 +43,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -76,7 +75,7 @@ def group_rows(new: jax.Array, slots: jax.Array, offsets: jax.Array, *, sentinel
              mask i32[G, tile, 1] (1 where a new row lands), group slot i32[G], group tile
              index t_g i32[G], fill i32[G] (rows written per group), count i32[] (groups used)
     """
-    n, d = new.shape
+    d = new.shape[1]
     live = slots != sentinel
     tile_of = offsets // tile
     key = jnp.where(live, slots * tiles_per_page + tile_of, _NO_TILE)

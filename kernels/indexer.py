@@ -16,15 +16,16 @@ reference.
 Grid:   (B, nqb = ceil(Q / qb)), both parallel.
 Blocks: q [qb, Hi, Di] VMEM; w f32[qb, Hi, 1] VMEM; q_pos i32[qb, 1] VMEM; page table i32[B * Mp]
         (Mp = nkb * nb, sentinel-padded), visible key blocks i32[B * nqb] and each row's first
-        logical page i32[B] (shard - rotation) scalar prefetch (SMEM); key cache T[P + 1, ps, Di] stays in HBM (pl.ANY);
+        logical page i32[B] (shard - rotation) scalar prefetch (SMEM); key cache
+        T[P + 1, ps, Di] stays in HBM (pl.ANY), key blocks DMA'd page by page;
         out f32[nkb, qb, nb] VMEM (transposed to [B, Q, M] outside).
 VMEM:   R = qb * Hi rows, K = nb * ps keys per block, c = cache itemsize, q = query itemsize
           ring      NB * K * Di * c                          (NB = NUM_BUFFERS)
           inputs    2 * (R * Di * q + R * 4 + qb * 4)
           output    2 * Mp * qb * 4
           temps     2 * R * K * 4 + K * Di * 4 + 2 * qb * K * 4  (logits, ReLU, keys, scores)
-        e.g. qb = 32, Hi = 64, Di = 128, nb = 8, ps = 64, Mp = 2048, bf16: ~10.1 MiB, 8 MiB of it
-        the [R, K] logits and their ReLU; nb = 4 halves those (~5.8 MiB).
+        each array counted as Mosaic pads it (vmem.tiled_bytes); the wrapper halves nb while
+        the sum exceeds the VMEM budget (`_key_block`).
 Per call (upper bound: every key block visible to every query block):
         bytes = B*Q*Hi*(Di*q + 4) + B*Q*4 + B*nqb*Mp*(ps*Di*c + 4) + B*Q*Mp*4
         flops = B*nqb*Mp*ps * qb*Hi * (2*Di + 3)       (dot, ReLU, weight, head sum)

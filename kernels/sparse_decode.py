@@ -16,8 +16,9 @@ VMEM:   c = cache itemsize, q = query itemsize
           inputs    2 * H * D * q
           outputs   2 * H * (V + 1) * 4
           scratch   H * (V + 2) * 4                 (acc, m, l)
-          temps     2 * H * ps * 4 + ps * D * (q + 4)
-        e.g. H = 128, D = 576, V = 512, ps = 64, fp8, bf16 q: ~1.4 MiB.
+          temps     3 * H * ps * 4 + ps * D * (q + 4) + H * V * 4
+        each counted as Mosaic pads it (vmem.tiled_bytes); e.g. H = 128, D = 640, V = 512,
+        ps = 64, fp8, bf16 q: ~1.9 MiB.
 SMEM:   (2 * B * N + B + N) * 4 bytes (the whole page tables are prefetched).
 Per call (upper bound: all B * N entries visible):
         bytes = B*H*D*q + B*N*(ps*D*c + 8) + B*H*(V + 1)*4

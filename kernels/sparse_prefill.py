@@ -16,7 +16,9 @@ union page (masked), so flops grow with the union size U <= qb * N.
 
 Grid:   (B, nqb = ceil(Q / qb)), both parallel.
 Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM;
-        union slots and pages i32[U] SMEM (U = qb * N); union count i32[B * nqb] scalar prefetch;
+        union slots and pages i32[1, U] SMEM per block (U = qb * N; a row of a
+        [B * nqb, 1, U] array, so a block's last two dims are the array's, as Pallas requires);
+        union count i32[B * nqb] scalar prefetch;
         kv cache T[P + 1, ps, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
         out o f32[qb, H, V] and lse f32[qb, H, 1] VMEM.
 VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
@@ -24,9 +26,12 @@ VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
           inputs    2 * (R * D * q + qb * N * 4 + qb * 4)  (pipeline double buffers)
           outputs   2 * R * (V + 1) * 4
           scratch   R * (V + 2) * 4                      (acc, m, l)
-          temps     2 * R * ps * 4 + ps * D * (q + 4)     (scores, probs, one upcast page)
+          temps     3 * R * ps * 4 + ps * D * (q + 4) + R * V * 4  (scores, probs, a page, acc)
+        each array counted as Mosaic pads it (vmem.tiled_bytes: an [R, 1] column takes 128
+        lanes), and qb halved while the sum exceeds the budget: GLM-5.2 (H = 64, D = 640,
+        V = 512, ps = 64, N = 33, fp8, bf16 q) runs qb = 32 in ~28 MiB; DeepSeek-V3.2's 128
+        heads qb = 16. (qb = 64 at H = 64 asked the TPU7x compiler for 51 MiB and was refused.)
         SMEM: 4 * U * 4 bytes (two union lists, double-buffered) + 4 * B * nqb (counts).
-        e.g. qb = 64, H = 16, D = 576, V = 512, ps = 64, N = 32, fp8, bf16 q: ~9.1 MiB.
 Per call (upper bound: every selected page distinct and visible, U = qb * N):
         bytes = B*Q*H*D*q + B*Q*N*4 + B*nqb*U*(ps*D*c + 8) + B*Q*H*(V + 1)*4
         flops = 2 * B*nqb*U * qb*H * ps * (D + V)

@@ -112,3 +112,21 @@ def test_doc_table_is_what_the_module_prints(capsys, tmp_path):
     assert printed in DOC.read_text(), "docs/performance.md is out of date: paste the output"
     data = json.loads((tmp_path / "tpu_model.json").read_text())
     assert [r["case"] for r in data["results"]][:2] == ["prefill 8K", "prefill 1M"]
+
+
+@pytest.mark.slow
+def test_the_hand_model_beside_the_compiler(capsys):
+    """`--compiler`: the same decode step and prefill chunk compiled for tpu7x-16; every term
+    where the two differ by more than 20% is named (slow: ~1 min of compiling)."""
+    from cp_runtime.aot.topology import has_libtpu
+
+    if not has_libtpu():
+        pytest.skip("needs libtpu (tpu extra)")
+    assert tpu_model.main(["--compiler", "--compiler-layers", "1", "--contexts", "8k",
+                           "--batches", "1", "--chunk-size", "1024"]) == 0
+    printed = capsys.readouterr().out
+    assert "hand model vs the TPU compiler" in printed
+    for term in ("indexer scores", "selected-page attention", "cache writes",
+                 "rest of the step", "whole step"):
+        assert term in printed
+    assert "differs: selected-page attention" in printed   # the estimate's upper bound

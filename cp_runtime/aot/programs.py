@@ -45,15 +45,15 @@ _F32_ALWAYS = ("e_score_correction_bias",)
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One program: `fn(*args)` lowers it; `weights` marks which arguments are weights
-    (their bytes are the program's weight bytes)."""
+    """One program: `fn.lower(*args, **kwargs)` lowers it; `weight_args` and `pool_args` are
+    the positions of the weights and of the pool among its arguments."""
 
     name: str
     fn: Callable
     args: tuple
     kwargs: dict
-    weights: tuple[bool, ...]
-    pool_args: tuple[bool, ...]
+    weight_args: tuple[int, ...] = ()
+    pool_args: tuple[int, ...] = ()
 
 
 def cut_model(model: ModelConfig, layers: int | None) -> ModelConfig:
@@ -123,20 +123,32 @@ def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
     """The programs of the module docstring, for `model` and `runtime` on `mesh`
     (runtime.num_shards devices), with backend runtime.backend."""
     spec = pool_spec_for(model, runtime)
-    params = param_structs(model, runtime, mesh, weight_dtype)
     pool = pool_structs(spec, mesh)
     kernels = select_kernels(runtime.backend, runtime.num_shards)
-    step = make_step(model, runtime, spec, mesh, kernels,
-                     model_shapes(model))
+    return (_step_programs(model, runtime, mesh, spec, pool, kernels, weight_dtype, context)
+            + _cache_programs(runtime, mesh, spec, pool, kernels))
+
+
+def _step_programs(model, runtime, mesh, spec, pool, kernels, weight_dtype: str,
+                   context: int) -> list[Program]:
+    """The decode step and a prefill chunk (fill, sample, logits): weights, pool, segment."""
+    params = param_structs(model, runtime, mesh, weight_dtype)
+    step = make_step(model, runtime, spec, mesh, kernels, model_shapes(model))
     width = _table_width(context, runtime.page_size, runtime.num_shards)
     s = runtime.num_shards
     decode = _segment_structs(runtime.max_batch, 1, width, True, mesh, s)
     programs = [Program("decode", step, (params, pool, (decode,)), {"kinds": ("sample",)},
-                        (True, False, False), (False, True, False))]
+                        weight_args=(0,), pool_args=(1,))]
     for kind in ("fill", "sample", "logits"):
         chunk = _segment_structs(1, runtime.chunk_size, width, kind == "sample", mesh, s)
         programs.append(Program(f"prefill_{kind}", step, (params, pool, (chunk,)),
-                                {"kinds": (kind,)}, (True, False, False), (False, True, False)))
+                                {"kinds": (kind,)}, weight_args=(0,), pool_args=(1,)))
+    return programs
+
+
+def _cache_programs(runtime, mesh, spec, pool, kernels) -> list[Program]:
+    """Snapshot row export (latent, indexer) and import of a chunk's rows; the fork's page
+    copy."""
     read, write = make_row_io(mesh, kernels, spec)
     n = runtime.chunk_size
     where = tuple(_replicated(mesh, (n,), jnp.int32) for _ in range(3))
@@ -144,17 +156,12 @@ def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
     def rows(bufs, dtype):              # cached rows on the host: the unsigned form
         return tuple(_replicated(mesh, (n, b.shape[-1]), storage_dtype(dtype)) for b in bufs)
 
-    no = (False,) * 3
-    programs += [
-        Program("row_export_latent", read, (pool.latent, *where), {}, (False,) * 4,
-                (True,) + no),
-        Program("row_export_indexer", read, (pool.indexer, *where), {}, (False,) * 4,
-                (True,) + no),
+    page = tuple(_replicated(mesh, (), jnp.int32) for _ in range(3))      # shard, src, dst
+    return [
+        Program("row_export_latent", read, (pool.latent, *where), {}, pool_args=(0,)),
+        Program("row_export_indexer", read, (pool.indexer, *where), {}, pool_args=(0,)),
         Program("row_import", write, (pool, *where, rows(pool.latent, spec.latent_dtype),
-                                         rows(pool.indexer, spec.indexer_dtype)),
-                {}, (False,) * 6, (True,) + (False,) * 5),
-        Program("page_copy", make_page_copy(mesh),
-                (pool, *(_replicated(mesh, (), jnp.int32) for _ in range(3))), {},
-                (False,) * 4, (True,) + no),
+                                         rows(pool.indexer, spec.indexer_dtype)), {},
+                pool_args=(0,)),
+        Program("page_copy", make_page_copy(mesh), (pool, *page), {}, pool_args=(0,)),
     ]
-    return programs

@@ -50,10 +50,9 @@ def _first_lines(message: str, lines: int = 4) -> str:
 def compile_program(program: Program, device) -> dict:
     """`compile_figures` of a program, with its weight and pool argument bytes per device."""
     out = compile_figures(program.name, program.fn, program.args, program.kwargs, device)
-    out["weight_argument_bytes"] = per_device_bytes(
-        [a for a, w in zip(program.args, program.weights) if w])
-    out["pool_argument_bytes"] = per_device_bytes(
-        [a for a, p in zip(program.args, program.pool_args) if p])
+    out["weight_argument_bytes"] = per_device_bytes([program.args[i]
+                                                     for i in program.weight_args])
+    out["pool_argument_bytes"] = per_device_bytes([program.args[i] for i in program.pool_args])
     return out
 
 
