@@ -5,8 +5,9 @@ devices), from shapes alone (cp_runtime.aot).
   - kernels: each kernel x cache dtype x model x page size, at the model's per-shard shapes;
     multi-block prefill (200 and 8192 queries); within the VMEM budget; the kernel's cost()
     inside the compiler's figures (its CostEstimate reached XLA).
-  - programs: glm-5.2 and deepseek-v3.2 cut to their first 4 layers at full width (3 dense, 1
-    MoE), sharded bf16 weights: the decode step and a prefill chunk compile, alias the pool in
+  - programs: glm-5.2 and deepseek-v3.2 cut to their first 3 layers at full width (the MoE
+    layers come later: `cp-runtime compile --layers 4` and the slow whole-model test compile
+    them), sharded bf16 weights: the decode step and a prefill chunk compile, alias the pool in
     place (alias bytes = pool bytes) and count the kernels' flops; glm-5.2's again at a pool 4x
     larger, where temporaries grow by at most 2% of the pool's growth (they do not grow).
 
@@ -29,19 +30,23 @@ if not has_libtpu():
                 allow_module_level=True)
 
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
 from cp_runtime.aot.deploy import CompilePlan, compile_plan  # noqa: E402
 from cp_runtime.aot.kernel_cases import (decode_cases, indexer_cases, prefill_cases,  # noqa: E402
                                          write_cases)
 from cp_runtime.aot.report import compile_figures  # noqa: E402
 from cp_runtime.aot.topology import compile_only_devices  # noqa: E402
 from cp_runtime.config import RuntimeConfig, load_model_config  # noqa: E402
-from cp_runtime.kernels import sparse_decode, sparse_prefill  # noqa: E402
+from cp_runtime.kernels import sparse_decode  # noqa: E402
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES  # noqa: E402
 
 MODELS = ("glm-5.2", "deepseek-v3.2")
 CACHE_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
 PAGE_SIZES = (16, 64)
-LAYERS = 4
+LAYERS = 3                      # the issue's 3-4; each layer adds ~3-8 s to a compile here
+SMALL_POOL_PAGES = 32768        # 5.6 GB a device for 3 layers (latent + indexer); 4x is 22 GB
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +56,16 @@ def device():
 
 def _cases(model, kv_dtype, page_size, device):
     """All dtypes: decode rows and a chunk written, a 5-row decode, a 200-query (4+ block)
-    prefill. fp8_e4m3 (the default) adds the batch and chunk extremes and the indexer, whose
-    bf16 cache is the same under every fp8 latent dtype and bf16."""
+    prefill. fp8_e4m3 (the default) adds the batch and chunk extremes (the 8192-query chunk at
+    pages of 64; `cp-runtime compile --kernels` compiles it at 16 too) and the indexer, whose
+    bf16 cache is the same under every fp8 latent dtype and bf16. (e5m2 writes the same tiles
+    as e4m3, so only e4m3 and bf16 write a whole chunk.)"""
     full = kv_dtype == "fp8_e4m3"
-    return (write_cases(model, kv_dtype, page_size, ((64, 1), (8192, 8192)), device)
+    chunks = (1, 200, 8192) if full and page_size == 64 else (1, 200) if full else (200,)
+    writes = ((64, 1),) if kv_dtype == "fp8_e5m2" else ((64, 1), (8192, 8192))
+    return (write_cases(model, kv_dtype, page_size, writes, device)
             + decode_cases(model, kv_dtype, page_size, (1, 5, 64) if full else (5,), device)
-            + prefill_cases(model, kv_dtype, page_size, (1, 200, 8192) if full else (200,),
-                            device)
+            + prefill_cases(model, kv_dtype, page_size, chunks, device)
             + (indexer_cases(model, kv_dtype, page_size, (1, 8192),
                              RuntimeConfig().key_block_pages, device) if full else []))
 
@@ -97,9 +105,6 @@ def compiled():
 
 def _decode_kernel_flops(model, runtime_pages: int, plan_rows: int) -> float:
     """Flops the decode step's attention kernels account for: one call per layer."""
-    import jax
-    import jax.numpy as jnp
-
     ps, h, d = 64, model.num_attention_heads, model.latent_dim
     n = model.index_topk // ps + 1
     sds = jax.ShapeDtypeStruct
@@ -108,9 +113,6 @@ def _decode_kernel_flops(model, runtime_pages: int, plan_rows: int) -> float:
                                    sds((plan_rows, 1, n), jnp.int32), None, None,
                                    value_dim=model.kv_lora_rank)["flops"]
     return LAYERS * per_layer
-
-
-SMALL_POOL_PAGES = 32768        # 5.4 GB a device for 4 layers of fp8 latents; 4x is 21 GB
 
 
 def _check_program(name: str, result: dict, row: dict) -> None:
@@ -141,13 +143,3 @@ def test_program_temporaries_do_not_grow_with_the_pool(compiled):
         a = at_small[name]
         _check_program(name, large, b)
         assert abs(b["temp_bytes"] - a["temp_bytes"]) <= 0.02 * growth, (name, a, b)
-
-
-def test_prefill_chunk_kernel_flops_are_counted(device):
-    """A prefill chunk's attention kernel alone: the compiler's flops equal its cost()."""
-    model = load_model_config("glm-5.2")
-    (case,) = prefill_cases(model, "fp8_e4m3", 64, (1024,), device)
-    r = compile_figures(case.name, case.jitted(), case.args, {}, device)
-    assert r["compiled"] and r["flops"] == pytest.approx(case.cost["flops"], rel=0.01)
-    assert case.cost["flops"] == sparse_prefill.cost(*case.args,
-                                                     value_dim=model.kv_lora_rank)["flops"]
