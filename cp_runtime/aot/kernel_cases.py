@@ -80,42 +80,40 @@ def write_cases(model: ModelConfig, kv_dtype: str, page_size: int, rows: tuple[i
     return out
 
 
-def decode_cases(model: ModelConfig, kv_dtype: str, page_size: int, batches: tuple[int, ...],
-                 device) -> list[KernelCase]:
+def _attention_cases(model: ModelConfig, kv_dtype: str, page_size: int,
+                     shapes: tuple[tuple[int, int], ...], module, name: str,
+                     device) -> list[KernelCase]:
+    """Cases of the attention kernel `module.<name>` (with `module.cost`), one per (rows B,
+    queries Q) in `shapes`."""
+    call = getattr(module, name)
     dtype = latent_cache_dtype(kv_dtype)
     h, d, n = model.num_attention_heads, model.latent_dim, model.index_topk // page_size + 1
     pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
+    statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
     out = []
-    for b in batches:
-        args = _structs(device, ((b, 1, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
-                        ((b, 1, n), jnp.int32), ((b, 1, n), jnp.int32), ((b, 1), jnp.int32))
-        statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
+    for b, q in shapes:
+        args = _structs(device, ((b, q, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
+                        ((b, q, n), jnp.int32), ((b, q, n), jnp.int32), ((b, q), jnp.int32))
 
-        def fn(*a, statics=statics):
-            return sparse_decode.sparse_decode(*a, **statics)
+        def fn(*a):
+            return call(*a, **statics)
 
-        out.append(KernelCase(f"decode B={b}", "sparse_decode", fn, args,
-                              sparse_decode.cost(*args, value_dim=model.kv_lora_rank)))
+        label = f"decode B={b}" if module is sparse_decode else f"prefill Q={q}"
+        out.append(KernelCase(label, name, fn, args,
+                              module.cost(*args, value_dim=model.kv_lora_rank)))
     return out
+
+
+def decode_cases(model: ModelConfig, kv_dtype: str, page_size: int, batches: tuple[int, ...],
+                 device) -> list[KernelCase]:
+    return _attention_cases(model, kv_dtype, page_size, tuple((b, 1) for b in batches),
+                            sparse_decode, "sparse_decode", device)
 
 
 def prefill_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
                   device) -> list[KernelCase]:
-    dtype = latent_cache_dtype(kv_dtype)
-    h, d, n = model.num_attention_heads, model.latent_dim, model.index_topk // page_size + 1
-    pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
-    out = []
-    for q in chunks:
-        args = _structs(device, ((1, q, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
-                        ((1, q, n), jnp.int32), ((1, q, n), jnp.int32), ((1, q), jnp.int32))
-        statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
-
-        def fn(*a, statics=statics):
-            return sparse_prefill.sparse_prefill(*a, **statics)
-
-        out.append(KernelCase(f"prefill Q={q}", "sparse_prefill", fn, args,
-                              sparse_prefill.cost(*args, value_dim=model.kv_lora_rank)))
-    return out
+    return _attention_cases(model, kv_dtype, page_size, tuple((1, q) for q in chunks),
+                            sparse_prefill, "sparse_prefill", device)
 
 
 def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
