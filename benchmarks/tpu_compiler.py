@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.aot.deploy import CompilePlan, compile_plan
 from cp_runtime.aot.programs import cut_model
@@ -56,16 +58,12 @@ KNOWN_CAUSES = {
 
 
 def _sds(shape, dtype):
-    import jax
-
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
 def _kernel_calls(model: ModelConfig, runtime: RuntimeConfig, rows: int, queries: int,
                   table_width: int) -> dict[str, list]:
     """term -> [(name, jitted fn, args, calls per step)] at the program's per-shard shapes."""
-    import jax
-
     ps, p = runtime.page_size, runtime.pages_per_shard
     lat = latent_cache_dtype(runtime.kv_cache_dtype)
     idx = indexer_cache_dtype(runtime.kv_cache_dtype)
@@ -108,9 +106,6 @@ def _kernel_calls(model: ModelConfig, runtime: RuntimeConfig, rows: int, queries
 
 
 def _place(args, device):
-    import jax
-    from jax.sharding import SingleDeviceSharding
-
     sharding = SingleDeviceSharding(device)
     return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args)
 

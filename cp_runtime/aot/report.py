@@ -74,8 +74,6 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
     out["compile_s"] = round(time.perf_counter() - t0, 2)
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):           # older jax: one dict per computation
-        cost = cost[0] if cost else {}
     seconds = cost.get("optimal_seconds")
     out.update(
         compiled=True,
