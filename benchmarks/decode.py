@@ -39,7 +39,7 @@ import statistics
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_out,
-                                 add_page_size, add_shards, check_not_below_page,
+                                 add_page_size, add_shards, add_weight_dtype, check_not_below_page,
                                  check_out_dir, check_page_size, check_page_size_for_model,
                                  parse_length, positive_int)
 
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p, "small")
     add_shards(p, 16)
     add_kv_cache_dtype(p)
+    add_weight_dtype(p)
     add_page_size(p, 64)
     p.add_argument("--short", type=parse_length, default=8 << 10, help="short context (tokens)")
     p.add_argument("--long", type=parse_length, default=1 << 20, help="long context (tokens)")
@@ -98,7 +99,8 @@ class Bench:
         pages = pool_factor * sum(cdiv(n + 2 * ps, ps) for n in contexts)
         rt = RuntimeConfig(model=model.name, kv_cache_dtype=args.kv_cache_dtype, page_size=ps,
                            num_shards=args.shards, pages_per_shard=cdiv(pages, args.shards) + 2,
-                           chunk_size=max(ps, 1024), max_batch=max(8, args.batch))
+                           chunk_size=max(ps, 1024), max_batch=max(8, args.batch),
+                           weight_dtype=args.weight_dtype)
         self.executor = LocalExecutor(model, rt, params)
         self.engine = Engine(model, rt, self.executor)
         fill_pool(self.executor)
@@ -166,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     pools = {f: Bench(model, params, args, [args.pool_context], pool_factor=f) for f in (1, 4)}
     ex = main_bench.executor
     merged_step = ex._step
-    shapes = {k: v.shape for k, v in ex.params.items()}
+    tensors = ex.weight_tensors
     variants = {
         "without merge": make_step(model, ex.runtime, ex.pool_spec, ex.mesh, ex.kernels,
-                                   shapes, combine_fn=_local_only),
+                                   tensors, combine_fn=_local_only),
         **{f"{mode} gathers": make_step(model, dataclasses.replace(ex.runtime, gathers=mode),
-                                        ex.pool_spec, ex.mesh, ex.kernels, shapes)
+                                        ex.pool_spec, ex.mesh, ex.kernels, tensors)
            for mode in ("flat", "staged")}}
 
     def short_step_with(name):

@@ -20,8 +20,8 @@ import statistics
 import time
 
 from cp_runtime.benchmarks.common import init_shard_devices, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
-                                 add_out, add_page_size, add_shards, check_out_dir, length,
+from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model, add_out,
+                                 add_page_size, add_shards, add_weight_dtype, check_out_dir, length,
                                  positive_int)
 
 __all__ = ["build_parser", "parse_args", "main"]
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=positive_int, default=2,
                    help="Ray worker processes (--shards / --hosts devices each)")
     add_kv_cache_dtype(p, "f32")
+    add_weight_dtype(p)
     add_page_size(p, 16)
     add_gathers(p)
     p.add_argument("--context", type=length, default=256,
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                             page_size=args.page_size, num_shards=args.shards,
                             pages_per_shard=max(4, -(-pages // args.shards) + 2),
                             chunk_size=max(64, args.page_size), max_batch=max(8, args.batch),
-                            gathers=args.gathers)
+                            gathers=args.gathers, weight_dtype=args.weight_dtype)
     rows = []
 
     # Local: the executor's run() is the device step; its overhead is plan -> device arrays.

@@ -15,8 +15,8 @@ import time
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_shards,
-                                 check_not_below_page, check_out_dir, check_page_size,
-                                 check_page_size_for_model, length, positive_int)
+                                 add_weight_dtype, check_not_below_page, check_out_dir,
+                                 check_page_size, check_page_size_for_model, length, positive_int)
 
 __all__ = ["build_parser", "parse_args", "main", "run"]
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p, "small")
     add_shards(p, 16)
     add_kv_cache_dtype(p, "fp8_e4m3")
+    add_weight_dtype(p)
     add_page_size(p, 64)
     add_chunk_size(p, 4096)
     p.add_argument("--decode-steps", type=positive_int, default=8,
@@ -71,7 +72,8 @@ def run(args) -> dict:
     pages = cdiv(cdiv(args.tokens + args.decode_steps, args.page_size), args.shards) + 1
     rt = RuntimeConfig(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
                        num_shards=args.shards, pages_per_shard=pages, page_size=args.page_size,
-                       chunk_size=args.chunk_size, key_block_pages=64, query_block=256)
+                       chunk_size=args.chunk_size, key_block_pages=64, query_block=256,
+                       weight_dtype=args.weight_dtype)
     rss_start = _rss_bytes()
     executor = LocalExecutor(model, rt, init_params(model, seed=0))
     engine = Engine(model, rt, executor)

@@ -50,17 +50,19 @@ from cp_runtime.benchmarks.common import init_shard_devices, machine, print_tabl
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
                                            recall_context, text_context)
 from cp_runtime.recall_model import RecallLayout, build_recall_model
-from cp_runtime.checkpoint import load_checkpoint
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_kv_cache_dtypes, add_model, add_no_progress, add_out,
-                                 add_page_size, add_shard_counts, check_checkpoint_dir,
-                                 check_not_below_page, check_out_dir, check_page_size,
-                                 check_page_size_for_model, comma_list, length_list, positive_int)
+                                 add_page_size, add_shard_counts, add_weight_dtype,
+                                 check_checkpoint_dir, check_not_below_page, check_out_dir,
+                                 check_page_size, check_page_size_for_model, comma_list,
+                                 length_list, positive_int)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.layout import cdiv
+from cp_runtime.weight_placement import BlockSource
 from cp_runtime.weights import Params
+from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["Score", "Workload", "build_parser", "parse_args", "main", "run_context",
            "run_sweep", "score_probes", "write_heatmap"]
@@ -174,7 +176,7 @@ class Workload:
 
     name: str
     cfg: ModelConfig
-    params: Params
+    params: Params | BlockSource
     make_context: ContextFn
 
 
@@ -187,7 +189,8 @@ def _runtime(args, cfg: ModelConfig, dtype: str, shards: int, max_len: int) -> R
     return RuntimeConfig(model=cfg.name, kv_cache_dtype=dtype, page_size=args.page_size,
                          num_shards=shards, pages_per_shard=per_shard,
                          chunk_size=args.chunk_size, max_batch=args.max_batch,
-                         query_block=args.query_block, backend=args.backend)
+                         query_block=args.query_block, backend=args.backend,
+                         weight_dtype=args.weight_dtype)
 
 
 def run_sweep(args, work: Workload) -> dict:
@@ -342,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=",".join(VARIANTS), metavar="V[,V...]",
                    help=f"needle variants, from: {', '.join(VARIANTS)}")
     add_kv_cache_dtypes(p, ",".join(DTYPES))
+    add_weight_dtype(p)
     add_shard_counts(p, "16")
     add_model(p, "recall")
     add_checkpoint(p)
@@ -385,9 +389,10 @@ def _workload(args) -> Workload:
         model = build_recall_model(load_model_config(args.model))
         return Workload(args.model, model.cfg, model.params,
                         lambda v, n, d, rng: recall_context(model, v, n, d, rng))
-    cfg, params, tokenizer = load_checkpoint(args.checkpoint)
-    return Workload(cfg.name, cfg, params,
-                    lambda v, n, d, rng: text_context(tokenizer, v, n, d, rng))
+    # The checkpoint's files, read a device's block at a time (fp8 stays fp8 on the devices).
+    loaded = WeightsSource(checkpoint=args.checkpoint).load()
+    return Workload(loaded.config.name, loaded.config, loaded.weights,
+                    lambda v, n, d, rng: text_context(loaded.tokenizer, v, n, d, rng))
 
 
 def main(argv: list[str] | None = None) -> int:

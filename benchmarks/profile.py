@@ -94,9 +94,9 @@ from cp_runtime.benchmarks.throughput import (Work, attention_work, cache_write_
                                               indexer_work, projection_work)
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_gathers,
                                  add_kv_cache_dtype, add_model, add_no_progress, add_out,
-                                 add_page_size, add_shard_counts, check_not_below_page,
-                                 check_out_dir, check_page_size, check_page_size_for_model,
-                                 length_list, positive_int)
+                                 add_page_size, add_shard_counts, add_weight_dtype,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, length_list, positive_int)
 from cp_runtime.config import MERGE_VARIANTS, ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine, LocalExecutor
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
@@ -558,7 +558,7 @@ def _runtime(model: ModelConfig, shards: int, args) -> RuntimeConfig:
     return RuntimeConfig(model=model.name, kv_cache_dtype=args.kv_cache_dtype,
                          num_shards=shards, pages_per_shard=pages, page_size=args.page_size,
                          chunk_size=args.chunk_size, backend=args.backend, merge=args.merge,
-                         gathers=args.gathers)
+                         gathers=args.gathers, weight_dtype=args.weight_dtype)
 
 
 def _fractions(work: Work, seconds: float, roof: dict) -> dict:
@@ -717,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{QUICK_LENGTHS})")
     add_shard_counts(p, "16,2")
     add_kv_cache_dtype(p, "fp8_e4m3")
+    add_weight_dtype(p)
     add_page_size(p, 64)
     add_chunk_size(p, 1024)
     add_backend(p, "auto")

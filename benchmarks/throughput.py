@@ -66,9 +66,9 @@ from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtypes,
                                  add_model, add_no_progress, add_out, add_page_size,
-                                 add_shard_counts, check_not_below_page, check_out_dir,
-                                 check_page_size, check_page_size_for_model, length, length_list,
-                                 nonnegative_length, positive_int, positive_int_list)
+                                 add_shard_counts, add_weight_dtype, check_not_below_page,
+                                 check_out_dir, check_page_size, check_page_size_for_model, length,
+                                 length_list, nonnegative_length, positive_int, positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.engine import Engine
@@ -280,7 +280,7 @@ def _runtime(model: ModelConfig, *, context: int, shards: int, dtype: str, pool_
     return RuntimeConfig(model=model.name, kv_cache_dtype=dtype, num_shards=shards,
                          pages_per_shard=max(need, args.base_pages) * pool_factor,
                          page_size=args.page_size, chunk_size=args.chunk_size,
-                         backend=args.backend)
+                         backend=args.backend, weight_dtype=args.weight_dtype)
 
 
 @contextlib.contextmanager
@@ -421,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context lengths one session grows through, e.g. 8k,64k,1m")
     add_shard_counts(p, "16")
     add_kv_cache_dtypes(p, "bf16,fp8_e4m3")
+    add_weight_dtype(p)
     p.add_argument("--pool-factors", type=positive_int_list, default="1,4", metavar="F[,F...]",
                    help="pool sizes, as multiples of what the context needs, for the decode vs "
                         "pool size table (1: no such table)")

@@ -184,7 +184,7 @@ def compare(model: ModelConfig, hw, setup, *, layers: int, context: int, batch: 
     setup = dataclasses.replace(setup, weight_bytes=2)           # the compiled weights: bf16
     plan = CompilePlan(model=model.name, layers=layers, kv_cache_dtype=setup.kv_cache_dtype,
                        page_size=setup.page_size, chunk_size=setup.chunk_size,
-                       max_batch=batch, context=context,
+                       max_batch=batch, context=context, weight_dtype="bf16",
                        programs=("decode", "prefill_logits"))
     progress(f"compiling {cut.name} ({layers} layers) decode and prefill chunk for tpu7x-16")
     result = compile_plan(plan)

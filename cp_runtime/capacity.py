@@ -13,19 +13,18 @@ Per device of a deployment (`deployment_report`):
 The KV cache is sharded by position over every device (context parallelism), so the tokens that
 fit are (sum over devices of the KV bytes) // bytes_per_token.
 
-Weights are split over the same devices as the cache exactly as the runtime splits them in
-`weights = "sharded"` mode (cp_runtime.weight_layout: attention projections by heads, dense MLPs
-column/row parallel, routed experts expert-parallel, embedding and lm head by vocabulary, the
-other projections by output features; norms and biases whole on every device), from the
-config's tensor shapes (`cp_runtime.weights.model_shapes`); a split that does not divide is
-padded, as the runtime pads it.
+The weights per device are the arrays the runtime places (cp_runtime.weight_format's
+`device_tensors`, the same function the executor and `cp-runtime compile` use): split over the
+same devices as the cache in `weights = "sharded"` mode (cp_runtime.weight_layout: attention
+projections by heads, dense MLPs column/row parallel, routed experts expert-parallel, embedding
+and lm head by vocabulary, the other projections by output features; norms and biases whole on
+every device; a split that does not divide is padded, as the runtime pads it), or whole on each
+device in "replicated" mode; "auto" picks as the runtime does.
 
-Weight dtypes (`WEIGHT_DTYPES`, overridable: `cp-runtime capacity --weight-dtype`):
-    fp8   as the public GLM-5 / DeepSeek-V3.2 fp8 checkpoints store them: every 2-D matmul weight
-          1 byte per value plus one f32 scale per 128 x 128 block of its local shard, except the
-          embedding, lm head, router gate and indexer weights_proj, which stay bf16 like the
-          norms; e_score_correction_bias is f32.
-    bf16  every tensor 2 bytes (e_score_correction_bias still f32).
+Weight dtypes (`cp-runtime capacity --weight-dtype`; "auto" is the model's own, fp8 for
+GLM-5.2 and DeepSeek-V3.2): fp8 matmul weights 1 byte per value plus an f32 scale per block
+(embedding, lm head, router gate and indexer weights_proj bf16), or every matmul weight bf16;
+norms and biases f32 in both (cp_runtime.weight_format).
 
 Reserve: ACTIVATION_RESERVE_FRACTION (10%) of each device's HBM is kept for activations, XLA
 scratch and the step's temporaries (a round figure, not a measurement); `reserve_gib` overrides.
@@ -38,20 +37,15 @@ import math
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.weight_layout import local_shape
+from cp_runtime.weight_format import (WEIGHT_DTYPES, bytes_per_device, device_tensors,
+                                      resolve_weight_dtype, resolve_weight_mode)
 
 __all__ = ["ACTIVATION_RESERVE_FRACTION", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES", "CapacityReport",
            "Topology", "bytes_per_token", "capacity_report", "deployment_report",
            "weight_bytes_per_device"]
 
 GIB = 1 << 30
-WEIGHT_DTYPES = ("fp8", "bf16")
-FP8_BLOCK = (128, 128)          # [out, in] values per f32 scale in the fp8 checkpoints
 ACTIVATION_RESERVE_FRACTION = 0.10
-# 2-D weights the fp8 checkpoints keep in bf16.
-_BF16_IN_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
-                "weights_proj.weight")
-_F32 = ("e_score_correction_bias",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,30 +79,17 @@ def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
 
 
 # -- weights per device ---------------------------------------------------------------------
-def _tensor_bytes(name: str, shape: tuple[int, ...], weight_dtype: str) -> int:
-    """Bytes of one (local) tensor under `weight_dtype`, block scales included. A stack of
-    experts [E, a, b] is E matrices, each with its own block scales."""
-    n = math.prod(shape)
-    if any(s in name for s in _F32):
-        return 4 * n
-    if weight_dtype == "bf16" or len(shape) < 2 or name.endswith(_BF16_IN_FP8):
-        return 2 * n
-    matrices = math.prod(shape[:-2])
-    scales = math.ceil(shape[-2] / FP8_BLOCK[0]) * math.ceil(shape[-1] / FP8_BLOCK[1])
-    return n + 4 * matrices * scales
-
-
-def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "fp8") -> int:
-    """Weight bytes on each of `devices` devices holding the model split over them as
-    cp_runtime.weight_layout describes (ceil of each split; dtypes: module doc)."""
+def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "auto",
+                            weights: str = "sharded") -> int:
+    """Weight bytes on each of `devices` devices, block scales included, as the runtime holds
+    them (cp_runtime.weight_format: dtypes and scales; cp_runtime.weight_layout: the split,
+    padded where it does not divide) in mode `weights` ("replicated" or "sharded")."""
     from cp_runtime.weights import model_shapes       # weights imports jax; keep this light
 
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
     if devices <= 0:
         raise ValueError(f"{devices=} must be positive")
-    return sum(_tensor_bytes(name, local_shape(name, shape, model, devices), weight_dtype)
-               for name, shape in model_shapes(model).items())
+    dtype = resolve_weight_dtype(weight_dtype, model)
+    return bytes_per_device(device_tensors(model_shapes(model), model, weights, dtype, devices))
 
 
 # -- reports --------------------------------------------------------------------------------
@@ -129,6 +110,7 @@ class CapacityReport:
     # Deployment detail (deployment_report); the defaults describe a bare capacity_report.
     topology: str | None = None
     weight_dtype: str | None = None
+    weights: str | None = None            # the weight mode: replicated or sharded
     weight_bytes_per_device: int | None = None
     reserve_gib_per_device: float = 0.0
     kv_gib_per_device: float = 0.0
@@ -175,14 +157,18 @@ def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hb
 
 
 def deployment_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hbm_gib: float,
-                      weight_dtype: str = "fp8", reserve_gib: float | None = None,
+                      weight_dtype: str = "auto", weights: str = "auto",
+                      reserve_gib: float | None = None,
                       topology: str | None = None) -> CapacityReport:
-    """capacity_report with the weights computed from the config (`weight_bytes_per_device`)
-    and the reserve ACTIVATION_RESERVE_FRACTION of HBM unless `reserve_gib` is given."""
-    weight_bytes = weight_bytes_per_device(model, devices, weight_dtype)
+    """capacity_report with the weights computed from the config (`weight_bytes_per_device`,
+    the mode "auto" resolved for `hbm_gib` devices as the runtime resolves it) and the reserve
+    ACTIVATION_RESERVE_FRACTION of HBM unless `reserve_gib` is given."""
+    weight_dtype = resolve_weight_dtype(weight_dtype, model)
+    weights = resolve_weight_mode(weights, model, weight_dtype, int(hbm_gib * GIB))
+    weight_bytes = weight_bytes_per_device(model, devices, weight_dtype, weights)
     if reserve_gib is None:
         reserve_gib = ACTIVATION_RESERVE_FRACTION * hbm_gib
     return capacity_report(model, kv_cache_dtype, devices=devices, hbm_gib=hbm_gib,
                            weights_gib=weight_bytes / GIB, reserve_gib=reserve_gib,
-                           topology=topology, weight_dtype=weight_dtype,
+                           topology=topology, weight_dtype=weight_dtype, weights=weights,
                            weight_bytes_per_device=weight_bytes)

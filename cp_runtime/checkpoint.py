@@ -13,9 +13,11 @@ fp8 block quantisation (config `quantization_config` {"quant_method": "fp8", "fm
 
     W[o, i] = f32(X.weight[o, i]) * X.weight_scale_inv[o // bo, i // bi]
 
-(the last block of a row or column may be partial). Each weight is one f32 product, rounded
-once: the result is the same bit for bit however the blocks are walked. Scales stored in another
-float format (bf16, or e8m0 for the power-of-two `scale_fmt: ue8m0`) are widened to f32 first.
+(the last block of a row or column may be partial). The reader hands fp8 weights out as stored,
+with their scales (cp_runtime.fp8_blocks.HostBlock); whoever needs the values dequantises, each
+weight one f32 product rounded once, the same bit for bit however the blocks are walked. Scales
+stored in another float format (bf16, or e8m0 for the power-of-two `scale_fmt: ue8m0`) are
+widened to f32 where they are used.
 
 Files are read tensor by tensor from a memory map of each file, and only the tensors the config
 needs (`cp_runtime.weights.param_shapes`): the multi-token-prediction layers a checkpoint stores
@@ -38,13 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ConfigError, ModelConfig, RopeScaling
+from cp_runtime.fp8_blocks import HostBlock, to_stored
 from cp_runtime.weights import Params, expert_sources, model_shapes, param_shapes
 
 __all__ = [
     "CheckpointBlocks",
     "HFTokenizer",
     "check_tokenizer",
-    "dequantize",
     "load_checkpoint",
     "load_hf_params",
     "load_tokenizer",
@@ -173,6 +175,14 @@ def _first_k_dense(hf: dict, layers: int, where: str) -> int:
     return k
 
 
+def _weight_dtype(hf: dict) -> str:
+    """The checkpoint's own weight dtype: fp8 when `quantization_config` block-quantises it,
+    else its `torch_dtype` (bf16 when absent)."""
+    if hf.get("quantization_config"):
+        return "fp8"
+    return "f32" if hf.get("torch_dtype") == "float32" else "bf16"
+
+
 def read_hf_config(model_dir: str | pathlib.Path) -> ModelConfig:
     """ModelConfig of a DeepSeek-V3.2 (`deepseek_v32`) or GLM-5 (`glm_moe_dsa`) checkpoint
     directory's config.json; named after the directory. GLM-5's names that differ from
@@ -212,6 +222,7 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
         values["rope_theta"] = theta
     values |= {k: float(values[k]) for k in _FLOATS if k in values}     # JSON may write 10000
     layers = hf["num_hidden_layers"]
+    values["weight_dtype"] = _weight_dtype(hf)
     values["indexer_types"] = _indexer_types(hf, layers, where)
     values["first_k_dense_replace"] = _first_k_dense(hf, layers, where)
     try:
@@ -350,16 +361,6 @@ def _block_size(d: pathlib.Path) -> tuple[int, int]:
     return int(bo), int(bi)
 
 
-def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
-               first: tuple[int, int] = (0, 0)) -> np.ndarray:
-    """w f8[out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)] -> f32[out, in]. `w` may be a
-    block of a larger weight whose first row and column are `first`; the scales are then the
-    whole weight's."""
-    rows = (first[0] + np.arange(w.shape[0])) // block[0]
-    cols = (first[1] + np.arange(w.shape[1])) // block[1]
-    return w.astype(np.float32) * scale_inv.astype(np.float32)[np.ix_(rows, cols)]
-
-
 class _Reader:
     """Reads tensors by HF name across the checkpoint's files, opening each file once."""
 
@@ -388,13 +389,13 @@ class _Reader:
         return self._file_of(name, name).shape(name)
 
     def read(self, name: str, axis: int | None = None, lo: int = 0,
-             hi: int | None = None) -> np.ndarray:
-        """Tensor `name` (or its elements lo..hi along `axis`) in f32, fp8 weights dequantised
-        with their block scales; only that range's bytes are read."""
+             hi: int | None = None) -> HostBlock:
+        """Tensor `name` (or its elements lo..hi along `axis`) as stored; an fp8 weight comes
+        with its whole block-scale table. Only that range's bytes are read."""
         f = self._file_of(name, name)
         w = f.read(name, axis, lo, hi)
         if f.dtype_name(name) not in _QUANTIZED:
-            return w.astype(np.float32)
+            return HostBlock(w)
         if w.ndim != 2:
             raise ValueError(f"{f.path}: fp8 tensor {name!r} has shape {w.shape}; block "
                              "scales need a 2-D weight")
@@ -406,7 +407,7 @@ class _Reader:
             raise ValueError(f"{sf.path}: {scale_name!r} has shape {scale.shape}; weight "
                              f"{f.shape(name)} in blocks of {list(self.block)} needs {want}")
         first = (lo if axis == 0 else 0, lo if axis == 1 else 0)
-        return dequantize(w, scale, self.block, first)
+        return HostBlock(w, scale, self.block, first)
 
 
 class CheckpointBlocks:
@@ -418,6 +419,7 @@ class CheckpointBlocks:
         self.reader = _Reader(pathlib.Path(model_dir))
         self.model = cfg
         self.shapes = model_shapes(cfg)
+        self.block = self.reader.block            # [out, in] values per fp8 scale
         for name, shape in param_shapes(cfg).items():
             got = self.reader.shape(name)
             if got != shape:
@@ -425,17 +427,23 @@ class CheckpointBlocks:
                 raise ValueError(f"{self.reader.dir / fname}: tensor {name!r} has shape {got}, "
                                  f"config {cfg.name} needs {shape}")
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> np.ndarray:
+    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock:
         """Elements lo..hi along `axis` of model-layout tensor `name` (all when axis is None),
-        f32. A stack of experts reads only experts lo..hi, each transposed into the stack."""
+        as stored (fp8 with its scales). A stack of experts reads only experts lo..hi, each
+        transposed into the stack, scales and block too."""
         experts = expert_sources(name, self.model)
         if experts is None:
             return self.reader.read(name, axis, lo, hi)
         if axis not in (None, 0):
             raise ValueError(f"{name}: a stack of experts splits by expert (axis 0), not {axis}")
         chosen = experts if axis is None else experts[lo:hi]
-        rows = [self.reader.read(e).T for e in chosen]
-        return np.stack(rows) if rows else np.zeros((0, *self.shapes[name][1:]), np.float32)
+        parts = [self.reader.read(e) for e in chosen]
+        if not parts:
+            return HostBlock(np.zeros((0, *self.shapes[name][1:]), np.float32))
+        values = np.stack([p.values.T for p in parts])
+        if parts[0].scales is None:
+            return HostBlock(values)
+        return HostBlock(values, np.stack([p.scales.T for p in parts]), parts[0].block[::-1])
 
 
 def load_hf_params(model_dir: str | pathlib.Path, cfg: ModelConfig,
@@ -445,7 +453,7 @@ def load_hf_params(model_dir: str | pathlib.Path, cfg: ModelConfig,
     reader = _Reader(pathlib.Path(model_dir))
     params = {}
     for name, shape in param_shapes(cfg).items():
-        x = reader.read(name)
+        x = to_stored(reader.read(name), "f32", None)[0]
         if x.shape != shape:
             fname = reader.weight_map[name]
             raise ValueError(f"{reader.dir / fname}: tensor {name!r} has shape {x.shape}, "

@@ -21,14 +21,14 @@ import os
 import sys
 
 from cp_runtime import demo
-from cp_runtime.capacity import TOPOLOGIES, WEIGHT_DTYPES, capacity_report, deployment_report
+from cp_runtime.capacity import TOPOLOGIES, capacity_report, deployment_report
 from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size, add_gathers,
                                  add_kv_cache_dtype, add_model, add_page_size,
-                                 add_pages_per_shard, add_shards, finite_positive_float,
-                                 positive_int)
+                                 add_pages_per_shard, add_shards, add_weight_dtype,
+                                 add_weights, finite_positive_float, positive_int)
 from cp_runtime.compile_cmd import add_compile, run_compile
-from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, WEIGHT_MODES, ConfigError,
-                               RuntimeConfig, load_model_config)
+from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, ConfigError, RuntimeConfig,
+                               load_model_config)
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.platform import keep_jax_off_absent_tpus
 from cp_runtime.serving.app import build_server, check_bind, serve_forever
@@ -65,10 +65,8 @@ def _add_serve(sub) -> None:
                    help="generations decoded together in one step")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="kernel backend (auto: pallas on TPU, xla elsewhere)")
-    p.add_argument("--weights", choices=WEIGHT_MODES, default="replicated",
-                   help="replicated: every device holds the whole model; sharded: each holds "
-                        "its part (heads, features, experts, vocabulary), as a model larger "
-                        "than one device needs")
+    add_weights(p)
+    add_weight_dtype(p)
     p.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
                    help="where the shards' attention partials meet (auto: all_gather for "
                         "small steps, else head_scatter with sharded weights and hidden_psum "
@@ -134,7 +132,8 @@ def _run_serve(args) -> int:
                             page_size=args.page_size, num_shards=args.shards,
                             pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
                             max_batch=args.max_batch, backend=args.backend,
-                            weights=args.weights, merge=args.merge, gathers=args.gathers)
+                            weights=args.weights, weight_dtype=args.weight_dtype,
+                            merge=args.merge, gathers=args.gathers)
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
     factory = None
@@ -197,9 +196,8 @@ def _add_capacity(sub) -> None:
                    help="devices holding weights and cache (with --hbm-gib, for any slice)")
     p.add_argument("--hbm-gib", type=finite_positive_float, default=None,
                    help="HBM per device in GiB (with --devices)")
-    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="fp8",
-                   help="fp8: block-scaled matmul weights as the public fp8 checkpoints store "
-                        "them (norms, embeddings bf16); bf16: every weight bf16")
+    add_weight_dtype(p)
+    add_weights(p)
     p.add_argument("--reserve-gib", type=finite_positive_float, default=None,
                    help="GiB per device kept for activations (default: 10%% of HBM)")
     p.add_argument("--weights-gib", type=finite_positive_float, default=None,
@@ -222,8 +220,8 @@ def _run_capacity(args) -> int:
                                  topology=topo and topo.name)
     else:
         report = deployment_report(model, args.kv_cache_dtype, devices=devices, hbm_gib=hbm,
-                                   weight_dtype=args.weight_dtype, reserve_gib=args.reserve_gib,
-                                   topology=topo and topo.name)
+                                   weight_dtype=args.weight_dtype, weights=args.weights,
+                                   reserve_gib=args.reserve_gib, topology=topo and topo.name)
     if args.json:
         print(json.dumps(dataclasses.asdict(report), indent=2))
         return 0
@@ -231,7 +229,7 @@ def _run_capacity(args) -> int:
     print(f"model {r.model} on {r.topology or 'a custom slice'}: {r.devices} devices x "
           f"{r.hbm_gib_per_device:g} GiB HBM")
     print(f"per device: weights {r.weights_gib_per_device:.2f} GiB"
-          + (f" ({r.weight_dtype})" if r.weight_dtype else "")
+          + (f" ({r.weight_dtype}, {r.weights})" if r.weight_dtype else "")
           + f", reserve {r.reserve_gib_per_device:.2f} GiB, KV {r.kv_gib_per_device:.2f} GiB"
           + ("" if r.weights_fit else "  (weights and reserve exceed HBM: nothing fits)"))
     print(f"{'cache dtype':<12} {'bytes/token':>12} {'tokens that fit':>16}")

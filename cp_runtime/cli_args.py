@@ -5,6 +5,8 @@ so one flag means one thing everywhere:
     --checkpoint DIR        a Hugging Face checkpoint directory instead of a config's random
                             (or hand-built) weights
     --kv-cache-dtype D      one latent cache dtype;  --kv-cache-dtypes D,D  a list of them
+    --weight-dtype D        the weights' dtype on the device (auto: the model's own)
+    --weights MODE          weights whole on every device, split over them, or auto
     --shards N              context-parallel shard count (a list `1,16` where a benchmark sweeps)
     --chunk-size N          prefill tokens per step
     --page-size N, --pages-per-shard N
@@ -23,7 +25,8 @@ import os
 import pathlib
 import re
 
-from cp_runtime.config import BACKENDS, GATHER_MODES, load_model_config, model_names
+from cp_runtime.config import (BACKENDS, GATHER_MODES, MODEL_WEIGHT_DTYPES, WEIGHT_MODES,
+                               load_model_config, model_names)
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
     "add_no_progress",
     "add_out",
     "add_page_size",
+    "add_weight_dtype",
+    "add_weights",
     "add_pages_per_shard",
     "add_shard_counts",
     "add_shards",
@@ -168,6 +173,22 @@ def add_gathers(p: argparse.ArgumentParser) -> None:
 def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3") -> None:
     p.add_argument("--kv-cache-dtype", default=default, choices=list(KV_CACHE_DTYPES),
                    help="latent cache dtype (the indexer cache stays bf16 under fp8)")
+
+
+def add_weight_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weight-dtype", choices=["auto", *MODEL_WEIGHT_DTYPES], default="auto",
+                   help="the weights' dtype on the device: fp8, block-scaled matmul weights "
+                        "(embedding, lm head, router bf16) as the public GLM-5 / DeepSeek-V3.2 "
+                        "checkpoints store them; bf16; f32 (exact, for tests); auto: the "
+                        "model's own (a checkpoint's, or the config's weight_dtype)")
+
+
+def add_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="auto",
+                   help="replicated: every device holds the whole model; sharded: each holds "
+                        "its part (heads, features, experts, vocabulary), as a model larger "
+                        "than one device needs; auto: sharded when the whole model would take "
+                        "more than a quarter of one device's memory")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

@@ -13,8 +13,8 @@ import sys
 
 from cp_runtime.capacity import TOPOLOGIES
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_page_size, length, positive_int)
-from cp_runtime.config import WEIGHT_MODES
+                                 add_page_size, add_weight_dtype, add_weights, length,
+                                 positive_int)
 
 __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 
@@ -46,18 +46,15 @@ def add_compile(sub) -> None:
     add_page_size(p, 64)
     p.add_argument("--pages-per-shard", type=positive_int, default=None,
                    help="KV pages per shard (default: the pool `cp-runtime capacity "
-                        "--topology` sizes for this model with bf16 weights)")
+                        "--topology` sizes for this model with these weights)")
     add_chunk_size(p, 1024)
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="decode rows of the decode program")
     p.add_argument("--context", type=length, default=1 << 20,
                    help="tokens of the session the step programs serve: sets the page "
                         "table's width (k/m suffixes allowed)")
-    p.add_argument("--weights", choices=WEIGHT_MODES, default="sharded",
-                   help="sharded: each device holds its part of the model; replicated: all "
-                        "of it")
-    p.add_argument("--weight-dtype", choices=("bf16", "f32"), default="bf16",
-                   help="dtype of the weight arguments (bf16: the capacity rule's bf16)")
+    add_weights(p)
+    add_weight_dtype(p)
     p.add_argument("--programs", default=None, metavar="NAME[,NAME...]",
                    help=f"compile only these, from: {', '.join(PROGRAM_NAMES)}")
     p.add_argument("--kernels", action="store_true",

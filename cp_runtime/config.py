@@ -38,7 +38,10 @@ BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
                   "hidden_psum")
 GATHER_MODES = ("auto", "flat", "staged", "native")  # cp_runtime.collectives describes each
-WEIGHT_MODES = ("replicated", "sharded")      # cp_runtime.weight_layout describes each
+# "auto" picks one by the model's size (cp_runtime.weight_format.resolve_weight_mode).
+WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weight_layout describes each
+# Dtypes a model's weights are published in (cp_runtime.weight_format describes each).
+MODEL_WEIGHT_DTYPES = ("fp8", "bf16", "f32")
 
 
 class ConfigError(ValueError):
@@ -162,6 +165,9 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     rope_scaling: RopeScaling | None = None
+    # The dtype the model's weights come in, which `--weight-dtype auto` keeps: a checkpoint's
+    # own (fp8 when it is block-quantised); for a config's random weights, this field.
+    weight_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         _check_sizes(f"{self.name}: ", self, _MODEL_SIZES, _MODEL_COUNTS, _MODEL_FLOATS)
@@ -190,6 +196,9 @@ class ModelConfig:
                               "even and at most index_head_dim")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(f"{self.name}: num_experts_per_tok > n_routed_experts")
+        if self.weight_dtype not in MODEL_WEIGHT_DTYPES:
+            raise ConfigError(f"{self.name}: weight_dtype={self.weight_dtype!r} is not one of "
+                              f"{MODEL_WEIGHT_DTYPES}")
         self._check_groups()
 
     def _check_groups(self) -> None:
@@ -269,8 +278,11 @@ class RuntimeConfig:
     # shards, else flat; flat elsewhere (cp_runtime.collectives).
     gathers: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
-    # (cp_runtime.weight_layout), which a model bigger than one device needs.
-    weights: str = "replicated"
+    # (cp_runtime.weight_layout), which a model bigger than one device needs; "auto": sharded
+    # when the whole model would take more than a quarter of a device's memory.
+    weights: str = "auto"
+    # "auto" (the model's own dtype), "fp8", "bf16" or "f32" (cp_runtime.weight_format).
+    weight_dtype: str = "auto"
     key_block_pages: int = 64
     query_block: int = 64
     # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
@@ -292,8 +304,11 @@ class RuntimeConfig:
             raise ConfigError(f"gathers={self.gathers!r} is not one of {GATHER_MODES}")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights={self.weights!r} is not one of {WEIGHT_MODES}")
+        if self.weight_dtype not in ("auto", *MODEL_WEIGHT_DTYPES):
+            raise ConfigError(f"weight_dtype={self.weight_dtype!r} is not one of "
+                              f"{('auto', *MODEL_WEIGHT_DTYPES)}")
         needs = {"head_scatter": "sharded", "hidden_psum": "replicated"}.get(self.merge)
-        if needs is not None and self.weights != needs:
+        if needs is not None and self.weights not in (needs, "auto"):
             raise ConfigError(f"merge={self.merge!r} needs weights={needs!r}, not "
                               f"{self.weights!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

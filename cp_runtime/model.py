@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
+from cp_runtime.weight_format import SCALE_SUFFIX
 from cp_runtime.weight_shards import WeightShards
 from cp_runtime.weights import Params, layer_params
 
@@ -56,6 +57,7 @@ __all__ = [
     "route",
     "route_topk",
     "embed",
+    "weight",
 ]
 
 
@@ -159,9 +161,31 @@ def hadamard(x: jax.Array) -> jax.Array:
     return x @ jnp.asarray(_hadamard_matrix(x.shape[-1]), x.dtype)
 
 
+def weight(p: Params, name: str) -> jax.Array:
+    """Tensor `name` ready for a matmul: as held (bf16, f32), or an fp8 weight dequantised by
+    its block scales `name + SCALE_SUFFIX` (cp_runtime.weight_format) into bf16, here inside
+    the computation: the device only ever holds the fp8 values and the scales.
+    w [..., a, b] f8, s [..., a / ga, b / gb] f32 -> bf16 [..., a, b]."""
+    w, s = p[name], p.get(name + SCALE_SUFFIX)
+    if s is None:
+        return w
+    *lead, a, b = w.shape
+    ga, gb = a // s.shape[-2], b // s.shape[-1]
+    runs = w.astype(jnp.float32).reshape(*lead, a // ga, ga, b // gb, gb)
+    return (runs * s[..., :, None, :, None]).reshape(w.shape).astype(jnp.bfloat16)
+
+
+def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w) in W's dtype, widened to f32: bf16 weights run a bf16 matmul (the
+    MXU accumulates in f32 and rounds the result to bf16, as bf16 serving does everywhere;
+    XLA:CPU has no bf16 x bf16 -> f32 dot inside fusions), f32 weights an f32 one. The
+    residual stream, norms and attention stay f32."""
+    return jnp.einsum(spec, x.astype(w.dtype), w).astype(jnp.float32)
+
+
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., in] @ W[out, in].T (HF layout)."""
-    return jnp.einsum("...i,oi->...o", x, w)
+    """x[..., in] @ W[out, in].T (HF layout) -> f32."""
+    return _matmul("...i,oi->...o", x, w)
 
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
@@ -173,10 +197,10 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
     in its rows (zeros for the rest) and a psum joins them, exactly."""
     table = params["model.embed_tokens.weight"]                           # [V (local), hidden]
     if not ws.split:
-        return table[tokens]
+        return table[tokens].astype(jnp.float32)
     local = tokens - ws.first(table.shape[0])
     inside = (local >= 0) & (local < table.shape[0])
-    rows = table[jnp.clip(local, 0, table.shape[0] - 1)]
+    rows = table[jnp.clip(local, 0, table.shape[0] - 1)].astype(jnp.float32)
     return ws.psum(jnp.where(inside[..., None], rows, 0))
 
 
@@ -185,21 +209,22 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
     """h[..., hidden], pos i32[...] -> (q f[..., H, D_lat], kv_row f[..., D_lat], q_lora f[..., R]).
 
     Every device gets every head of q (each attends its own pages with all of them)."""
-    q_lora = rms_norm(ws.gather(_linear(h, p["self_attn.q_a_proj.weight"]), -1, cfg.q_lora_rank),
-                      p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = _linear(q_lora, p["self_attn.q_b_proj.weight"])
+    q_a = _linear(h, weight(p, "self_attn.q_a_proj.weight"))
+    q_lora = rms_norm(ws.gather(q_a, -1, cfg.q_lora_rank), p["self_attn.q_a_layernorm.weight"],
+                      cfg.rms_norm_eps)
+    q = _linear(q_lora, weight(p, "self_attn.q_b_proj.weight"))
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
-    a = ws.gather(_linear(h, p["self_attn.kv_a_proj_with_mqa.weight"]), -1,
+    a = ws.gather(_linear(h, weight(p, "self_attn.kv_a_proj_with_mqa.weight")), -1,
                   cfg.kv_lora_rank + cfg.qk_rope_head_dim)                 # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
                  cfg.rms_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
                 mscale=mscale)
     w_uk = _kv_b(p, cfg)[:, : cfg.qk_nope_head_dim]                       # [H, nope, kv_lora]
-    q_lat = jnp.einsum("...hn,hnc->...hc", q_nope, w_uk)                  # [..., H, kv_lora]
+    q_lat = _matmul("...hn,hnc->...hc", q_nope, w_uk)                    # [..., H, kv_lora]
     q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
                              _pad_last(q_pe, cfg.latent_rope_pad)], -1)
     kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
@@ -209,7 +234,7 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
 
 def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
     """W_kv_b as [H (this device's heads), nope + v, kv_lora]."""
-    return p["self_attn.kv_b_proj.weight"].reshape(
+    return weight(p, "self_attn.kv_b_proj.weight").reshape(
         -1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
 
 
@@ -229,13 +254,14 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
     """The DSA indexer's query heads, head weights and key for each token (all heads on every
     device: each scores its own pages with all of them)."""
     hi, di = cfg.index_n_heads, cfg.index_head_dim
-    q = _linear(q_lora, p["self_attn.indexer.wq_b.weight"]).reshape(*q_lora.shape[:-1], -1, di)
-    k = layer_norm(ws.gather(_linear(h, p["self_attn.indexer.wk.weight"]), -1, di),
+    q = _linear(q_lora, weight(p, "self_attn.indexer.wq_b.weight"))
+    q = q.reshape(*q_lora.shape[:-1], -1, di)
+    k = layer_norm(ws.gather(_linear(h, weight(p, "self_attn.indexer.wk.weight")), -1, di),
                    p["self_attn.indexer.k_norm.weight"], p["self_attn.indexer.k_norm.bias"], 1e-6)
     q, k = _indexer_rope(q, pos, cfg), _indexer_rope(k, pos, cfg)
     if cfg.index_hadamard:
         q, k = hadamard(q), hadamard(k)
-    w = ws.gather(_linear(h, p["self_attn.indexer.weights_proj.weight"]), -1, hi)
+    w = ws.gather(_linear(h, weight(p, "self_attn.indexer.weights_proj.weight")), -1, hi)
     return IndexerInputs(q=ws.gather(q, -2, hi), w=w * (hi ** -0.5 * di ** -0.5), k=k)
 
 
@@ -243,14 +269,14 @@ def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
     """o_lat f[..., H, kv_lora] of the heads whose W_uv and o_proj columns this device holds
     (all, or its own) -> f[..., hidden]: the whole output, or this device's partial sum."""
     w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
-    o = jnp.einsum("...hc,hvc->...hv", o_lat.astype(w_uv.dtype), w_uv)
-    return _linear(o.reshape(*o.shape[:-2], -1), p["self_attn.o_proj.weight"])
+    o = _matmul("...hc,hvc->...hv", o_lat, w_uv)
+    return _linear(o.reshape(*o.shape[:-2], -1), weight(p, "self_attn.o_proj.weight"))
 
 
 def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
-    g = _linear(x, p[f"{prefix}.gate_proj.weight"])
-    u = _linear(x, p[f"{prefix}.up_proj.weight"])
-    return _linear(jax.nn.silu(g) * u, p[f"{prefix}.down_proj.weight"])
+    g = _linear(x, weight(p, f"{prefix}.gate_proj.weight"))
+    u = _linear(x, weight(p, f"{prefix}.up_proj.weight"))
+    return _linear(jax.nn.silu(g) * u, weight(p, f"{prefix}.down_proj.weight"))
 
 
 def _limit_groups(biased: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -288,6 +314,12 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
     return (weights[..., None] * one_hot).sum(-2)
 
 
+def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Rows x[N, in] in groups of `sizes` through the stack w[E, in, out] -> f32[N, out] (in
+    W's dtype, widened, as `_matmul`)."""
+    return jax.lax.ragged_dot(x.astype(w.dtype), w, sizes).astype(jnp.float32)
+
+
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
                     ws: WeightShards) -> jax.Array:
     """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: the outputs of this
@@ -297,8 +329,9 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     The T*k (token, expert) pairs are sorted by local expert, pairs for other devices' experts
     last, and one grouped matmul per projection runs each group through its expert; rows past
     the groups come out zero, and their weight is zero too."""
-    w_gate, w_up = p["mlp.experts.gate_proj.weight"], p["mlp.experts.up_proj.weight"]
-    n_local = w_gate.shape[0]                                   # [E (local), hidden, inner]
+    w_gate = weight(p, "mlp.experts.gate_proj.weight")          # [E (local), hidden, inner]
+    w_up = weight(p, "mlp.experts.up_proj.weight")
+    n_local = w_gate.shape[0]
     local = chosen.reshape(-1) - ws.first(n_local)              # [T*k]
     mine = (local >= 0) & (local < n_local)
     group = jnp.where(mine, local, n_local)
@@ -306,9 +339,8 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     token = order // chosen.shape[-1]                            # source token of each row
     sizes = jnp.zeros((n_local + 1,), jnp.int32).at[group].add(1)[:n_local]
     rows = x[token]                                              # [T*k, hidden]
-    g = jax.lax.ragged_dot(rows, w_gate, sizes)
-    u = jax.lax.ragged_dot(rows, w_up, sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, p["mlp.experts.down_proj.weight"], sizes)
+    g, u = _grouped(rows, w_gate, sizes), _grouped(rows, w_up, sizes)
+    y = _grouped(jax.nn.silu(g) * u, weight(p, "mlp.experts.down_proj.weight"), sizes)
     row_weight = jnp.where(mine, weights.reshape(-1), 0)[order].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y * row_weight[:, None])
 
@@ -319,7 +351,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     experts only) plus the shared experts. Split weights give partial sums, joined once."""
     if not cfg.is_moe_layer(layer):
         return ws.psum(_swiglu(p, "mlp", x))
-    router = ws.gather(_linear(x, p["mlp.gate.weight"]), -1, cfg.n_routed_experts)
+    router = ws.gather(_linear(x, weight(p, "mlp.gate.weight")), -1, cfg.n_routed_experts)
     chosen, weights = route_topk(cfg, router.astype(jnp.float32),
                                  p["mlp.gate.e_score_correction_bias"])       # [..., k] each
     flat = x.reshape(-1, x.shape[-1])
@@ -366,8 +398,9 @@ def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),
            vocab_size: int | None = None) -> jax.Array:
     """hidden f[..., hidden] -> f32[..., V]; split by vocabulary, each device's logits are
     gathered and `vocab_size` (required then) cuts the padded rows' logits off."""
-    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])
-    out = _linear(hidden, head).astype(jnp.float32)
+    head = weight(params, "lm_head.weight" if "lm_head.weight" in params
+                  else "model.embed_tokens.weight")
+    out = _linear(hidden, head)
     if not ws.split:
         return out
     if vocab_size is None:

@@ -44,6 +44,7 @@ from cp_runtime.merge import combine
 from cp_runtime.model import forward, logits
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.sampler import SamplingArrays, sample_tokens
+from cp_runtime.weight_format import DeviceTensor
 from cp_runtime.weight_placement import param_specs
 from cp_runtime.weight_shards import WeightShards
 from cp_runtime.weights import Params
@@ -148,18 +149,19 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
-              kernels: Kernels, param_shapes: dict[str, tuple[int, ...]], *,
+              kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
               combine_fn=combine):
     """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
 
-    param_shapes: the weights' model-layout shapes (their split follows runtime.weights).
+    weight_tensors: the arrays the weights are held in (weight_format.device_tensors, for
+    runtime.weights and runtime.weight_dtype, both concrete).
     combine_fn: how attention partials meet (cp_runtime.merge.combine; a benchmark may pass a
     stand-in to time the step without its merge).
     segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
     outputs: one entry per segment (see the module docstring). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
-    weights = param_specs(param_shapes, model, runtime.weights, CP_AXIS)
+    weights = param_specs(weight_tensors, CP_AXIS)
 
     def run_segment(params, kv: KVPool, args, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,

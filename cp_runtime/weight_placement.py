@@ -1,5 +1,6 @@
 """Put the model's weights on the `cp` mesh, whole on every device or split
-(cp_runtime.weight_layout), reading one device's block at a time.
+(cp_runtime.weight_layout), in their stored dtype (cp_runtime.weight_format), reading one
+device's block at a time.
 
 A block source reads a range of one tensor (model layout, unpadded) without the rest: in-memory
 weights (`ArrayBlocks`) or a checkpoint's memory-mapped files (cp_runtime.checkpoint's
@@ -10,100 +11,123 @@ beyond what its devices keep.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cp_runtime.config import ModelConfig
-from cp_runtime.weight_layout import padded_shape, split_of
+from cp_runtime.fp8_blocks import HostBlock, to_stored
+from cp_runtime.weight_format import FP8_BLOCK, SCALE_SUFFIX, DeviceTensor, scale_runs
 from cp_runtime.weights import Params
 
-__all__ = ["BlockSource", "ArrayBlocks", "param_specs", "place_weights",
+__all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "place_weights",
            "weight_bytes_per_device"]
 
 
 class BlockSource(Protocol):
-    """shapes: {name: unpadded model-layout shape}; read(name, axis, lo, hi): the tensor's
-    elements lo..hi along `axis` (the whole tensor when axis is None), as a host array."""
+    """shapes: {name: unpadded model-layout shape}; block: the [out, in] values per fp8 scale
+    of its fp8 tensors; read(name, axis, lo, hi): the tensor's elements lo..hi along `axis`
+    (the whole tensor when axis is None), as stored (cp_runtime.fp8_blocks.HostBlock)."""
 
     shapes: dict[str, tuple[int, ...]]
+    block: tuple[int, int]
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> np.ndarray: ...
+    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock: ...
 
 
 class ArrayBlocks:
-    """Blocks of weights already in memory (model layout)."""
+    """Blocks of weights already in memory (model layout, no scales: any float dtype)."""
+
+    block = FP8_BLOCK
 
     def __init__(self, params: Params):
         self.params = params
         self.shapes = {k: tuple(v.shape) for k, v in params.items()}
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> np.ndarray:
+    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock:
         x = np.asarray(self.params[name])
-        return x if axis is None else np.take(x, np.arange(lo, hi), axis=axis)
+        return HostBlock(x if axis is None else np.take(x, np.arange(lo, hi), axis=axis))
 
 
-def _split(name: str, shape: tuple[int, ...], model: ModelConfig, mode: str):
-    return split_of(name, shape, model) if mode == "sharded" else None
-
-
-def param_specs(shapes: dict[str, tuple[int, ...]], model: ModelConfig, mode: str,
-                axis_name: str) -> dict[str, PartitionSpec]:
-    """Each tensor's PartitionSpec over the mesh axis `axis_name` in weight mode `mode`."""
-    specs = {}
-    for name, shape in shapes.items():
-        split = _split(name, shape, model, mode)
-        if split is None:
-            specs[name] = PartitionSpec()
-        else:
-            specs[name] = PartitionSpec(*[axis_name if i == split.axis else None
-                                          for i in range(len(shape))])
-    return specs
+def param_specs(tensors: dict[str, DeviceTensor], axis_name: str) -> dict[str, PartitionSpec]:
+    """Each device tensor's PartitionSpec over the mesh axis `axis_name`."""
+    return {name: PartitionSpec(*[axis_name if i == t.split_axis else None
+                                  for i in range(len(t.shape))])
+            for name, t in tensors.items()}
 
 
 def _padded_block(source: BlockSource, name: str, axis: int, lo: int, hi: int,
-                  real: int) -> np.ndarray:
+                  real: int) -> HostBlock:
     """Elements lo..hi of `axis`, those at or past `real` (padding) zero."""
     block = source.read(name, axis, min(lo, real), min(hi, real))
-    pad = [(0, 0)] * block.ndim
-    pad[axis] = (0, (hi - lo) - block.shape[axis])
-    return np.pad(block, pad) if pad[axis][1] else block
+    pad = [(0, 0)] * block.values.ndim
+    pad[axis] = (0, (hi - lo) - block.values.shape[axis])
+    if not pad[axis][1]:
+        return block
+    return dataclasses.replace(block, values=np.pad(block.values, pad))
 
 
-def place_weights(source: BlockSource, model: ModelConfig, mesh: Mesh, mode: str,
-                  axis_name: str, dtype=None) -> Params:
-    """Global arrays on `mesh` for every tensor of `source`, replicated or split by `mode`;
-    this process reads only its devices' blocks (every block once: a replicated tensor is read
-    once and copied to each device). `dtype` casts each block as it is read."""
-    specs = param_specs(source.shapes, model, mode, axis_name)
+def _device_blocks(source: BlockSource, t: DeviceTensor, real: tuple[int, ...], index: tuple
+                   ) -> HostBlock:
+    """The source's part of tensor `t` that device slice `index` holds, zero-padded."""
+    if t.split_axis is None:
+        return source.read(t.name, None, 0, 0)
+    sl = index[t.split_axis]
+    return _padded_block(source, t.name, t.split_axis, sl.start or 0,
+                         sl.stop if sl.stop is not None else t.shape[t.split_axis],
+                         real[t.split_axis])
+
+
+def _put(x: np.ndarray, device) -> jax.Array:
+    # The copy is asynchronous and holds the host block until done: wait for it, so one block
+    # at a time is in flight. (A CPU "device" may keep an aligned host block as its own
+    # buffer: there the device's memory is host memory.)
+    return jax.device_put(x, device).block_until_ready()
+
+
+def place_weights(source: BlockSource, tensors: dict[str, DeviceTensor], mesh: Mesh,
+                  axis_name: str) -> Params:
+    """Global arrays on `mesh` for every tensor of `source` as `tensors` (from
+    weight_format.device_tensors) hold it: split, dtype and scales. This process reads only
+    its devices' blocks, each once (a replicated tensor is read once and copied to each
+    device), and turns each into its stored dtype as it is read (fp8 values stay as they
+    are, their scales re-gridded)."""
+    specs = param_specs(tensors, axis_name)
     placed = {}
-    for name, shape in source.shapes.items():
-        split = _split(name, shape, model, mode)
-        global_shape = shape if split is None else padded_shape(name, shape, model,
-                                                                mesh.shape[axis_name])
+    for name, real in source.shapes.items():
+        t = tensors[name]
+        scale = tensors.get(name + SCALE_SUFFIX)
         sharding = NamedSharding(mesh, specs[name])
-        indices = sharding.addressable_devices_indices_map(global_shape)
-        whole = None
-        arrays = []
-        for device, index in indices.items():
-            if split is None:
-                whole = source.read(name, None, 0, 0) if whole is None else whole
-                block = whole
-            else:
-                sl = index[split.axis]
-                block = _padded_block(source, name, split.axis, sl.start or 0,
-                                      sl.stop if sl.stop is not None else global_shape[split.axis],
-                                      shape[split.axis])
-            # The copy is asynchronous and holds the host block until done: wait for it, so one
-            # block at a time is in flight. (A CPU "device" may keep an aligned host block as
-            # its own buffer: there the device's memory is host memory.)
-            arrays.append(jax.device_put(block if dtype is None else block.astype(dtype),
-                                         device).block_until_ready())
-            del block
-        placed[name] = jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+        scale_sharding = None if scale is None else NamedSharding(mesh, specs[scale.name])
+        values, scales, last = [], [], None
+        for device, index in sharding.addressable_devices_indices_map(t.shape).items():
+            if last is None or t.split_axis is not None:
+                block = _device_blocks(source, t, real, index)
+                runs = None if scale is None else scale_runs(name, t.local, source.block)
+                last = to_stored(block, t.dtype, runs)
+                del block
+            values.append(_put(last[0], device))
+            if scale is not None:
+                scales.append(_put(last[1], device))
+        placed[name] = jax.make_array_from_single_device_arrays(t.shape, sharding, values)
+        if scale is not None:
+            placed[scale.name] = jax.make_array_from_single_device_arrays(
+                scale.shape, scale_sharding, scales)
     return placed
+
+
+def device_memory_bytes() -> int:
+    """Memory of one of this process's devices: what the runtime reports, or on CPU (whose
+    devices share the host's memory and report none) the host's memory over its devices."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // jax.local_device_count()
 
 
 def weight_bytes_per_device(params: Params) -> dict[int, int]:

@@ -71,7 +71,8 @@ def expected_config(name: str) -> ModelConfig:
         rope_theta=10000.0, routed_scaling_factor=2.5, tie_word_embeddings=False,
         n_group=hf["n_group"], topk_group=hf["topk_group"], norm_topk_prob=True,
         rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096,
-                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        weight_dtype="fp8")
 
 
 # -- writing a checkpoint ---------------------------------------------------------------------
@@ -556,7 +557,7 @@ def test_grouped_routing_matches_loop(tiny, norm):
 def test_loaded_model_paged_matches_oracle(ckpt):
     cfg, params, _ = load_checkpoint(ckpt.dir)
     engine = make_engine(cfg, params, kv_cache_dtype="f32", num_shards=16, pages_per_shard=2,
-                         page_size=16, chunk_size=32, max_batch=1)
+                         page_size=16, chunk_size=32, max_batch=1, weight_dtype="f32")
     s = engine.create_session()
     toks = random_tokens(cfg, 70, 5)
     out = [engine.extend(s.id, toks, all_logits=True)]
@@ -614,7 +615,8 @@ def glm_expected_config(name: str) -> ModelConfig:
         indexer_types=("full", "full", "shared", "full"), first_k_dense_replace=1,
         intermediate_size=144, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, rms_norm_eps=1e-5, rope_theta=8e6,
-        routed_scaling_factor=2.5, mla_rope_interleaved=True, index_rope_interleaved=True)
+        routed_scaling_factor=2.5, mla_rope_interleaved=True, index_rope_interleaved=True,
+        weight_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -692,7 +694,7 @@ def test_glm_model_paged_matches_oracle(glm_ckpt):
     cfg = read_hf_config(glm_ckpt.dir)
     params = load_hf_params(glm_ckpt.dir, cfg)
     engine = make_engine(cfg, params, kv_cache_dtype="f32", num_shards=16, pages_per_shard=2,
-                         page_size=16, chunk_size=32, max_batch=1)
+                         page_size=16, chunk_size=32, max_batch=1, weight_dtype="f32")
     s = engine.create_session()
     toks = random_tokens(cfg, 90, 6)
     out = [engine.extend(s.id, toks, all_logits=True)]

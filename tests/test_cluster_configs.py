@@ -89,3 +89,49 @@ def test_deploy_walks_through_both_files():
 def test_configs_ship_as_package_data():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"cluster/*.yaml"' in text and re.search(r"(?m)^\s*\"pyyaml", text)
+
+
+def _serve_args(command: str):
+    """The serve line's flags, parsed by the real `cp-runtime serve` parser."""
+    from cp_runtime.cli import build_parser
+
+    line = re.split(r"\s>\s", _words(command).split("cp-runtime serve", 1)[1])[0]
+    return build_parser().parse_args(["serve", *line.rstrip(" '").split()])
+
+
+def _serve_commands() -> list[str]:
+    (ray_up,) = _load(RAY_UP)
+    cluster, _ = _load(KUBERAY)
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    kube = " ".join(head["lifecycle"]["postStart"]["exec"]["command"])
+    return [c for c in ray_up["head_start_ray_commands"] if "cp-runtime serve" in c] + [kube]
+
+
+@pytest.mark.parametrize("model_name", ["glm-5.2", "deepseek-v3.2"])
+def test_serve_lines_fit_a_tpu7x_16_slice(model_name):
+    """Each serve line, as its checkpoint's model would run it on 16 devices of 96 GiB: the
+    weights split in the line's dtype, plus the line's pool, plus the reserve, fit a device."""
+    from cp_runtime.capacity import TOPOLOGIES, bytes_per_token, deployment_report
+    from cp_runtime.config import RuntimeConfig, load_model_config
+    from cp_runtime.weight_format import resolve_runtime_weights
+
+    model, topo = load_model_config(model_name), TOPOLOGIES["tpu7x-16"]
+    commands = _serve_commands()
+    assert len(commands) == 2
+    for command in commands:
+        args = _serve_args(command)
+        assert args.shards == topo.devices == args.hosts * args.devices_per_host
+        runtime = RuntimeConfig(model=model.name, kv_cache_dtype=args.kv_cache_dtype,
+                                page_size=args.page_size, num_shards=args.shards,
+                                pages_per_shard=args.pages_per_shard, weights=args.weights,
+                                weight_dtype=args.weight_dtype)
+        runtime = resolve_runtime_weights(runtime, model, int(topo.hbm_gib * 2**30))
+        assert runtime.weights == "sharded"
+        report = deployment_report(model, runtime.kv_cache_dtype, devices=topo.devices,
+                                   hbm_gib=topo.hbm_gib, weight_dtype=runtime.weight_dtype,
+                                   weights=runtime.weights)
+        pool = (runtime.pages_per_shard + 1) * runtime.page_size * bytes_per_token(
+            model, runtime.kv_cache_dtype)
+        used = report.weight_bytes_per_device + pool + report.reserve_gib_per_device * 2**30
+        assert used <= topo.hbm_gib * 2**30, (command, used / 2**30)
+        assert runtime.pages_per_shard * runtime.page_size * topo.devices >= 10**7

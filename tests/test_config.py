@@ -251,21 +251,22 @@ def test_weight_sharding_rules():
     dense = glm.first_k_dense_replace
     assert (weight_bytes_per_device(grown(glm, intermediate_size=d), d, "bf16") - base
             == dense * 3 * hid * 2)
-    # Features: 16 more q_lora ranks are one more q_a_proj row per device, the whole (norm)
+    # Features: 16 more q_lora ranks are one more q_a_proj row per device, the whole (norm, f32)
     # q_a_layernorm's 16 values, and a column more in each local head of q_b and indexer wq_b.
     heads, index_heads = glm.num_attention_heads // d, glm.index_n_heads // d
     full = len(glm.full_layers)
     assert (weight_bytes_per_device(grown(glm, q_lora_rank=d), d, "bf16") - base
-            == 2 * (layers * (hid + d + heads * glm.qk_head_dim * d)
-                    + full * index_heads * glm.index_head_dim * d))
+            == 2 * (layers * (hid + heads * glm.qk_head_dim * d)
+                    + full * index_heads * glm.index_head_dim * d) + 4 * layers * d)
 
 
 def test_weight_dtypes():
     glm = load_model_config("glm-5.2")
     shapes = model_shapes(glm)
     n = sum(math.prod(s) for s in shapes.values())
-    bias = sum(math.prod(s) for k, s in shapes.items() if k.endswith("correction_bias"))
-    assert weight_bytes_per_device(glm, 1, "bf16") == 2 * n + 2 * bias
+    one_d = sum(math.prod(s) for s in shapes.values() if len(s) == 1)     # norms, biases: f32
+    assert weight_bytes_per_device(glm, 1, "bf16") == 2 * n + 2 * one_d
+    assert weight_bytes_per_device(glm, 1, "auto") == weight_bytes_per_device(glm, 1, "fp8")
     fp8 = weight_bytes_per_device(glm, 1, "fp8")
     # fp8: one byte a matmul value, an f32 per 128x128 block; embeddings etc. stay bf16.
     embeddings = 2 * glm.vocab_size * glm.hidden_size * 2

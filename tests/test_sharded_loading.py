@@ -1,8 +1,7 @@
 """Loading a sharded checkpoint onto split weights: each device's block is read from the files
-alone (the right values, fp8 blocks dequantised), and the host never holds much more than one
-block at a time."""
+alone (the right values: dequantised for f32, the stored fp8 values with re-gridded scales for
+fp8), and the host never holds much more than one block at a time."""
 
-import math
 import tracemalloc
 
 import jax
@@ -13,7 +12,8 @@ from jax.sharding import NamedSharding
 from test_checkpoint import HF_CONFIG, write_checkpoint
 from cp_runtime.checkpoint import CheckpointBlocks
 from cp_runtime.pool import CP_AXIS
-from cp_runtime.weight_layout import local_shape, padded_shape
+from cp_runtime.weight_format import SCALE_SUFFIX, STORED_DTYPES, bytes_per_device, device_tensors
+from cp_runtime.weight_layout import padded_shape
 from cp_runtime.weight_placement import place_weights, weight_bytes_per_device
 from cp_runtime.weights import model_layout
 
@@ -35,42 +35,77 @@ def _mesh():
     return jax.make_mesh((S,), (CP_AXIS,), devices=jax.devices()[:S])
 
 
-def test_each_device_gets_its_block_of_the_checkpoint(wide_ckpt):
+def _tensors(blocks, cfg, dtype):
+    return device_tensors(blocks.shapes, cfg, "sharded", dtype, S, blocks.block)
+
+
+def _dequantized(placed, name):
+    """A placed weight in f32: fp8 values times their scales, run by run (the device's rule,
+    cp_runtime.model.weight, without the rounding to bf16)."""
+    w = np.asarray(placed[name]).astype(np.float32)
+    scale = placed.get(name + SCALE_SUFFIX)
+    if scale is None:
+        return w
+    s = np.asarray(scale)
+    ga, gb = w.shape[-2] // s.shape[-2], w.shape[-1] // s.shape[-1]
+    return w * np.repeat(np.repeat(s, ga, axis=-2), gb, axis=-1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_each_device_gets_its_block_of_the_checkpoint(wide_ckpt, dtype):
+    """f32: the dequantised values; fp8: the stored fp8 values themselves, whose scales give
+    back the same f32 values exactly. Padding is zero either way."""
     d, cfg, expected = wide_ckpt
-    placed = place_weights(CheckpointBlocks(d, cfg), cfg, _mesh(), "sharded", CP_AXIS)
+    blocks = CheckpointBlocks(d, cfg)
+    tensors = _tensors(blocks, cfg, dtype)
+    placed = place_weights(blocks, tensors, _mesh(), CP_AXIS)
+    assert set(placed) == set(tensors)
     for name, want in expected.items():
         want = np.asarray(want)
-        got = np.asarray(placed[name])
+        got = _dequantized(placed, name)
         assert got.shape == padded_shape(name, want.shape, cfg, S), name
         index = tuple(slice(0, n) for n in want.shape)
         np.testing.assert_array_equal(got[index], want, err_msg=name)
         assert np.count_nonzero(got) == np.count_nonzero(want), name      # padding is zero
+        assert str(placed[name].dtype) == str(STORED_DTYPES[tensors[name].dtype]), name
     per_device = weight_bytes_per_device(placed)
-    assert set(per_device.values()) == {sum(4 * math.prod(local_shape(n, x.shape, cfg, S))
-                                            for n, x in expected.items())}
+    assert set(per_device.values()) == {bytes_per_device(tensors)}
 
 
-def test_loading_peaks_near_one_block_not_the_checkpoint(wide_ckpt):
-    """tracemalloc sees every numpy buffer the loader makes (read, dequantise, pad, cast). A CPU
-    device keeps some blocks (the aligned ones) as its own buffers rather than copying them, so
-    what the devices hold at the end is counted too; the loader's own cost is the peak beyond
-    that, and neither comes near the checkpoint."""
+def test_fp8_values_reach_the_devices_as_stored(wide_ckpt):
+    d, cfg, _ = wide_ckpt
+    blocks = CheckpointBlocks(d, cfg)
+    placed = place_weights(blocks, _tensors(blocks, cfg, "fp8"), _mesh(), CP_AXIS)
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    stored = blocks.read(name, None, 0, 0).values
+    assert stored.dtype == placed[name].dtype
+    got = np.asarray(placed[name])[: stored.shape[0]]
+    np.testing.assert_array_equal(got.view(np.uint8), stored.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "fp8"])
+def test_loading_peaks_near_one_block_not_the_checkpoint(wide_ckpt, dtype):
+    """tracemalloc sees every numpy buffer the loader makes (read, pad, re-grid or dequantise).
+    A CPU device keeps some blocks (the aligned ones) as its own buffers rather than copying
+    them, so what the devices hold at the end is counted too; the loader's own cost is the peak
+    beyond that, and neither comes near the checkpoint. fp8 blocks are never widened."""
     d, cfg, expected = wide_ckpt
     blocks = CheckpointBlocks(d, cfg)
+    tensors = _tensors(blocks, cfg, dtype)
     mesh = _mesh()
     total = sum(4 * x.size for x in expected.values())
-    largest = max(4 * math.prod(local_shape(n, x.shape, cfg, S)) for n, x in expected.items())
+    largest = max(t.nbytes_per_device for t in tensors.values())
     tracemalloc.start()
     try:
-        placed = place_weights(blocks, cfg, mesh, "sharded", CP_AXIS)
+        placed = place_weights(blocks, tensors, mesh, CP_AXIS)
         jax.block_until_ready(placed)
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     mib = 2 ** 20
-    report = (f"peak {peak / mib:.2f} MiB, of which devices keep {kept / mib:.2f} MiB: loader "
-              f"{(peak - kept) / mib:.2f} MiB; largest block {largest / mib:.2f} MiB, model "
-              f"{total / mib:.2f} MiB (f32)")
+    report = (f"{dtype}: peak {peak / mib:.2f} MiB, of which devices keep {kept / mib:.2f} MiB: "
+              f"loader {(peak - kept) / mib:.2f} MiB; largest block {largest / mib:.3f} MiB, "
+              f"model {total / mib:.2f} MiB (f32)")
     print(report)
     assert peak - kept < 4 * largest, report
     assert peak < total / 4, report

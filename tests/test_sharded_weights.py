@@ -11,6 +11,7 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.model import _swiglu, mlp, route
+from cp_runtime.weight_format import resolve_runtime_weights
 from cp_runtime.weight_layout import split_of
 from cp_runtime.weights import init_params, layer_params, model_layout, model_shapes
 
@@ -71,7 +72,12 @@ def test_grouped_experts_match_a_dense_loop_over_every_expert():
 
 def test_merge_variants_need_their_weight_split():
     with pytest.raises(ConfigError, match="head_scatter.*needs weights='sharded'"):
-        RuntimeConfig(merge="head_scatter")
+        RuntimeConfig(merge="head_scatter", weights="replicated")
+    # "auto" is checked once it is resolved: the tiny model replicates, which head_scatter
+    # cannot run with.
+    with pytest.raises(ConfigError, match="head_scatter.*needs weights='sharded'"):
+        resolve_runtime_weights(RuntimeConfig(merge="head_scatter"), load_model_config("tiny"),
+                                device_bytes=2**34)
     with pytest.raises(ConfigError, match="hidden_psum.*needs weights='replicated'"):
         RuntimeConfig(merge="hidden_psum", weights="sharded")
     with pytest.raises(ConfigError, match="weights='halved' is not one of"):

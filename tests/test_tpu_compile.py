@@ -129,7 +129,8 @@ def test_programs_compile_in_place_with_kernel_costs(model_name, compiled):
     model = load_model_config(model_name)
     assert rows["decode"]["flops"] >= _decode_kernel_flops(model, SMALL_POOL_PAGES,
                                                            result["max_batch"])
-    # The weights the programs take are the capacity rule's bf16 weights, to the byte.
+    # The weights the programs take (the model's own fp8, block scales and all) are the
+    # capacity rule's weights, to the byte.
     assert result["weight_bytes_per_device"] == result["capacity_weight_bytes_per_device"]
 
 

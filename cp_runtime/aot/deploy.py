@@ -14,13 +14,15 @@ import dataclasses
 import numpy as np
 from jax.sharding import Mesh
 
-from cp_runtime.aot.programs import cut_model, executor_programs, param_structs, pool_structs
+from cp_runtime.aot.programs import (cut_model, executor_programs, param_structs, pool_structs,
+                                     weight_tensors)
 from cp_runtime.aot.report import compile_program, per_device_bytes
 from cp_runtime.aot.topology import compile_only_devices, topology
-from cp_runtime.capacity import GIB, deployment_report, weight_bytes_per_device
+from cp_runtime.capacity import GIB, deployment_report
 from cp_runtime.config import RuntimeConfig, load_model_config
 from cp_runtime.engine.executor import pool_spec_for
 from cp_runtime.pool import CP_AXIS
+from cp_runtime.weight_format import resolve_runtime_weights
 
 __all__ = ["CompilePlan", "compile_plan", "pool_pages_for"]
 
@@ -35,8 +37,8 @@ class CompilePlan:
     pages_per_shard: int | None = None     # None: what capacity gives for this model and slice
     chunk_size: int = 1024
     max_batch: int = 8
-    weights: str = "sharded"
-    weight_dtype: str = "bf16"
+    weights: str = "auto"                  # "auto": as the executor picks for the slice's HBM
+    weight_dtype: str = "auto"             # "auto": the model's own (fp8 for the big ones)
     context: int = 1 << 20                 # tokens of the session the step programs serve
     backend: str = "pallas"
     programs: tuple[str, ...] | None = None   # None: all of them
@@ -44,10 +46,12 @@ class CompilePlan:
 
 def pool_pages_for(model, plan: CompilePlan) -> int:
     """Pages per shard of the capacity-sized pool: the tokens `cp-runtime capacity` says fit
-    after this model's weights (the bf16 rule) and the reserve, spread over the shards."""
+    after this model's weights (in the plan's mode and dtype) and the reserve, spread over
+    the shards."""
     topo = topology(plan.topology)
     report = deployment_report(model, plan.kv_cache_dtype, devices=topo.devices,
-                               hbm_gib=topo.hbm_gib, weight_dtype="bf16", topology=topo.name)
+                               hbm_gib=topo.hbm_gib, weight_dtype=plan.weight_dtype,
+                               weights=plan.weights, topology=topo.name)
     pages = report.tokens_that_fit // (topo.devices * plan.page_size)
     if pages < 1:
         raise ValueError(f"no cache fits: {model.name}'s weights and the reserve take all of "
@@ -65,11 +69,11 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             page_size=plan.page_size, num_shards=topo.devices,
                             pages_per_shard=pages, chunk_size=plan.chunk_size,
                             max_batch=plan.max_batch, backend=plan.backend,
-                            weights=plan.weights)
+                            weights=plan.weights, weight_dtype=plan.weight_dtype)
+    runtime = resolve_runtime_weights(runtime, model, int(topo.hbm_gib * GIB))
     devices = compile_only_devices(plan.topology)
     mesh = Mesh(np.array(devices), (CP_AXIS,))
-    programs = executor_programs(model, runtime, mesh, weight_dtype=plan.weight_dtype,
-                                 context=plan.context)
+    programs = executor_programs(model, runtime, mesh, context=plan.context)
     if plan.programs is not None:
         unknown = set(plan.programs) - {p.name for p in programs}
         if unknown:
@@ -82,8 +86,9 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
             progress(program.name)
         rows.append(compile_program(program, devices[0]))
     spec = pool_spec_for(model, runtime)
-    capacity_weights = (weight_bytes_per_device(model, topo.devices, plan.weight_dtype)
-                        if plan.weights == "sharded" and plan.weight_dtype == "bf16" else None)
+    capacity = deployment_report(model, plan.kv_cache_dtype, devices=topo.devices,
+                                 hbm_gib=topo.hbm_gib, weight_dtype=runtime.weight_dtype,
+                                 weights=runtime.weights, topology=topo.name)
     return {
         "model": model.name,
         "layers": model.num_hidden_layers,
@@ -97,13 +102,13 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "chunk_size": plan.chunk_size,
         "max_batch": plan.max_batch,
         "context": plan.context,
-        "weights": plan.weights,
-        "weight_dtype": plan.weight_dtype,
+        "weights": runtime.weights,
+        "weight_dtype": runtime.weight_dtype,
         "backend": plan.backend,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh)),
         "weight_bytes_per_device": per_device_bytes(
-            param_structs(model, runtime, mesh, plan.weight_dtype)),
-        "capacity_weight_bytes_per_device": capacity_weights,
+            param_structs(weight_tensors(model, runtime), mesh)),
+        "capacity_weight_bytes_per_device": capacity.weight_bytes_per_device,
         "programs": rows,
     }

@@ -30,18 +30,12 @@ from cp_runtime.kernels_dispatch import select_kernels
 from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.sampler import SamplingArrays
 from cp_runtime.step import StepInputs, make_step
-from cp_runtime.weight_layout import padded_shape, split_of
+from cp_runtime.weight_format import STORED_DTYPES, DeviceTensor, device_tensors
 from cp_runtime.weight_placement import param_specs
 from cp_runtime.weights import model_shapes
 
-__all__ = ["WEIGHT_DTYPES", "Program", "cut_model", "executor_programs", "param_structs",
-           "pool_structs"]
-
-# Weight dtypes the compiled programs take. bf16: every tensor 2 bytes, the capacity rule's
-# `bf16` (e_score_correction_bias f32, as there); f32: every tensor 4 bytes.
-WEIGHT_DTYPES = ("bf16", "f32")
-_F32_ALWAYS = ("e_score_correction_bias",)
-
+__all__ = ["Program", "cut_model", "executor_programs", "param_structs", "pool_structs",
+           "weight_tensors"]
 
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -67,21 +61,20 @@ def cut_model(model: ModelConfig, layers: int | None) -> ModelConfig:
         first_k_dense_replace=min(model.first_k_dense_replace, layers))
 
 
-def param_structs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh,
-                  weight_dtype: str) -> dict[str, jax.ShapeDtypeStruct]:
-    """The weights as the executor places them (model layout; split per runtime.weights)."""
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
-    shapes = model_shapes(model)
-    specs = param_specs(shapes, model, runtime.weights, CP_AXIS)
-    out = {}
-    for name, shape in shapes.items():
-        sharded = runtime.weights == "sharded" and split_of(name, shape, model) is not None
-        full = padded_shape(name, shape, model, mesh.shape[CP_AXIS]) if sharded else shape
-        dtype = (jnp.float32 if weight_dtype == "f32" or any(s in name for s in _F32_ALWAYS)
-                 else jnp.bfloat16)
-        out[name] = jax.ShapeDtypeStruct(full, dtype, sharding=NamedSharding(mesh, specs[name]))
-    return out
+def weight_tensors(model: ModelConfig, runtime: RuntimeConfig) -> dict[str, DeviceTensor]:
+    """The arrays the executor places the weights in, for runtime.weights and
+    runtime.weight_dtype (both concrete) with the public checkpoints' 128 x 128 blocks."""
+    return device_tensors(model_shapes(model), model, runtime.weights, runtime.weight_dtype,
+                          runtime.num_shards)
+
+
+def param_structs(tensors: dict[str, DeviceTensor], mesh: Mesh
+                  ) -> dict[str, jax.ShapeDtypeStruct]:
+    """The weight arguments, `tensors` as ShapeDtypeStructs placed on `mesh`."""
+    specs = param_specs(tensors, CP_AXIS)
+    return {name: jax.ShapeDtypeStruct(t.shape, STORED_DTYPES[t.dtype],
+                                       sharding=NamedSharding(mesh, specs[name]))
+            for name, t in tensors.items()}
 
 
 def pool_structs(spec: PoolSpec, mesh: Mesh) -> KVPool:
@@ -119,21 +112,21 @@ def _replicated(mesh: Mesh, shape, dtype):
 
 
 def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
-                      weight_dtype: str, context: int) -> list[Program]:
-    """The programs of the module docstring, for `model` and `runtime` on `mesh`
-    (runtime.num_shards devices), with backend runtime.backend."""
+                      context: int) -> list[Program]:
+    """The programs of the module docstring, for `model` and `runtime` (its weight mode and
+    dtype concrete) on `mesh` (runtime.num_shards devices), with backend runtime.backend."""
     spec = pool_spec_for(model, runtime)
     pool = pool_structs(spec, mesh)
     kernels = select_kernels(runtime.backend, runtime.num_shards)
-    return (_step_programs(model, runtime, mesh, spec, pool, kernels, weight_dtype, context)
+    return (_step_programs(model, runtime, mesh, spec, pool, kernels, context)
             + _cache_programs(runtime, mesh, spec, pool, kernels))
 
 
-def _step_programs(model, runtime, mesh, spec, pool, kernels, weight_dtype: str,
-                   context: int) -> list[Program]:
+def _step_programs(model, runtime, mesh, spec, pool, kernels, context: int) -> list[Program]:
     """The decode step and a prefill chunk (fill, sample, logits): weights, pool, segment."""
-    params = param_structs(model, runtime, mesh, weight_dtype)
-    step = make_step(model, runtime, spec, mesh, kernels, model_shapes(model))
+    tensors = weight_tensors(model, runtime)
+    params = param_structs(tensors, mesh)
+    step = make_step(model, runtime, spec, mesh, kernels, tensors)
     width = _table_width(context, runtime.page_size, runtime.num_shards)
     s = runtime.num_shards
     decode = _segment_structs(runtime.max_batch, 1, width, True, mesh, s)

@@ -20,8 +20,9 @@ from cp_runtime.kernels_dispatch import Kernels, select_kernels
 from cp_runtime.kernels.storage import from_storage, storage_dtype
 from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.step import Segment, make_step
-from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, place_weights,
-                                         weight_bytes_per_device)
+from cp_runtime.weight_format import device_tensors, resolve_runtime_weights
+from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, device_memory_bytes,
+                                         place_weights, weight_bytes_per_device)
 from cp_runtime.weights import Params, model_layout
 
 __all__ = ["Executor", "LocalExecutor", "pool_spec_for"]
@@ -143,7 +144,8 @@ def make_row_io(mesh, kernels: Kernels, spec: PoolSpec):
 
 class LocalExecutor(Executor):
     """Runs steps on the first S devices of this process (or of every process, when JAX is
-    distributed), with weights whole on each device or split over them (runtime.weights).
+    distributed), with weights whole on each device or split over them (runtime.weights), in
+    runtime.weight_dtype ("auto" of either is resolved here: `self.runtime` is concrete).
 
     weights: in-memory weights (HF or model layout), or a `BlockSource` that reads only the
     blocks this process's devices hold (a checkpoint)."""
@@ -154,6 +156,7 @@ class LocalExecutor(Executor):
         if len(devices) < runtime.num_shards:
             raise ValueError(f"num_shards={runtime.num_shards} needs that many devices, "
                              f"{len(devices)} available (on CPU set jax_num_cpu_devices)")
+        runtime = resolve_runtime_weights(runtime, model, device_memory_bytes())
         self.model, self.runtime = model, runtime
         self.mesh = jax.make_mesh((runtime.num_shards,), (CP_AXIS,),
                                   devices=devices[: runtime.num_shards])
@@ -161,12 +164,15 @@ class LocalExecutor(Executor):
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
         blocks = (ArrayBlocks(model_layout(weights, model)) if isinstance(weights, dict)
                   else weights)
-        self.params = place_weights(blocks, model, self.mesh, runtime.weights, CP_AXIS)
+        self.weight_tensors = device_tensors(blocks.shapes, model, runtime.weights,
+                                             runtime.weight_dtype, runtime.num_shards,
+                                             blocks.block)
+        self.params = place_weights(blocks, self.weight_tensors, self.mesh, CP_AXIS)
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
         self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
-                               blocks.shapes)
+                               self.weight_tensors)
 
     def run(self, plan: tuple[Segment, ...]) -> list:
         # One program per segment, in order: a step of decode rows plus a prefill chunk would
@@ -198,6 +204,7 @@ class LocalExecutor(Executor):
     def stats(self, pages_used_per_shard: list[int] | None = None) -> dict:
         per_device = self.weight_bytes()
         return {"executor": type(self).__name__, "weights": self.runtime.weights,
+                "weight_dtype": self.runtime.weight_dtype,
                 "weight_bytes_per_device": max(per_device.values())}
 
     def read_rows(self, shard, slot, offset) -> CacheRows:
