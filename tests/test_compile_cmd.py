@@ -1,4 +1,5 @@
-"""`cp-runtime compile`: its JSON, its refusals, and (slow) the whole GLM-5.2 on tpu7x-16."""
+"""`cp-runtime compile`: its JSON, its refusals, its weight figures against capacity's, and
+(slow) the whole GLM-5.2 on tpu7x-16."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from cp_runtime.aot import topology
+from cp_runtime.aot.deploy import CompilePlan, compile_plan
 from cp_runtime.cli import main
 
 JSON_FIELDS = ("name", "compiled", "error", "compile_s", "argument_bytes", "output_bytes",
@@ -65,13 +67,46 @@ def test_the_table_says_what_was_cut(capsys):
     assert "page_copy" in printed and "TPU7x" in printed
 
 
+def _weight_figures(model: str, dtype: str, layers: int | None) -> dict:
+    """A compile plan's report with no program compiled: the weight arguments' bytes and the
+    capacity rule's, as `compile --json` prints them."""
+    return compile_plan(CompilePlan(model=model, layers=layers, weight_dtype=dtype,
+                                    pages_per_shard=64, programs=()))
+
+
+def _check_weight_figures(out: dict) -> None:
+    compiled, rule = out["weight_bytes_per_device"], out["capacity_weight_bytes_per_device"]
+    assert out["weights"] == "sharded"
+    assert abs(compiled - rule) <= 0.01 * rule, (compiled, rule)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2"])
+def test_capacity_and_compiled_weights_agree_on_cut_models(model):
+    """The weight arguments the programs take (their shardings' shard shapes, block scales
+    included) against the bytes `cp-runtime capacity` subtracts: within 1%, fp8 about half of
+    bf16. The compiler's own argument bytes are checked in test_tpu_compile."""
+    fp8, bf16 = (_weight_figures(model, dtype, 4) for dtype in ("fp8", "bf16"))
+    for out in (fp8, bf16):
+        _check_weight_figures(out)
+    assert 0.45 < fp8["weight_bytes_per_device"] / bf16["weight_bytes_per_device"] < 0.56
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2"])
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_capacity_and_compiled_weights_agree_on_whole_models(model, dtype):
+    _check_weight_figures(_weight_figures(model, dtype, None))
+
+
 @needs_libtpu
 @pytest.mark.slow
 def test_the_whole_glm_5_2_decode_and_prefill_fit_a_tpu7x_16_slice(capsys):
-    """All 78 layers, sharded bf16 weights (86.5 GiB a device: the loader's fp8 weights are
-    another issue's), and the pool the rest of HBM holds (1536 pages of 64 a shard)."""
-    code = main(["compile", "--model", "glm-5.2", "--pages-per-shard", "1536", "--programs",
-                 "decode,prefill_fill", "--json"])
+    """All 78 layers, sharded fp8 weights as the checkpoint holds them (43.4 GiB a device),
+    and the pool capacity sizes for the rest of HBM."""
+    code = main(["compile", "--model", "glm-5.2", "--programs", "decode,prefill_fill",
+                 "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     for row in out["programs"]:

@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory):
 
 def _engine(d, cfg, shards: int, weight_dtype: str) -> Engine:
     rt = RuntimeConfig(model=cfg.name, kv_cache_dtype="f32", num_shards=shards,
-                       pages_per_shard=8 if shards == 1 else 2, page_size=16, chunk_size=32,
+                       pages_per_shard=8 if shards == 1 else 2, page_size=16, chunk_size=64,
                        max_batch=1, weights="replicated" if shards == 1 else "sharded",
                        weight_dtype=weight_dtype)
     return Engine(cfg, rt, LocalExecutor(cfg, rt, CheckpointBlocks(d, cfg)))
