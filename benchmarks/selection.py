@@ -57,7 +57,7 @@ from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, ml
                               rms_norm)
 from cp_runtime.oracle import dense_sparse_attention, page_scores, selection_mask, token_scores
 from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
-from cp_runtime.weights import Params, init_params, layer_params
+from cp_runtime.weights import Params, init_params, layer_params, model_layout
 
 __all__ = ["SCHEMES", "round_keys", "top_pages", "SelectionChange", "selection_change",
            "indexer_inputs_of", "last_token_answer", "build_parser", "parse_args", "main"]
@@ -139,7 +139,7 @@ def _indexer_inputs_of(params, tokens, *, cfg, page_size, kv_cache_dtype):
     latent_dtype = latent_cache_dtype(kv_cache_dtype)
     k_pages = cfg.index_topk // page_size
 
-    def attend(layer, state, q_row, kv_row, index):
+    def attend(layer, state, q_row, kv_row, index, project):
         mask, seen = state
         if index is not None:
             seen = seen + (index,)
@@ -148,7 +148,7 @@ def _indexer_inputs_of(params, tokens, *, cfg, page_size, kv_cache_dtype):
         kv = kv_row.astype(latent_dtype).astype(kv_row.dtype)
         o = dense_sparse_attention(q_row, kv, mask, value_dim=cfg.kv_lora_rank,
                                    scale=cfg.softmax_scale)
-        return o, (mask, seen)
+        return project(o), (mask, seen)
 
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     _, (_, seen) = forward(params, cfg, tokens, pos, attend, (None, ()))
@@ -176,7 +176,7 @@ def last_token_answer(params: Params, tokens: jax.Array, *, cfg: ModelConfig, pa
     own = (t - 1) // page_size
     key_page = jnp.arange(t) // page_size
 
-    def attend(layer, chosen, q_row, kv_row, index):                     # one query [1, ...]
+    def attend(layer, chosen, q_row, kv_row, index, project):            # one query [1, ...]
         logit = jnp.einsum("hd,sd->hs", index.q[0], keys)
         scores = jnp.einsum("hs,h->s", jax.nn.relu(logit), index.w[0])   # [T]
         n = own + 1
@@ -187,7 +187,7 @@ def last_token_answer(params: Params, tokens: jax.Array, *, cfg: ModelConfig, pa
         mask = (key_page[:, None] == top[None]).any(-1) | (key_page == own)
         o = dense_sparse_attention(q_row, kv_rows, mask[None], value_dim=cfg.kv_lora_rank,
                                    scale=cfg.softmax_scale)
-        return o, top
+        return project(o), top
 
     hidden, top = forward(params, cfg, tokens[-1:], pos[-1:], attend, None)
     return logits(params, hidden)[0], top
@@ -201,7 +201,7 @@ def tiny_study(args) -> list[dict]:
     k_pages = cfg.index_topk // args.page_size
     totals = {s: [0, 0, 0.0] for s in SCHEMES if s != REFERENCE}
     for seed in range(args.seeds):
-        params = init_params(cfg, seed)
+        params = model_layout(init_params(cfg, seed), cfg)
         tokens = jax.random.randint(jax.random.key(1000 + seed), (args.tokens,), 0,
                                     cfg.vocab_size)
         for index in indexer_inputs_of(params, cfg, tokens, page_size=args.page_size):

@@ -5,8 +5,12 @@ by position over a `cp` mesh axis; docs/architecture.md describes the layers. `C
 `AsyncClient` talk to a running server (`cp-runtime serve`).
 """
 
-from cp_runtime.serving.client import AsyncClient, Client, Generation
-from cp_runtime.serving.protocol import ServerError
+from cp_runtime.serving.client import AsyncClient, AsyncSession, Client, Generation, Retry, Session
+from cp_runtime.serving.protocol import (BadRequestError, CapacityError, InternalError,
+                                         NotFoundError, ServerError, UnauthorizedError,
+                                         UnavailableError)
 
-__all__ = ["__version__", "AsyncClient", "Client", "Generation", "ServerError"]
+__all__ = ["__version__", "AsyncClient", "AsyncSession", "BadRequestError", "CapacityError",
+           "Client", "Generation", "InternalError", "NotFoundError", "Retry", "ServerError",
+           "Session", "UnauthorizedError", "UnavailableError"]
 __version__ = "0.1.0"

@@ -17,10 +17,11 @@ import argparse
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import sys
 
-from cp_runtime import demo
+from cp_runtime import __version__, demo
 from cp_runtime.capacity import TOPOLOGIES, capacity_report, deployment_report
 from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size, add_gathers,
                                  add_kv_cache_dtype, add_model, add_page_size,
@@ -31,7 +32,7 @@ from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, ConfigError, RuntimeCon
                                load_model_config)
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.platform import keep_jax_off_absent_tpus
-from cp_runtime.serving.app import build_server, check_bind, serve_forever
+from cp_runtime.serving.app import build_server, check_bind, check_port_free, serve_forever
 from cp_runtime.serving.server import ServerLimits
 from cp_runtime.serving.state import FSYNC_POLICIES, TokenStore
 from cp_runtime.weights_source import WeightsSource
@@ -72,6 +73,9 @@ def _add_serve(sub) -> None:
                         "small steps, else head_scatter with sharded weights and hidden_psum "
                         "with replicated; `cp-runtime bench merge` compares them)")
     add_gathers(p)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="the runtime's log lines on stderr: start-up phases and their seconds, "
+                        "recoveries, warnings (debug adds more)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
     p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
@@ -124,9 +128,23 @@ def _add_serve(sub) -> None:
                        help=f"limit: {f.name.replace('_', ' ')}")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(level: str) -> None:
+    """The runtime's loggers (`cp_runtime.*`) to stderr at `level`, with time and source."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("cp_runtime")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
 def _run_serve(args) -> int:
     token = args.auth_token or os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)                     # before any loading
+    check_port_free(args.host, args.port)
     source = WeightsSource(model=args.model, checkpoint=args.checkpoint, seed=args.seed)
     runtime = RuntimeConfig(model=source.config().name, kv_cache_dtype=args.kv_cache_dtype,
                             page_size=args.page_size, num_shards=args.shards,
@@ -246,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cp-runtime", formatter_class=HelpFormatter,
         description="Long-context serving runtime for DeepSeek Sparse Attention models: a paged "
                     "fp8 MLA cache sharded by position over a context-parallel mesh.")
+    parser.add_argument("--version", action="version", version=f"cp-runtime {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_demo(sub)
@@ -268,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
+            configure_logging(args.log_level)
             return _run_serve(args)
         if args.command == "demo":
             return demo.run(args)

@@ -6,7 +6,7 @@ import json
 import jax
 import pytest
 
-from cp_runtime.benchmarks import capacity, report, throughput
+from cp_runtime.benchmarks import capacity, report, selection, throughput
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.weights import param_shapes
@@ -184,3 +184,18 @@ def test_throughput_tiny_run(tmp_path):
     assert d["roofline"]["2"]["matmul_gflop_per_s"] > 0
     assert (tmp_path / "throughput_decode.png").exists()
     assert (tmp_path / "throughput_prefill.png").exists()
+
+
+# -- selection, end to end ------------------------------------------------------------------
+@pytest.mark.slow             # ~30 s of compiles here; the default suite has no room yet
+def test_selection_runs_and_writes_its_figures(tmp_path):
+    assert selection.main(["--seeds", "1", "--tokens", "256", "--recall-trials", "4",
+                           "--recall-length", "256", "--topks", "16,32",
+                           "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "selection.json").read_text())
+    assert {r["model"] for r in d["selection"]} >= {"tiny"}
+    assert all(0 <= r["changed_pct"] <= 100 for r in d["selection"])
+    assert {r["index_topk"] for r in d["recall"]} == {16, 32}
+    for r in d["recall"]:                                   # "hits/trials"
+        hits, trials = map(int, r["recall"].split("/"))
+        assert trials == 4 and 0 <= hits <= trials

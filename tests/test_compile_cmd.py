@@ -84,20 +84,25 @@ def _check_weight_figures(out: dict) -> None:
 @pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2"])
 def test_capacity_and_compiled_weights_agree_on_cut_models(model):
     """The weight arguments the programs take (their shardings' shard shapes, block scales
-    included) against the bytes `cp-runtime capacity` subtracts: within 1%, fp8 about half of
-    bf16. The compiler's own argument bytes are checked in test_tpu_compile."""
+    included) against the bytes `cp-runtime capacity` subtracts: within 1%. Four layers are
+    sharded as the whole model is; their fp8 weights are 0.56-0.58 of bf16 (the bf16 embedding
+    and lm head weigh more beside 4 layers than beside 78). The compiler's own argument bytes
+    are checked in test_tpu_compile."""
     fp8, bf16 = (_weight_figures(model, dtype, 4) for dtype in ("fp8", "bf16"))
     for out in (fp8, bf16):
         _check_weight_figures(out)
-    assert 0.45 < fp8["weight_bytes_per_device"] / bf16["weight_bytes_per_device"] < 0.56
+    assert fp8["weight_bytes_per_device"] < 0.6 * bf16["weight_bytes_per_device"]
 
 
 @needs_libtpu
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2"])
-@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_capacity_and_compiled_weights_agree_on_whole_models(model, dtype):
-    _check_weight_figures(_weight_figures(model, dtype, None))
+def test_capacity_and_compiled_weights_agree_on_whole_models(model):
+    """The whole models: within 1%, and fp8 about half of bf16 (measured 0.5015, 0.5016)."""
+    fp8, bf16 = (_weight_figures(model, dtype, None) for dtype in ("fp8", "bf16"))
+    for out in (fp8, bf16):
+        _check_weight_figures(out)
+    assert 0.49 < fp8["weight_bytes_per_device"] / bf16["weight_bytes_per_device"] < 0.52
 
 
 @needs_libtpu

@@ -115,7 +115,7 @@ class Fuzz:
         closed.close()
         self.closed = closed.id
         self.baseline = self._state()
-        self.keep = {s["session"] for s in self.client.sessions()}
+        self.keep = {s["id"] for s in self.client.sessions()}
         self.probe = self.world.probe()
         self.count = 0
         self.codes: dict[str, int] = {}                      # error events by code
@@ -196,15 +196,15 @@ class Fuzz:
             assert fresh.call("stats", rid=1)["event"] == "done"
         self._state()                                          # let cut-off extends finish
         for s in self.client.sessions():
-            if s["session"] not in self.keep:
-                self.client.session(s["session"]).close()
+            if s["id"] not in self.keep:
+                self.client.session(s["id"]).close()
         info = {}
         try:
             info = self.target.info()
         except cp_runtime.serving.protocol.NotFoundError:
             pass
         if info.get("length") != len(TARGET_TOKENS) or self.empty.id not in {
-                s["session"] for s in self.client.sessions()} or \
+                s["id"] for s in self.client.sessions()} or \
                 self.empty.info()["length"] != 0:
             self.keep -= {self.target.id, self.empty.id}
             self._fresh_targets()

@@ -220,7 +220,7 @@ def checkpoint(tmp_path_factory):
     cfg, expected = write_checkpoint(d, HF_CONFIG, seed=4)
     write_tokenizer(d)
     whole = RuntimeConfig(model=cfg.name, kv_cache_dtype="f32", pages_per_shard=24,
-                          chunk_size=64)
+                          chunk_size=64, weights="replicated", weight_dtype="f32")
     engine = Engine(cfg, whole, LocalExecutor(cfg, whole, expected))
     prompt = np.random.default_rng(0).integers(0, 400, PROMPT).tolist()
     s = engine.create_session()
@@ -236,7 +236,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
     only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
     executor's with whole weights; `stats` shows both workers, each device with its part."""
     cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--checkpoint", checkpoint["dir"],
-           "--shards", "16", "--weights", "sharded",
+           "--shards", "16", "--weights", "sharded", "--weight-dtype", "f32",
            "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
            "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",
            "--ray-address", ray_cluster, "--compilation-cache-dir", xla_cache]

@@ -14,7 +14,6 @@ import cp_runtime
 from conftest import make_engine, random_tokens
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, Token, Unavailable
 from cp_runtime.oracle import oracle_logits
-from cp_runtime.serving.protocol import UnavailableError
 from cp_runtime.serving.state import TokenStore
 from test_serving import start_server
 
@@ -96,16 +95,9 @@ def _kill(proc):
     proc.wait(timeout=30)
 
 
-def _when_restored(fn, timeout=120):
-    """fn() once the restarted server has rebuilt the session (retrying `unavailable`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return fn()
-        except UnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+# The client's own retry waits out `unavailable` while a restarted server rebuilds a session
+# (up to about two minutes).
+WHILE_RESTORING = cp_runtime.Retry(attempts=600, backoff_s=0.05, max_backoff_s=0.2)
 
 
 @pytest.fixture
@@ -162,15 +154,15 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
     t_restart = time.monotonic()
     proc, address = start_server(*args)
     try:
-        with cp_runtime.Client(address) as client:
-            listed = {s["session"]: s["length"] for s in client.sessions()}
+        with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
+            listed = {s["id"]: s["length"] for s in client.sessions()}
             assert set(listed) == {chat_id, upload_id}
             logs = TokenStore(state_dir).load()
             for sid, name in ((chat_id, "chat"), (upload_id, "upload")):
                 assert logs[sid][: len(acked[name])] == acked[name]   # nothing acknowledged lost
                 assert listed[sid] == len(logs[sid])
             chat = client.session(chat_id)
-            cont = _when_restored(lambda: chat.generate(max_tokens=3)).tokens
+            cont = chat.generate(max_tokens=3).tokens
             first_token_s = time.monotonic() - t_restart
             assert cont == greedy_continuation(tiny_params, tiny, logs[chat_id], 3)
             print(f"restart to first token of the restored session: {first_token_s:.1f} s")
@@ -195,10 +187,10 @@ def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, t
         assert proc.wait(timeout=60) == 0
     proc, address = start_server("--state-dir", state_dir, "--shards", "4")
     try:
-        with cp_runtime.Client(address) as client:
+        with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
             assert client.server["shards"] == 4
             s = client.session(sid)
-            out = _when_restored(lambda: s.generate(max_tokens=3)).tokens
+            out = s.generate(max_tokens=3).tokens
             assert out == greedy_continuation(tiny_params, tiny, log, 3)
             # Only the 20 tokens past the snapshot were prefilled (then one decode per token).
             assert client.stats()["prefill_tokens_total"] == 20

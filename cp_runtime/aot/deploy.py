@@ -44,14 +44,14 @@ class CompilePlan:
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
-def pool_pages_for(model, plan: CompilePlan) -> int:
+def pool_pages_for(model, plan: CompilePlan, weights: str, weight_dtype: str) -> int:
     """Pages per shard of the capacity-sized pool: the tokens `cp-runtime capacity` says fit
-    after this model's weights (in the plan's mode and dtype) and the reserve, spread over
-    the shards."""
+    after this model's weights (in mode `weights` and `weight_dtype`) and the reserve, spread
+    over the shards."""
     topo = topology(plan.topology)
     report = deployment_report(model, plan.kv_cache_dtype, devices=topo.devices,
-                               hbm_gib=topo.hbm_gib, weight_dtype=plan.weight_dtype,
-                               weights=plan.weights, topology=topo.name)
+                               hbm_gib=topo.hbm_gib, weight_dtype=weight_dtype,
+                               weights=weights, topology=topo.name)
     pages = report.tokens_that_fit // (topo.devices * plan.page_size)
     if pages < 1:
         raise ValueError(f"no cache fits: {model.name}'s weights and the reserve take all of "
@@ -60,17 +60,20 @@ def pool_pages_for(model, plan: CompilePlan) -> int:
 
 
 def compile_plan(plan: CompilePlan, progress=None) -> dict:
-    """Compile the plan's programs; `progress(name)` is called before each."""
+    """Compile the plan's programs; `progress(name)` is called before each. A cut model's
+    weights take the mode "auto" picks for the whole model: the cut stands in for it."""
     topo = topology(plan.topology)
     full = load_model_config(plan.model)
     model = cut_model(full, plan.layers)
-    pages = plan.pages_per_shard or pool_pages_for(model, plan)
     runtime = RuntimeConfig(model=model.name, kv_cache_dtype=plan.kv_cache_dtype,
                             page_size=plan.page_size, num_shards=topo.devices,
-                            pages_per_shard=pages, chunk_size=plan.chunk_size,
-                            max_batch=plan.max_batch, backend=plan.backend,
-                            weights=plan.weights, weight_dtype=plan.weight_dtype)
-    runtime = resolve_runtime_weights(runtime, model, int(topo.hbm_gib * GIB))
+                            chunk_size=plan.chunk_size, max_batch=plan.max_batch,
+                            backend=plan.backend, weights=plan.weights,
+                            weight_dtype=plan.weight_dtype)
+    runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
+    pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
+                                                   runtime.weight_dtype)
+    runtime = dataclasses.replace(runtime, pages_per_shard=pages)
     devices = compile_only_devices(plan.topology)
     mesh = Mesh(np.array(devices), (CP_AXIS,))
     programs = executor_programs(model, runtime, mesh, context=plan.context)

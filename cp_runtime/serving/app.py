@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import signal
 import socket
 import sys
 import threading
+import time
 
 import uvloop
 
@@ -22,7 +24,10 @@ from cp_runtime.serving.server import Server, ServerLimits
 from cp_runtime.serving.state import TokenStore, restore_sessions
 from cp_runtime.weights_source import WeightsSource
 
-__all__ = ["EmbeddedServer", "build_server", "check_bind", "is_loopback", "serve_forever"]
+__all__ = ["EmbeddedServer", "build_server", "check_bind", "check_port_free", "is_loopback",
+           "serve_forever"]
+
+log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -46,6 +51,22 @@ def check_bind(host: str, auth_token: str | None) -> None:
                          "--auth-token (or set CP_RUNTIME_TOKEN), or bind 127.0.0.1")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something else already listens on, before anything is loaded (the server
+    binds it for real only once the model is up). Port 0 asks for any free port."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} "
+                             f"({e.strerror}); give another --port, or 0 for any free one"
+                             ) from None
+
+
 def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "127.0.0.1",
                  port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
@@ -56,6 +77,7 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
     runtime) -> Executor` replaces the local executor (its workers load the weights: this
     process reads only the config and the tokenizer)."""
     check_bind(host, auth_token)
+    t0 = time.perf_counter()
     if executor_factory is None:
         loaded = source.load()
         config, tokenizer = loaded.config, loaded.tokenizer
@@ -64,9 +86,17 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
         config = source.config()
         tokenizer = load_tokenizer(source.checkpoint) if source.checkpoint else None
         executor = executor_factory(source, runtime)
+    ready = getattr(executor, "runtime", runtime)          # weight mode and dtype resolved
+    log.info("%s: weights (%s, %s) and a pool of %d pages of %d a shard over %d shards ready "
+             "in %.1f s", source.name, ready.weights, ready.weight_dtype,
+             runtime.pages_per_shard, runtime.page_size, runtime.num_shards,
+             time.perf_counter() - t0)
     engine = Engine(config, runtime, executor, seed=seed, journal=state)
     if state is not None:
+        t0 = time.perf_counter()
         restore_sessions(engine, state)
+        log.info("%s: sessions brought back in %.1f s (caches not restored from a snapshot "
+                 "are prefilled as the engine steps)", state.dir, time.perf_counter() - t0)
     return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
                   port=port, auth_token=auth_token, limits=limits, state=state)
 

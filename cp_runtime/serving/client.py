@@ -2,15 +2,21 @@
 notebooks; it runs an `AsyncClient` on a background event loop).
 
     with cp_runtime.Client("127.0.0.1:7777") as client:
-        session = client.create_session()
-        session.extend(document_tokens, progress=True)      # chunked upload, progress bar
-        answer = session.generate(max_tokens=32, temperature=0.7, seed=1)
-        for token in session.stream(max_tokens=32):          # tokens as they come
-            ...
-        child = session.fork(); print(session.info()); session.close()
+        with client.create_session() as session:             # closed on the server at exit
+            session.extend(document_tokens, progress=True)  # chunked upload, progress bar
+            answer = session.generate(max_tokens=32, temperature=0.7, seed=1)
+            for token in session.stream(max_tokens=32):      # tokens as they come
+                ...
+            for token, logprob in session.stream(max_tokens=8, logprobs=True):
+                ...
+            with session.fork() as child:
+                print(child.info())
 
 Server errors raise `ServerError` subclasses named after their codes (`BadRequestError`,
-`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `InternalError`).
+`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `InternalError`),
+all importable from `cp_runtime`. `Client(..., retry=Retry())` retries a request the server
+turned away as `unavailable` (its pool rebuilding after a failed step) before it began, with
+exponential backoff; nothing is retried by default.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.serving.protocol import (BadRequestError, ServerError, encode_frame,
-                                         encode_tokens, error_class, read_frame)
+from cp_runtime.serving.protocol import (BadRequestError, NotFoundError, ServerError,
+                                         UnavailableError, encode_frame, encode_tokens,
+                                         error_class, read_frame)
 
-__all__ = ["AsyncClient", "AsyncSession", "Client", "Generation", "Session"]
+__all__ = ["AsyncClient", "AsyncSession", "Client", "Generation", "Retry", "Session"]
 
 UPLOAD_CHUNK = 1 << 16          # tokens per extend request of a long upload (256 KiB of int32)
 MAX_REPLY_BYTES = 64 << 20
@@ -45,6 +52,25 @@ class Generation:
     finish_reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Retry a request the server answered `unavailable` before any other event (so it had no
+    effect): up to `attempts` tries in all, waiting `backoff_s`, then twice that, ..., at most
+    `max_backoff_s` between tries."""
+
+    attempts: int = 5
+    backoff_s: float = 0.25
+    max_backoff_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(f"{self}: attempts must be >= 1 and the waits >= 0")
+
+    def wait_s(self, tried: int) -> float:
+        """Seconds to wait after the `tried`-th failed try."""
+        return min(self.backoff_s * 2 ** (tried - 1), self.max_backoff_s)
+
+
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -55,9 +81,10 @@ def _split_address(address: str) -> tuple[str, int]:
 class AsyncClient:
     """One connection to a server; requests on it may run concurrently."""
 
-    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None):
+    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None,
+                 retry: Retry | None = None):
         self.host, self.port = _split_address(address)
-        self.token = token
+        self.token, self.retry = token, retry
         self.server: dict = {}                 # the hello reply: model, limits, ...
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
@@ -103,7 +130,23 @@ class AsyncClient:
 
     async def events(self, op: str, **fields) -> AsyncIterator[dict]:
         """Send one request; yield its events up to and including `done` (an error event
-        raises its ServerError)."""
+        raises its ServerError). With `retry`, an `unavailable` answer that comes before any
+        other event sends the request again after a backoff."""
+        tried = 0
+        while True:
+            tried += 1
+            started = False
+            try:
+                async for event in self._events_once(op, fields):
+                    started = True
+                    yield event
+                return
+            except UnavailableError:
+                if started or self.retry is None or tried >= self.retry.attempts:
+                    raise
+            await asyncio.sleep(self.retry.wait_s(tried))
+
+    async def _events_once(self, op: str, fields: dict) -> AsyncIterator[dict]:
         rid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -141,8 +184,11 @@ class AsyncClient:
         return await self.call("stats")
 
     async def sessions(self) -> list[dict]:
-        """Every session on the server: `session` (its id), `length`, `restoring`."""
-        return (await self.call("sessions"))["sessions"]
+        """Every session on the server: `id` (as `AsyncSession.id`), `length`, `restoring`.
+        (The wire names the id `session`, as in every request.)"""
+        listed = (await self.call("sessions"))["sessions"]
+        return [{"id": s["session"], **{k: v for k, v in s.items() if k != "session"}}
+                for s in listed]
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
@@ -181,6 +227,19 @@ class AsyncSession:
     def __repr__(self) -> str:
         return f"AsyncSession({self.id!r})"
 
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._close_quietly()
+
+    async def _close_quietly(self) -> None:
+        """Close, unless the session is already gone (closed inside the block)."""
+        try:
+            await self.close()
+        except NotFoundError:
+            pass
+
     async def extend(self, tokens_or_text, *, progress: ProgressArg = None,
                      chunk_tokens: int = UPLOAD_CHUNK) -> dict:
         """Append token ids (a list or integer array) or text (models with a tokenizer) and
@@ -212,12 +271,14 @@ class AsyncSession:
 
     async def stream(self, *, max_tokens: int = 16, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                     stop=None, logprobs: bool = False) -> AsyncIterator[int]:
-        """Generate, yielding each token id as it comes."""
+                     stop=None, logprobs: bool = False
+                     ) -> AsyncIterator[int] | AsyncIterator[tuple[int, float]]:
+        """Generate, yielding each token id as it comes, or with `logprobs` each (token id,
+        its log-probability) pair."""
         fields = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
         async for event in self.client.events("generate", session=self.id, **fields):
             if event["event"] == "token":
-                yield event["token"]
+                yield (event["token"], event["logprob"]) if logprobs else event["token"]
 
     async def generate(self, *, max_tokens: int = 16, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -254,12 +315,13 @@ class AsyncSession:
 class Client:
     """Blocking client: an `AsyncClient` on an event loop in a background thread."""
 
-    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None):
+    def __init__(self, address: str = "127.0.0.1:7777", *, token: str | None = None,
+                 retry: Retry | None = None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="cp-runtime-client")
         self._thread.start()
-        self._async = AsyncClient(address, token=token)
+        self._async = AsyncClient(address, token=token, retry=retry)
         try:
             self._run(self._async.connect())
         except BaseException:
@@ -324,6 +386,12 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.id!r})"
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._client._run(self._inner._close_quietly())
 
     def extend(self, tokens_or_text, *, progress: ProgressArg = None,
                chunk_tokens: int = UPLOAD_CHUNK) -> dict:
