@@ -70,7 +70,7 @@ def _padded_block(source: BlockSource, name: str, axis: int, lo: int, hi: int,
     return dataclasses.replace(block, values=np.pad(block.values, pad))
 
 
-def _device_blocks(source: BlockSource, t: DeviceTensor, real: tuple[int, ...], index: tuple
+def _device_block(source: BlockSource, t: DeviceTensor, real: tuple[int, ...], index: tuple
                    ) -> HostBlock:
     """The source's part of tensor `t` that device slice `index` holds, zero-padded."""
     if t.split_axis is None:
@@ -105,7 +105,7 @@ def place_weights(source: BlockSource, tensors: dict[str, DeviceTensor], mesh: M
         values, scales, last = [], [], None
         for device, index in sharding.addressable_devices_indices_map(t.shape).items():
             if last is None or t.split_axis is not None:
-                block = _device_blocks(source, t, real, index)
+                block = _device_block(source, t, real, index)
                 runs = None if scale is None else scale_runs(name, t.local, source.block)
                 last = to_stored(block, t.dtype, runs)
                 del block

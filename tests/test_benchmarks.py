@@ -162,6 +162,7 @@ def test_report_rejects_unknown_benchmark(tmp_path, capsys):
 
 
 # -- throughput, end to end -----------------------------------------------------------------
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_throughput_tiny_run(tmp_path):
     out = tmp_path / "throughput.json"
     assert throughput.main(["--lengths", "128,256", "--shards", "2",

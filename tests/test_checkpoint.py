@@ -724,6 +724,7 @@ def test_text_needles_decode(ckpt):
         assert needle in tok.decode(case.suffix.tolist())
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_niah_runs_checkpoint(ckpt, tmp_path):
     out = tmp_path / "out"
     assert niah.main(["--checkpoint", str(ckpt.dir), "--lengths", "512", "--depths", "2",

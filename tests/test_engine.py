@@ -165,6 +165,7 @@ def test_same_seed_same_tokens_at_one_and_sixteen_shards(tiny, tiny_params, samp
     assert not greedy_like
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_rotation_admits_one_page_sessions_on_every_shard_and_matches_one_shard(tiny,
                                                                                 tiny_params):
     """A 16 x 4 pool admits 64 one-page sessions (unrotated it refused the 5th); the rotated
@@ -195,6 +196,7 @@ def test_rotation_admits_one_page_sessions_on_every_shard_and_matches_one_shard(
         assert rel_l2(a, b) <= 1e-5
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_extends_take_turns_so_a_short_prompt_passes_a_long_upload(tiny, tiny_params):
     engine = make_engine(tiny, tiny_params, num_shards=4, pages_per_shard=32, chunk_size=32)
     long, short = engine.create_session(), engine.create_session()

@@ -353,6 +353,7 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_slow_client_that_never_reads_is_disconnected(server, world, ctx):
     """Generations with logprobs for a client that never reads: once more than
     max_pending_bytes of replies wait, the server drops it (its generations cancelled); the

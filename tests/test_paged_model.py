@@ -44,8 +44,10 @@ def _run(engine, model, seed_base=0):
     return prompts, [np.concatenate(o) for o in outs]
 
 
-@pytest.mark.parametrize("shards, dtype", [(1, "f32"), (16, "f32"), (16, "bf16"),
-                                           (16, "fp8_e4m3"), (16, "fp8_e5m2")])
+@pytest.mark.parametrize("shards, dtype", [(1, "f32"), (16, "f32"),
+                                           pytest.param(16, "bf16", marks=pytest.mark.slow),
+                                           (16, "fp8_e4m3"),
+                                           pytest.param(16, "fp8_e5m2", marks=pytest.mark.slow)])
 def test_paged_matches_oracle(tiny, tiny_params, shards, dtype):
     engine = make_engine(tiny, tiny_params, kv_cache_dtype=dtype, num_shards=shards,
                          pages_per_shard=max(48 // shards, 2), page_size=PAGE, chunk_size=32,

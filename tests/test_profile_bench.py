@@ -26,6 +26,7 @@ def tiny_run(tmp_path_factory):
     return out, argv
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_tiny_profile_has_every_phase(tiny_run, capsys):
     out, argv = tiny_run
     assert profile.main(argv) == 0
@@ -78,6 +79,7 @@ def test_minimum_work_follows_the_shapes():
     assert set(short) == set(profile.DECODE_PHASES)
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_decode_bench_runs_every_comparison(tmp_path):
     """cp-runtime bench decode at tiny sizes: every configuration timed in every round, the
     checks computed from them."""

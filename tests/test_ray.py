@@ -129,7 +129,8 @@ def _run_until_quiet(engine, events: list, timeout_s: float = 300.0) -> None:
 SLOW = pytest.mark.slow          # each kill point restarts the group (~15 s here)
 
 
-@pytest.mark.parametrize("how, during", [("actor", "decode"), ("process", "prefill"),
+@pytest.mark.parametrize("how, during", [("process", "prefill"),
+                                         pytest.param("actor", "decode", marks=SLOW),
                                          pytest.param("actor", "prefill", marks=SLOW),
                                          pytest.param("process", "decode", marks=SLOW),
                                          pytest.param("hang", "decode", marks=SLOW),

@@ -113,6 +113,7 @@ def test_errors_are_typed_and_change_nothing(client, tiny):
     session.close()
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_a_long_upload_does_not_stall_another_clients_generation(server, tiny):
     """One client uploads 4K tokens (64 steps of 64) while another generates 12 tokens: the
     generation finishes first, a token per step."""

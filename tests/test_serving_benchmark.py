@@ -12,6 +12,7 @@ TINY = ["--uploads", "1", "--upload-tokens", "256", "--chats", "2", "--chat-prom
         "--no-progress"]
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_serving_benchmark_tiny_run(tmp_path):
     assert serving.main([*TINY, "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "serving.json").read_text())

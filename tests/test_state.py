@@ -171,6 +171,7 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow             # kept out of the default suite for its time budget
 def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, tiny,
                                                                    tiny_params):
     proc, address = start_server("--state-dir", state_dir)
