@@ -16,20 +16,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.resources
 import json
 import logging
 import os
+import re
 import sys
+import time
 
 from cp_runtime import __version__, demo
 from cp_runtime.capacity import TOPOLOGIES, capacity_report, deployment_report
-from cp_runtime.cli_args import (HelpFormatter, add_checkpoint, add_chunk_size, add_gathers,
-                                 add_kv_cache_dtype, add_model, add_page_size,
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+                                 add_gathers, add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, add_weight_dtype,
-                                 add_weights, finite_positive_float, positive_int)
+                                 add_weights, finite_nonnegative_float, finite_positive_float,
+                                 positive_int)
 from cp_runtime.compile_cmd import add_compile, run_compile
-from cp_runtime.config import (BACKENDS, MERGE_VARIANTS, ConfigError, RuntimeConfig,
-                               load_model_config)
+from cp_runtime.config import (MERGE_VARIANTS, ConfigError, RuntimeConfig,
+                               check_runtime_for_model, load_model_config, load_runtime_config)
+from cp_runtime.optional import MissingDependency, require
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.platform import keep_jax_off_absent_tpus
 from cp_runtime.serving.app import build_server, check_bind, check_port_free, serve_forever
@@ -54,78 +59,112 @@ def _add_serve(sub) -> None:
                                    "on local devices, and serve the protocol of "
                                    "docs/protocol.md. Prints 'listening on HOST:PORT' once it "
                                    "accepts connections; SIGINT or SIGTERM end it cleanly.")
-    add_model(p, "tiny")
-    add_checkpoint(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of a config's random weights")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 16)
-    add_pages_per_shard(p, 1024)
-    add_chunk_size(p, 1024)
-    p.add_argument("--max-batch", type=positive_int, default=8,
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a runtime TOML (configs/runtime/*.toml; fields as RuntimeConfig's): "
+                        "its values replace these flags' defaults, and flags given on the "
+                        "command line override the file")
+    _add_serve_model(p.add_argument_group("model"))
+    _add_serve_cache(p.add_argument_group("cache"))
+    _add_serve_parallelism(p.add_argument_group("parallelism"))
+    g = p.add_argument_group("scheduling")
+    add_chunk_size(g)
+    g.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="generations decoded together in one step")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="kernel backend (auto: pallas on TPU, xla elsewhere)")
-    add_weights(p)
-    add_weight_dtype(p)
-    p.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
+    _add_serve_server(p.add_argument_group("server and limits"))
+    _add_serve_state(p.add_argument_group("state"))
+    _add_serve_executor(p.add_argument_group("executor"))
+
+
+def _add_serve_model(g) -> None:
+    add_model(g, "tiny", why="random weights small enough to start in seconds anywhere")
+    add_checkpoint(g)
+    g.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of a config's random weights")
+    add_weights(g)
+    add_weight_dtype(g)
+
+
+def _add_serve_cache(g) -> None:
+    add_kv_cache_dtype(g)
+    add_page_size(g)
+    add_pages_per_shard(g, 1024)
+
+
+def _add_serve_parallelism(g) -> None:
+    add_shards(g)
+    g.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
                    help="where the shards' attention partials meet (auto: all_gather for "
                         "small steps, else head_scatter with sharded weights and hidden_psum "
                         "with replicated; `cp-runtime bench merge` compares them)")
-    add_gathers(p)
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                   help="the runtime's log lines on stderr: start-up phases and their seconds, "
-                        "recoveries, warnings (debug adds more)")
-    p.add_argument("--host", default="127.0.0.1",
+    add_gathers(g)
+    add_backend(g)
+
+
+def _add_serve_server(g) -> None:
+    g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
-    p.add_argument("--port", type=int, default=7777, help="TCP port (0: any free port)")
-    p.add_argument("--executor", choices=EXECUTORS, default="local",
+    g.add_argument("--port", type=int, default=7777, metavar="N", help="TCP port (0: any free port)")
+    g.add_argument("--auth-token", default=None,
+                   help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="the runtime's log lines on stderr: start-up phases and their seconds, "
+                        "compiles, a summary every --log-summary-s, recoveries, warnings; "
+                        "debug adds one line per request (op, session, tokens, ms, outcome)")
+    g.add_argument("--log-summary-s", type=finite_nonnegative_float, default=60.0, metavar="S",
+                   help="seconds between info summaries of what was served (requests, "
+                        "refusals, tokens in and out, pages used); 0: none")
+    for f in dataclasses.fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=f.default,
+                       metavar="S" if f.name.endswith("_s") else "N", help=f.metadata["help"])
+
+
+def _add_serve_state(g) -> None:
+    g.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep every session's token log here; a server restarted on the same "
+                        "directory brings its sessions back (docs/state.md)")
+    g.add_argument("--fsync", choices=FSYNC_POLICIES, default="interval",
+                   help="when token logs are fsynced: always (every step), interval (at most "
+                        "every --fsync-interval s; a killed process loses nothing), never")
+    g.add_argument("--fsync-interval", type=finite_positive_float, default=1.0,
+                   help="seconds between fsyncs under --fsync interval")
+
+
+def _add_serve_executor(g) -> None:
+    g.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="where shards run: local = the devices of this process; ray = one "
                         "worker process per host (--hosts x --devices-per-host = --shards), "
-                        "an embedded Ray or the cluster at --ray-address")
-    p.add_argument("--hosts", type=positive_int, default=2,
+                        "an embedded Ray or the cluster at --ray-address (needs the ray "
+                        "extra: pip install 'cp-runtime[ray]')")
+    g.add_argument("--hosts", type=positive_int, default=2,
                    help="--executor ray: worker processes, one per host")
-    p.add_argument("--devices-per-host", type=positive_int, default=8,
+    g.add_argument("--devices-per-host", type=positive_int, default=8,
                    help="--executor ray: devices each worker owns (CPU: virtual devices)")
-    p.add_argument("--ray-address", default=None,
+    g.add_argument("--ray-address", default=None,
                    help="--executor ray: attach to this Ray cluster ('auto': the one this "
                         "machine belongs to) instead of starting an embedded one")
-    p.add_argument("--platform", choices=("auto", "cpu", "tpu"), default="auto",
+    g.add_argument("--platform", choices=("auto", "cpu", "tpu"), default="auto",
                    help="--executor ray: the workers' devices (auto: tpu when the Ray "
                         "cluster has TPU resources)")
-    p.add_argument("--tpu-topology", default=None,
+    g.add_argument("--tpu-topology", default=None,
                    help="--executor ray on TPU: the slice topology (e.g. 2x2x2), reserved "
                         "whole through ray.util.tpu slice placement (with --tpu-version)")
-    p.add_argument("--tpu-version", default=None,
+    g.add_argument("--tpu-version", default=None,
                    help="--executor ray on TPU: the accelerator generation (e.g. v7x)")
-    p.add_argument("--heartbeat-s", type=finite_positive_float, default=1.0,
+    g.add_argument("--heartbeat-s", type=finite_positive_float, default=1.0,
                    help="--executor ray: seconds between worker heartbeats")
-    p.add_argument("--heartbeat-timeout-s", type=finite_positive_float, default=10.0,
+    g.add_argument("--heartbeat-timeout-s", type=finite_positive_float, default=10.0,
                    help="--executor ray: a worker silent this long is dead")
-    p.add_argument("--step-timeout-s", type=finite_positive_float, default=60.0,
+    g.add_argument("--step-timeout-s", type=finite_positive_float, default=60.0,
                    help="--executor ray: a step running longer than this fails its worker "
                         "group (the first step of each shape, which compiles, gets "
                         "--setup-timeout-s)")
-    p.add_argument("--setup-timeout-s", type=finite_positive_float, default=900.0,
+    g.add_argument("--setup-timeout-s", type=finite_positive_float, default=900.0,
                    help="--executor ray: starting a worker group (placement, "
                         "jax.distributed, weights) and each first step of a shape")
-    p.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
+    g.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
                    help="--executor ray: each worker's persistent XLA compilation cache (a "
                         "path on every host): a replacement worker group starts without "
                         "compiling again")
-    p.add_argument("--auth-token", default=None,
-                   help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
-    p.add_argument("--state-dir", metavar="DIR", default=None,
-                   help="keep every session's token log here; a server restarted on the same "
-                        "directory brings its sessions back (docs/state.md)")
-    p.add_argument("--fsync", choices=FSYNC_POLICIES, default="interval",
-                   help="when token logs are fsynced: always (every step), interval (at most "
-                        "every --fsync-interval s; a killed process loses nothing), never")
-    p.add_argument("--fsync-interval", type=finite_positive_float, default=1.0,
-                   help="seconds between fsyncs under --fsync interval")
-    for f in dataclasses.fields(ServerLimits):
-        p.add_argument("--" + f.name.replace("_", "-"), type=positive_int, default=f.default,
-                       help=f"limit: {f.name.replace('_', ' ')}")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -141,34 +180,94 @@ def configure_logging(level: str) -> None:
     root.propagate = False
 
 
-def _run_serve(args) -> int:
+# serve flag (argparse dest) -> the RuntimeConfig field it sets
+RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_size": "page_size",
+                 "shards": "num_shards", "pages_per_shard": "pages_per_shard",
+                 "chunk_size": "chunk_size", "max_batch": "max_batch", "backend": "backend",
+                 "weights": "weights", "weight_dtype": "weight_dtype", "merge": "merge",
+                 "gathers": "gathers"}
+
+
+def _flag_of(field: str) -> str:
+    dest = next((d for d, f in RUNTIME_FLAGS.items() if f == field), field)
+    return "--" + dest.replace("_", "-")
+
+
+def _name_flags(message: str) -> str:
+    """A RuntimeConfig error in the vocabulary of the command line: `page_size=24 must ...`
+    and `field 'page_size'=24: ...` become `--page-size 24 ...`."""
+    return re.sub(r"(?:field )?'?\b(" + "|".join(RUNTIME_FLAGS.values()) + r")'?=",
+                  lambda m: _flag_of(m.group(1)) + " ", message)
+
+
+def serve_runtime(args, typed: set[str]) -> RuntimeConfig:
+    """The runtime `serve` runs: its flags, or with --config FILE the file over the flags'
+    defaults and the flags in `typed` (argparse dests given on the command line) over both.
+    Errors name the flag, or the file for a value that came from it."""
+    flags = {field: getattr(args, dest) for dest, field in RUNTIME_FLAGS.items()}
+    if args.config is None:
+        try:
+            return RuntimeConfig(**flags)
+        except ConfigError as e:
+            raise ConfigError(_name_flags(str(e))) from None
+    given = {field: flags[field] for dest, field in RUNTIME_FLAGS.items() if dest in typed}
+    return load_runtime_config(args.config, defaults=flags, **given)
+
+
+def _run_serve(args, typed: set[str]) -> int:
+    started = time.perf_counter()
     token = args.auth_token or os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)                     # before any loading
     check_port_free(args.host, args.port)
-    source = WeightsSource(model=args.model, checkpoint=args.checkpoint, seed=args.seed)
-    runtime = RuntimeConfig(model=source.config().name, kv_cache_dtype=args.kv_cache_dtype,
-                            page_size=args.page_size, num_shards=args.shards,
-                            pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
-                            max_batch=args.max_batch, backend=args.backend,
-                            weights=args.weights, weight_dtype=args.weight_dtype,
-                            merge=args.merge, gathers=args.gathers)
+    runtime = serve_runtime(args, typed)
+    source = WeightsSource(model=runtime.model, checkpoint=args.checkpoint, seed=args.seed)
+    model = source.config()
+    runtime = dataclasses.replace(runtime, model=model.name)
+    try:
+        check_runtime_for_model(model, runtime, args.config)
+    except ConfigError as e:
+        raise ConfigError(e if args.config else _name_flags(str(e))) from None
     limits = ServerLimits(**{f.name: getattr(args, f.name)
                              for f in dataclasses.fields(ServerLimits)})
     factory = None
     if args.executor == "ray":
         factory = _ray_executor_factory(args)
     else:
-        init_cpu_devices(args.shards)
+        init_cpu_devices(runtime.num_shards)
     state = (TokenStore(args.state_dir, fsync=args.fsync, interval_s=args.fsync_interval)
              if args.state_dir else None)
     server = build_server(source, runtime, host=args.host, port=args.port,
                           auth_token=token, limits=limits, state=state,
-                          executor_factory=factory)
+                          executor_factory=factory, summary_interval_s=args.log_summary_s)
     try:
-        serve_forever(server)
+        serve_forever(server, started=started)
     finally:
         server.engine.executor.close()
     return 0
+
+
+def typed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The argparse dests the user gave in `argv`: argv parsed again with every default of
+    `parser` and its subcommands suppressed, so a flag typed with its default value counts."""
+    actions = []
+
+    def walk(p):
+        for a in p._actions:                        # argparse keeps no public list of them
+            if isinstance(a, argparse._SubParsersAction):
+                for child in a.choices.values():
+                    walk(child)
+            else:
+                actions.append(a)
+
+    walk(parser)
+    saved = [(a, a.default) for a in actions]
+    for a in actions:
+        a.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for a, default in saved:
+            a.default = default
 
 
 def _ray_executor_factory(args):
@@ -177,6 +276,7 @@ def _ray_executor_factory(args):
     if args.hosts * args.devices_per_host != args.shards:
         raise ValueError(f"--hosts {args.hosts} x --devices-per-host {args.devices_per_host} "
                          f"must equal --shards {args.shards}")
+    require("ray", "--executor ray", "ray")
     cluster = importlib.import_module("cp_runtime.cluster.executor")
 
     def factory(source, runtime):
@@ -203,10 +303,10 @@ def _add_capacity(sub) -> None:
                                    "the config's tensors and weight dtype), a reserve for "
                                    "activations, the KV bytes left, and the tokens that fit "
                                    "at bf16 and fp8 (cache bytes per token: latent + indexer, "
-                                   "all layers). See cp_runtime.capacity for the rules.")
+                                   "all layers); docs/capacity.md gives the arithmetic.")
     p.formatter_class = HelpFormatter
-    add_model(p, "glm-5.2")
-    add_kv_cache_dtype(p, "fp8_e4m3")
+    add_model(p, "glm-5.2", why="the model a slice is planned for")
+    add_kv_cache_dtype(p)
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="a known slice (TPU v7x: 96 GiB per device, 2 devices per chip); "
                         "default tpu7x-16 unless --devices and --hbm-gib are given")
@@ -260,10 +360,12 @@ def _run_capacity(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    docs = importlib.resources.files("cp_runtime.docs")
     parser = argparse.ArgumentParser(
         prog="cp-runtime", formatter_class=HelpFormatter,
         description="Long-context serving runtime for DeepSeek Sparse Attention models: a paged "
-                    "fp8 MLA cache sharded by position over a context-parallel mesh.")
+                    "fp8 MLA cache sharded by position over a context-parallel mesh.",
+        epilog=f"The docs/NAME.md files these helps name are installed in {docs}.")
     parser.add_argument("--version", action="version", version=f"cp-runtime {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -271,32 +373,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capacity(sub)
     add_compile(sub)
     bench = sub.add_parser("bench", help="run a benchmark of the long-context suite")
-    bench.add_argument("name", choices=BENCHMARKS)
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark "
-                       "(see cp-runtime bench NAME --help)")
+    bench.add_argument("name", nargs="?", choices=BENCHMARKS, metavar="NAME",
+                       help="the benchmark: "
+                       + ", ".join(BENCHMARKS) + " (all: every one, written up as a report)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS",
+                       help="the benchmark's own flags (see cp-runtime bench NAME --help)")
     return parser
 
 
-def _run_benchmark(name: str, argv: list[str]) -> int:
+def _run_benchmark(name: str, argv: list[str], **kwargs) -> int:
     module = importlib.import_module(f"cp_runtime.benchmarks.{name}")
-    return int(module.main(argv) or 0)
+    return int(module.main(argv, **kwargs) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
     keep_jax_off_absent_tpus()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             configure_logging(args.log_level)
-            return _run_serve(args)
+            return _run_serve(args, typed_flags(parser, argv) if args.config else set())
         if args.command == "demo":
             return demo.run(args)
         if args.command == "capacity":
             return _run_capacity(args)
         if args.command == "compile":
             return run_compile(args)
-        return _run_benchmark("report" if args.name == "all" else args.name, args.rest)
-    except (ConfigError, ValueError) as e:
+        if args.name is None:
+            print(f"cp-runtime bench: name a benchmark: {', '.join(BENCHMARKS)} (cp-runtime "
+                  "bench NAME --help for its flags)", file=sys.stderr)
+            return 2
+        if args.name == "all":
+            return _run_benchmark("report", args.rest, prog="cp-runtime bench all")
+        return _run_benchmark(args.name, args.rest)
+    except (ConfigError, ValueError, MissingDependency) as e:
         print(f"cp-runtime: error: {e}", file=sys.stderr)
         return 2
 

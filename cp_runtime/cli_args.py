@@ -13,6 +13,10 @@ so one flag means one thing everywhere:
     --out DIR               where JSON and PNG results go (checked before any work)
     --no-progress           no progress bars
 
+A shared flag has one common default (--chunk-size 1024, --page-size 16, --shards 16, --backend
+auto, --kv-cache-dtype fp8_e4m3); a command whose default differs passes `why=`, and its help
+says why.
+
 Sizes take `k` and `m` suffixes (`8k` = 8192, `1m` = 1048576) wherever they count tokens. A bad
 value is an argparse usage error (exit 2, the flag named), never a traceback.
 """
@@ -52,6 +56,8 @@ __all__ = [
     "check_page_size",
     "check_page_size_for_model",
     "comma_list",
+    "format_default",
+    "format_length",
     "finite_nonnegative_float",
     "finite_positive_float",
     "length",
@@ -63,8 +69,38 @@ __all__ = [
 ]
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each flag's default and keeps the description's line breaks."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and ends each flag's help with its default, written
+    as a user would type it (`8k,128k`, `bf16,fp8_e4m3`). A flag whose help already speaks of
+    its default, or whose default is unset (None) or off (False), gets no default appended."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS or "default" in text):
+            return text
+        typed = format_default(default, action.type).replace("%", "%%")
+        return f"{text} (default: {typed})"
+
+
+def format_default(value, kind=None) -> str:
+    """`value` as it would be typed on the command line: lists comma-joined, token counts with
+    their k/m suffix when `kind` is a length type (`8192` -> `8k`)."""
+    if isinstance(value, (list, tuple)):
+        item_kind = getattr(kind, "item_type", kind)
+        return ",".join(format_default(v, item_kind) for v in value)
+    if kind in (length, nonnegative_length) and isinstance(value, int):
+        return format_length(value)
+    return str(value)
+
+
+def format_length(n: int) -> str:
+    """8192 -> '8k', 1048576 -> '1m', 5000 -> '5000' (the inverse of parse_length)."""
+    for suffix, shift in (("m", 20), ("k", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
 
 
 def parse_length(text: str) -> int:
@@ -124,6 +160,7 @@ def comma_list(item_type, *, choices=None):
                     f"{bad[0]!r} is not one of {', '.join(map(str, choices))}")
         return items
 
+    parse.item_type = item_type        # read by HelpFormatter to print defaults as typed
     return parse
 
 
@@ -150,9 +187,12 @@ def finite_nonnegative_float(text: str) -> float:
     return x
 
 
-def add_model(p: argparse.ArgumentParser, default: str) -> None:
+def add_model(p: argparse.ArgumentParser, default: str, why: str | None = None) -> None:
+    """`--model`: no common default (a server to try starts on a toy model, the TPU planning
+    commands on the model they plan for), so each command says why it picks its own."""
     p.add_argument("--model", default=default, choices=model_names(), metavar="NAME",
-                   help=f"model config name, one of: {', '.join(model_names())}")
+                   help=f"model config name, one of: {', '.join(model_names())}"
+                        + (f"; default {default}: {why}" if why else ""))
 
 
 def add_checkpoint(p: argparse.ArgumentParser) -> None:
@@ -170,9 +210,17 @@ def add_gathers(p: argparse.ArgumentParser) -> None:
                         "staged with 8+ shards")
 
 
-def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3") -> None:
+def _why(why: str | None) -> str:
+    """The help's note on a default that differs from the common one (see the module doc)."""
+    return f"; this command's default differs: {why}" if why else ""
+
+
+def add_kv_cache_dtype(p: argparse.ArgumentParser, default: str = "fp8_e4m3",
+                       why: str | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default=default, choices=list(KV_CACHE_DTYPES),
-                   help="latent cache dtype (the indexer cache stays bf16 under fp8)")
+                   help="latent cache dtype: fp8_e4m3 or fp8_e5m2, 1 byte a value (the "
+                        "indexer cache stays bf16); bf16; f32 (exact, for tests); auto: the "
+                        "model's activation dtype, bf16" + _why(why))
 
 
 def add_weight_dtype(p: argparse.ArgumentParser) -> None:
@@ -197,30 +245,33 @@ def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:
                    help=f"latent cache dtypes to compare, from: {', '.join(KV_CACHE_DTYPES)}")
 
 
-def add_shards(p: argparse.ArgumentParser, default: int = 16) -> None:
-    p.add_argument("--shards", type=positive_int, default=default,
-                   help="context-parallel shards (devices holding the KV cache)")
+def add_shards(p: argparse.ArgumentParser, default: int = 16, why: str | None = None) -> None:
+    p.add_argument("--shards", type=positive_int, metavar="N", default=default,
+                   help="context-parallel shards (devices holding the KV cache)" + _why(why))
 
 
-def add_chunk_size(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--chunk-size", type=length, default=default,
-                   help="prefill tokens per step (k/m suffixes allowed)")
+def add_chunk_size(p: argparse.ArgumentParser, default: int = 1024,
+                   why: str | None = None) -> None:
+    p.add_argument("--chunk-size", type=length, metavar="N", default=default,
+                   help="prefill tokens per step (k/m suffixes allowed)" + _why(why))
 
 
-def add_page_size(p: argparse.ArgumentParser, default: int = 16) -> None:
-    p.add_argument("--page-size", type=positive_int, default=default,
-                   help="tokens per KV page (a multiple of 16)")
+def add_page_size(p: argparse.ArgumentParser, default: int = 16, why: str | None = None) -> None:
+    p.add_argument("--page-size", type=positive_int, metavar="N", default=default,
+                   help="tokens per KV page (a multiple of 16)" + _why(why))
 
 
-def add_pages_per_shard(p: argparse.ArgumentParser, default: int | None) -> None:
-    p.add_argument("--pages-per-shard", type=positive_int, default=default,
+def add_pages_per_shard(p: argparse.ArgumentParser, default: int | None,
+                        why: str | None = None) -> None:
+    p.add_argument("--pages-per-shard", type=positive_int, metavar="N", default=default,
                    help="KV pages per shard" + ("" if default else
-                                                " (default: sized for the longest context)"))
+                                                " (default: sized for the longest context)")
+                        + _why(why))
 
 
-def add_out(p: argparse.ArgumentParser, default: str | None) -> None:
+def add_out(p: argparse.ArgumentParser, default: str | None, why: str | None = None) -> None:
     p.add_argument("--out", metavar="DIR", default=default,
-                   help="directory for the JSON (and PNG) results")
+                   help="directory for the JSON (and PNG) results" + _why(why))
 
 
 def add_no_progress(p: argparse.ArgumentParser) -> None:
@@ -244,15 +295,21 @@ def check_out_dir(parser: argparse.ArgumentParser, out: str | None) -> pathlib.P
     return path
 
 
-def add_shard_counts(p: argparse.ArgumentParser, default: str = "16") -> None:
+def add_shard_counts(p: argparse.ArgumentParser, default: str = "16",
+                     why: str | None = None) -> None:
     """`--shards` for a benchmark that sweeps shard counts: a comma list like `1,16`."""
     p.add_argument("--shards", type=positive_int_list, default=default, metavar="N[,N...]",
-                   help="context-parallel shard counts to sweep, e.g. 1,16")
+                   help="context-parallel shard counts to sweep, e.g. 1,16" + _why(why))
 
 
-def add_backend(p: argparse.ArgumentParser, default: str = "auto") -> None:
+def add_backend(p: argparse.ArgumentParser, default: str = "auto",
+                why: str | None = None) -> None:
     p.add_argument("--backend", default=default, choices=BACKENDS,
-                   help="kernel backend (auto: pallas on a TPU, xla elsewhere)")
+                   help="kernel backend: pallas, the Pallas TPU kernels; pallas_interpret, "
+                        "the same kernels in Pallas's interpreter (any platform, slow); xla, "
+                        "XLA ops and the native CPU indexer; reference, the plain reference "
+                        "maths (kernels/reference.py); auto: pallas on a TPU, xla elsewhere"
+                        + _why(why))
 
 
 def check_page_size(parser: argparse.ArgumentParser, page_size: int) -> None:

@@ -36,18 +36,19 @@ def add_compile(sub) -> None:
                     "compiler's flops, bytes and time estimate. Needs the tpu extra (libtpu); "
                     "what compiling cannot show (DMA timing, real collectives, HBM speed) it "
                     "does not claim.")
-    add_model(p, "glm-5.2")
+    add_model(p, "glm-5.2", why="the model a slice is planned for")
     p.add_argument("--topology", choices=list(TOPOLOGIES), default="tpu7x-16",
                    help="the slice: tpu7x-N is N TensorCores (devices) of 96 GiB, 8 a host")
     p.add_argument("--layers", type=positive_int, default=None,
                    help="cut the model to its first N layers at full width (faster "
                         "compiles; the figures then describe the cut model)")
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 64)
+    add_kv_cache_dtype(p)
+    add_page_size(p, 64, why="a slice deployment's page size (configs/runtime/"
+                             "glm-5.2-tpu7x-16.toml, the cluster manifests)")
     p.add_argument("--pages-per-shard", type=positive_int, default=None,
                    help="KV pages per shard (default: the pool `cp-runtime capacity "
                         "--topology` sizes for this model with these weights)")
-    add_chunk_size(p, 1024)
+    add_chunk_size(p)
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="decode rows of the decode program")
     p.add_argument("--context", type=length, default=1 << 20,

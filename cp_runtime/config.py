@@ -427,11 +427,14 @@ def load_model_config(name_or_path: str | pathlib.Path) -> ModelConfig:
 
 
 def load_runtime_config(path: str | pathlib.Path, model: ModelConfig | None = None,
+                        defaults: dict[str, Any] | None = None,
                         **overrides: Any) -> RuntimeConfig:
-    """Load a runtime TOML file; keyword overrides win over the file. Given the `model` it will
-    run, also `check_runtime_for_model` (errors name this file)."""
+    """Load a runtime TOML file over `defaults` (fields the file leaves out; else
+    RuntimeConfig's own); keyword overrides win over the file. Given the `model` it will run,
+    also `check_runtime_for_model` (errors name this file)."""
     path = pathlib.Path(path)
-    data = {**_read_toml(path), **{k: v for k, v in overrides.items() if v is not None}}
+    data = {**(defaults or {}), **_read_toml(path),
+            **{k: v for k, v in overrides.items() if v is not None}}
     runtime = _from_toml(RuntimeConfig, path, data)
     if model is not None:
         check_runtime_for_model(model, runtime, path)

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import numpy as np
 
+from cp_runtime.capacity import bytes_per_token
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype,
-                                 add_no_progress, add_page_size, add_shards, length)
+                                 add_no_progress, add_page_size, add_shards, format_length,
+                                 length)
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.devices import init_cpu_devices
 from cp_runtime.layout import cdiv
@@ -33,7 +36,14 @@ from cp_runtime.serving.app import EmbeddedServer, build_server
 from cp_runtime.serving.client import Client
 from cp_runtime.weights_source import RECALL_MODEL, WeightsSource
 
-__all__ = ["add_arguments", "run", "Document", "planted_fact_document"]
+__all__ = ["add_arguments", "run", "Document", "planted_fact_document", "MAX_TOKENS"]
+
+# The recall model's retrieval is measured up to a million tokens (docs/recall.md); past that
+# nothing says it still answers, so the demo does not offer it.
+MAX_TOKENS = 1 << 20
+# The pool the demo sizes for --tokens may take at most this share of the host's memory (the
+# process also holds the document, the weights and XLA's buffers).
+POOL_SHARE_OF_HOST = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +69,19 @@ def planted_fact_document(layout: RecallLayout, tokens: int, depth: float,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = HelpFormatter
     p.add_argument("--tokens", type=length, default=128 * 1024,
-                   help="document length in tokens (k/m suffixes; up to 1m)")
+                   help=f"document length in tokens (k/m suffixes; 16 to "
+                        f"{format_length(MAX_TOKENS)}: the range the recall model is measured "
+                        "on); the pool is sized to hold it")
     p.add_argument("--depth", type=float, default=0.5,
                    help="where the fact sits, as a fraction of the document (0 = start)")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 16)
-    add_chunk_size(p, 2048)
-    p.add_argument("--seed", type=int, default=0, help="seed of the document")
+    add_shards(p)
+    add_kv_cache_dtype(p)
+    add_page_size(p)
+    add_chunk_size(p, 2048, why="the one-layer recall model writes its cache fastest in "
+                               "larger chunks")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the document's filler and planted fact (the recall model's "
+                        "weights are built, not drawn)")
     add_no_progress(p)
 
 
@@ -77,18 +92,41 @@ def _runtime(args, model_name: str) -> RuntimeConfig:
                          pages_per_shard=pages, chunk_size=args.chunk_size)
 
 
+def _check_tokens(tokens: int, runtime: RuntimeConfig, model) -> None:
+    """--tokens within what the recall model is measured on, and its pool within the host."""
+    if tokens < 16:
+        raise ValueError(f"--tokens {tokens} is too short for a document (16 at least)")
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"--tokens {format_length(tokens)}: the demo goes up to "
+                         f"{format_length(MAX_TOKENS)}, the longest context the recall model "
+                         "is measured on (docs/recall.md)")
+    pool = (runtime.num_shards * runtime.pages_per_shard * runtime.page_size
+            * bytes_per_token(model, runtime.kv_cache_dtype))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pool > POOL_SHARE_OF_HOST * host:
+        raise ValueError(f"--tokens {format_length(tokens)}: its pool needs {pool / 2**30:.1f} "
+                         f"GiB, more than half of this host's {host / 2**30:.1f} GiB")
+
+
+def _answer_text(layout: RecallLayout, token: int) -> str:
+    """What an answer token says: the recall model has no tokenizer, its layout names ids."""
+    if token in layout.answer_ids:
+        return f"'value {token - layout.answer_ids.start}'"
+    return "not an answer token"
+
+
 def run(args) -> int:
     if not 0 <= args.depth <= 1:
         raise ValueError(f"--depth {args.depth} must be in [0, 1]")
-    if args.tokens < 16:
-        raise ValueError(f"--tokens {args.tokens} is too short for a document (16 at least)")
     init_cpu_devices(args.shards)
     source = WeightsSource(model=RECALL_MODEL)
     runtime = _runtime(args, source.config().name)
+    _check_tokens(args.tokens, runtime, source.config())
     doc = planted_fact_document(RecallLayout(), args.tokens, args.depth,
                                 np.random.default_rng(args.seed))
     print(f"serving the recall model on {args.shards} CPU shards ({args.kv_cache_dtype} "
-          f"cache, {runtime.pages_per_shard} pages of {args.page_size} per shard)")
+          f"cache; pool: {runtime.pages_per_shard} pages of {args.page_size} tokens per "
+          "shard)")
     with EmbeddedServer(build_server(source, runtime, port=0)) as embedded:
         address = embedded.start()
         print(f"listening on {address}; uploading {args.tokens:,} tokens with a fact at "
@@ -103,13 +141,18 @@ def run(args) -> int:
             ttft = time.perf_counter() - t1
             info = session.info()
     right = answer == doc.answer
-    print(f"answer: token {answer} ({'right' if right else 'WRONG'}; the fact says "
-          f"{doc.answer})")
+    layout = RecallLayout()
+    print(f"answer: token {answer} = {_answer_text(layout, answer)} "
+          f"({'right' if right else 'WRONG'}; the fact says token {doc.answer} = "
+          f"{_answer_text(layout, doc.answer)})")
     print(f"prefill: {args.tokens:,} tokens in {prefill_s:.1f} s = "
           f"{args.tokens / prefill_s:,.0f} tok/s (compiles included; the recall model has one "
           "layer, whose attention over prefill tokens feeds nothing the cache keeps, so XLA "
           "drops it: this is the rate of writing the cache, the indexer work happens at the "
           "question)")
     print(f"time to first token: {ttft * 1e3:.0f} ms")
-    print(f"pages per shard: {info['pages_per_shard']} (start shard {info['start_shard']})")
+    print(f"used pages per shard: {info['pages_per_shard']}")
+    print(f"start shard {info['start_shard']}: the shard holding the session's first page; "
+          "page i lives on shard (start + i) mod shards, so sessions start on different "
+          "shards and their tails spread the load")
     return 0 if right else 1

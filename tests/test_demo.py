@@ -10,7 +10,9 @@ from cp_runtime.recall_model import RecallLayout
 def test_the_demo_answers_its_planted_fact(capsys):
     assert main(["demo", "--tokens", "4k", "--depth", "0.25", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "(right;" in out and "time to first token" in out and "pages per shard" in out
+    assert "(right;" in out and "time to first token" in out
+    assert "pool: " in out and "used pages per shard: [" in out and "start shard" in out
+    assert "= 'value " in out                  # the answer as the recall layout reads it
 
 
 def test_the_document_plants_one_fact_and_ends_with_its_question():
@@ -24,6 +26,9 @@ def test_the_document_plants_one_fact_and_ends_with_its_question():
 def test_bad_demo_flags_are_usage_errors(capsys):
     assert main(["demo", "--depth", "2"]) == 2
     assert "--depth" in capsys.readouterr().err
+    assert main(["demo", "--tokens", "2m"]) == 2          # refused before any pool is built
+    err = capsys.readouterr().err
+    assert "--tokens 2m" in err and "up to 1m" in err
 
 
 def test_the_demo_starts_no_libtpu_on_a_machine_without_a_tpu():

@@ -62,3 +62,24 @@ def test_the_wheel_claims_one_import_name_and_ships_configs(tmp_path):
     for package in ("kernels", "benchmarks", "cluster", "engine", "serving"):
         assert f"cp_runtime/{package}/__init__.py" in names
     assert "cp_runtime/kernels/native/indexer_page_scores.cc" in names   # built on first use
+    cited = _docs_cited_by_help()
+    assert cited, "no docs/NAME.md found in the helps: the scan is broken"
+    for doc in cited:                                     # --help's references resolve
+        assert f"cp_runtime/{doc}" in names, doc
+
+
+def _docs_cited_by_help() -> set[str]:
+    """Every docs/NAME.md that `cp-runtime ... --help` (and a benchmark's) names."""
+    import contextlib
+    import io
+    import re
+
+    from cp_runtime.cli import BENCHMARKS, main
+
+    text = io.StringIO()
+    commands = [[], ["serve"], ["demo"], ["capacity"], ["compile"],
+                *(["bench", b] for b in BENCHMARKS)]
+    for argv in commands:
+        with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+            main([*argv, "--help"])
+    return set(re.findall(r"docs/[a-z_]+\.md", text.getvalue()))

@@ -42,12 +42,31 @@ def start_server(*extra: str, env=None) -> tuple[subprocess.Popen, str]:
     raise TimeoutError("server did not start")
 
 
+class _Log:
+    """A server's stderr lines as they come (read on a thread: a full pipe would stall it)."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, address = start_server()
-    yield address
+def served():
+    """(address, its log): at debug level, with a summary every second."""
+    proc, address = start_server("--log-level", "debug", "--log-summary-s", "1")
+    log = _Log(proc.stderr)
+    yield address, log
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, proc.stderr.read()   # SIGTERM ends it cleanly
+    assert proc.wait(timeout=60) == 0, log.text()[-4000:]   # SIGTERM ends it cleanly
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 @pytest.fixture
@@ -61,6 +80,21 @@ def test_hello_reports_the_model_and_limits(client):
     assert (info["model"], info["shards"], info["page_size"]) == ("tiny", 16, 16)
     assert info["capacity_tokens"] == 16 * 24 * 16 and info["text"] is False
     assert info["limits"]["max_frame_bytes"] > 0
+
+
+def test_the_log_has_start_up_phases_requests_and_summaries(served, client):
+    address, log = served
+    session = client.create_session()
+    session.extend(list(range(40)))
+    session.close()
+    deadline = time.monotonic() + 10
+    while "last 1 s:" not in log.text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = log.text()
+    for phase in ("pool: 24 pages of 16 tokens a shard over 16 shards", "weights: replicated",
+                  "compile: a ", "listening on", "request conn=",
+                  " extend session=", "tokens=40 ", "last 1 s:"):
+        assert phase in text, (phase, text[-3000:])
 
 
 def test_served_greedy_generation_equals_the_oracle(client, tiny, tiny_params):

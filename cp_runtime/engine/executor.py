@@ -8,6 +8,7 @@ implements the same interface, running the same SPMD program on every host in lo
 from __future__ import annotations
 
 import abc
+import logging
 import time
 
 import jax
@@ -24,6 +25,8 @@ from cp_runtime.weight_format import device_tensors, resolve_runtime_weights
 from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, device_memory_bytes,
                                          place_weights, weight_bytes_per_device)
 from cp_runtime.weights import Params, model_layout
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Executor", "LocalExecutor", "pool_spec_for"]
 
@@ -160,14 +163,24 @@ class LocalExecutor(Executor):
         self.model, self.runtime = model, runtime
         self.mesh = jax.make_mesh((runtime.num_shards,), (CP_AXIS,),
                                   devices=devices[: runtime.num_shards])
+        t0 = time.perf_counter()
         self.pool_spec = pool_spec_for(model, runtime)
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
+        jax.block_until_ready(self.pool)
+        log.info("pool: %d pages of %d tokens a shard over %d shards (%s) in %.1f s",
+                 runtime.pages_per_shard, runtime.page_size, runtime.num_shards,
+                 runtime.kv_cache_dtype, time.perf_counter() - t0)
+        t0 = time.perf_counter()
         blocks = (ArrayBlocks(model_layout(weights, model)) if isinstance(weights, dict)
                   else weights)
         self.weight_tensors = device_tensors(blocks.shapes, model, runtime.weights,
                                              runtime.weight_dtype, runtime.num_shards,
                                              blocks.block)
         self.params = place_weights(blocks, self.weight_tensors, self.mesh, CP_AXIS)
+        jax.block_until_ready(self.params)
+        log.info("weights: %s, %s, on the devices in %.1f s", runtime.weights,
+                 runtime.weight_dtype, time.perf_counter() - t0)
+        self._shapes_run: set[tuple] = set()        # programs compiled so far, for the log
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
@@ -183,12 +196,19 @@ class LocalExecutor(Executor):
             t0 = time.perf_counter()
             args = (seg.to_device(self.mesh, self.runtime.num_shards),)
             host_s += time.perf_counter() - t0
+            shape = (seg.kind, *(a.shape for a in jax.tree.leaves(args)))
+            t0 = time.perf_counter()
             (out,), self.pool = self._step(self.params, self.pool, args, kinds=(seg.kind,))
             outs.append(out)
             # Wait for each program even when it returns nothing ("fill"): two SPMD programs
             # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each
             # wait in a rendezvous the other program's threads never reach).
             jax.block_until_ready(self.pool)
+            if shape not in self._shapes_run:
+                self._shapes_run.add(shape)
+                log.info("compile: a %s step of %dx%d tokens compiled and ran in %.1f s (its "
+                         "first run; %d programs so far)", seg.kind, *seg.inputs.tokens.shape,
+                         time.perf_counter() - t0, len(self._shapes_run))
         t0 = time.perf_counter()
         results = [_to_host(out, seg.kind) for out, seg in zip(outs, plan)]
         self.last_host_s = host_s + time.perf_counter() - t0

@@ -70,12 +70,14 @@ def check_port_free(host: str, port: int) -> None:
 def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "127.0.0.1",
                  port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
-                 state: TokenStore | None = None, executor_factory=None) -> Server:
+                 state: TokenStore | None = None, executor_factory=None,
+                 summary_interval_s: float = 60.0) -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
     server. With a token store, the sessions it holds come back (their caches rebuilt from
     their logs by prefills queued before the first connection). `executor_factory(source,
     runtime) -> Executor` replaces the local executor (its workers load the weights: this
-    process reads only the config and the tokenizer)."""
+    process reads only the config and the tokenizer). `summary_interval_s`: seconds between
+    the server's info summaries (0: none)."""
     check_bind(host, auth_token)
     t0 = time.perf_counter()
     if executor_factory is None:
@@ -98,25 +100,29 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
         log.info("%s: sessions brought back in %.1f s (caches not restored from a snapshot "
                  "are prefilled as the engine steps)", state.dir, time.perf_counter() - t0)
     return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
-                  port=port, auth_token=auth_token, limits=limits, state=state)
+                  port=port, auth_token=auth_token, limits=limits, state=state,
+                  summary_interval_s=summary_interval_s)
 
 
-async def _serve_until_signalled(server: Server) -> None:
+async def _serve_until_signalled(server: Server, started: float | None) -> None:
     host, port = await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if started is not None:
+        log.info("listening on %s:%d, %.1f s after start-up began (programs compile at "
+                 "each step shape's first run)", host, port, time.perf_counter() - started)
     print(f"listening on {host}:{port}", flush=True)
     await stop.wait()
     print("shutting down", file=sys.stderr, flush=True)
     await server.close()
 
 
-def serve_forever(server: Server) -> None:
+def serve_forever(server: Server, started: float | None = None) -> None:
     """Run `server` on uvloop until SIGINT or SIGTERM; prints `listening on HOST:PORT` once it
-    accepts connections."""
-    uvloop.run(_serve_until_signalled(server))
+    accepts connections (and logs the seconds since `started`, a time.perf_counter())."""
+    uvloop.run(_serve_until_signalled(server, started))
 
 
 class EmbeddedServer:

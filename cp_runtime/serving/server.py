@@ -26,6 +26,7 @@ from cp_runtime.engine.core import Engine
 from cp_runtime.engine.requests import (Done, EngineError, Extend, Failed, Generate, Progress,
                                         SamplingParams, Token)
 from cp_runtime.pages import CapacityError
+from cp_runtime.serving.activity import Activity, RequestRecord
 from cp_runtime.serving.engine_loop import EngineLoop
 from cp_runtime.serving.state import TokenStore
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
@@ -40,17 +41,31 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 MAX_MESSAGE_CHARS = 1000          # an error message quoting a request is cut here
 
 
+def _limit(default: int, meaning: str):
+    """A ServerLimits field: its default and what it limits (the serve flag's help)."""
+    return dataclasses.field(default=default, metadata={"help": meaning})
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """Limits on what clients may ask; each refusal is an error event naming the limit."""
 
-    max_frame_bytes: int = 64 << 20          # one request frame (a 1M-token upload is ~4 MiB)
-    max_sessions: int = 4096
-    max_tokens_per_request: int = 1 << 20    # tokens in one extend (the client splits uploads)
-    max_connections: int = 64
-    max_pending_bytes: int = 16 << 20        # unread replies buffered for one connection
-    idle_timeout_s: int = 300                # a connection with nothing in flight and no
-                                             # frame for this long is closed
+    max_frame_bytes: int = _limit(
+        64 << 20, "bytes in one request frame (a 1M-token upload is about 4 MiB); a bigger "
+                  "frame is refused with bad_request and the connection closed")
+    max_sessions: int = _limit(
+        4096, "sessions open at once; create or fork past it is refused with capacity")
+    max_tokens_per_request: int = _limit(
+        1 << 20, "tokens in one extend (the client splits longer uploads); more is refused "
+                 "with bad_request")
+    max_connections: int = _limit(
+        64, "client connections at once; one more is refused with unavailable and closed")
+    max_pending_bytes: int = _limit(
+        16 << 20, "reply bytes buffered for a client that is not reading; past it the "
+                  "connection is closed and its requests cancelled")
+    idle_timeout_s: int = _limit(
+        300, "seconds a connection with nothing in flight may send nothing before it is "
+             "closed")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -85,7 +100,10 @@ class Server:
 
     def __init__(self, engine: Engine, *, model_name: str, tokenizer=None,
                  host: str = "127.0.0.1", port: int = 7777, auth_token: str | None = None,
-                 limits: ServerLimits = ServerLimits(), state: TokenStore | None = None):
+                 limits: ServerLimits = ServerLimits(), state: TokenStore | None = None,
+                 summary_interval_s: float = 60.0):
+        """summary_interval_s: seconds between the info summaries of what was served (0: none;
+        an interval in which no request finished logs nothing)."""
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.state = state
         self.host, self.port, self.limits = host, port, limits
@@ -97,6 +115,9 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self.engine_loop = EngineLoop(engine, self._events_from_device)
+        self.activity = Activity()
+        self.summary_interval_s = summary_interval_s
+        self._summaries: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> tuple[str, int]:
@@ -107,9 +128,21 @@ class Server:
                                                   limit=1 << 20)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.port = port
+        if self.summary_interval_s > 0:
+            self._summaries = self._loop.create_task(self._log_summaries())
         return host, port
 
+    async def _log_summaries(self) -> None:
+        while True:
+            await asyncio.sleep(self.summary_interval_s)
+            stats = await self.on_engine(lambda e: e.stats())
+            line = self.activity.take_summary(self.summary_interval_s, stats)
+            if line is not None:
+                log.info("%s", line)
+
     async def close(self) -> None:
+        if self._summaries is not None:
+            self._summaries.cancel()
         if self._server is not None:
             self._server.close()
         for conn in list(self._connections):
@@ -176,6 +209,7 @@ class _Connection:
         self.server, self.reader, self.writer, self.number = server, reader, writer, number
         self.authorized = not server.requires_auth
         self.tasks: dict[object, asyncio.Task] = {}
+        self.tokens_of: dict[object, int] = {}     # request id -> tokens uploaded or generated
         self.closed = False
         self.last_frame = time.monotonic()
 
@@ -259,6 +293,7 @@ class _Connection:
         self.send({"id": rid, "event": "error", "code": code, "message": message})
 
     async def _serve(self, rid, message: dict) -> None:
+        t0, outcome = time.perf_counter(), "ok"
         try:
             op = message.get("op")
             if op not in OPS:
@@ -270,9 +305,10 @@ class _Connection:
         except asyncio.CancelledError:
             # An accepted extend's tokens are in the session's log already: it runs on without
             # its client (cancelling it would leave the log ahead of the cache).
+            outcome = "cancelled"
             await self._cancel(rid, in_engine=message.get("op") != "extend")
         except Exception as e:                       # noqa: BLE001 - answered, never fatal
-            code = _error_code(e)
+            code = outcome = _error_code(e)
             if code == "internal":
                 log.exception("request %r failed", rid)
             self._error(rid, code, str(e))
@@ -280,6 +316,14 @@ class _Connection:
                 self.abort()
         finally:
             self.tasks.pop(rid, None)
+            self._record(rid, message, outcome, (time.perf_counter() - t0) * 1e3)
+
+    def _record(self, rid, message: dict, outcome: str, ms: float) -> None:
+        session = message.get("session")
+        self.server.activity.record(RequestRecord(
+            connection=self.number, request=rid, op=str(message.get("op"))[:32],
+            session=session[:64] if isinstance(session, str) else None,   # a client's text
+            tokens=self.tokens_of.pop(rid, 0), ms=ms, outcome=outcome))
 
     async def _cancel(self, rid, in_engine: bool = True) -> None:
         key = (self.number, rid)
@@ -304,6 +348,7 @@ class _Connection:
                     self.send({"id": rid, "event": "progress", "done": event.done,
                                "total": event.total})
                 elif isinstance(event, Token):
+                    self.tokens_of[rid] = self.tokens_of.get(rid, 0) + 1
                     self.send(self._token_event(rid, request, event))
                 elif isinstance(event, Done):
                     return event.info
@@ -369,6 +414,7 @@ class _Handlers:
         if len(tokens) > limit:
             raise _Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
                                           f"max_tokens_per_request={limit}; send them in parts")
+        conn.tokens_of[rid] = len(tokens)
         info = await conn.stream(rid, Extend(id=(conn.number, rid), session=session,
                                              tokens=tokens))
         conn.done(rid, **info)
