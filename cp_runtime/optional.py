@@ -3,7 +3,7 @@ install gets the pip command that adds it rather than a ModuleNotFoundError."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 __all__ = ["MissingDependency", "require"]
 
@@ -15,6 +15,8 @@ class MissingDependency(ImportError):
 def require(module: str, feature: str, extra: str) -> None:
     """Raise MissingDependency unless `module` can be imported: `feature` (what the user asked
     for, e.g. "--executor ray") needs `pip install 'cp-runtime[extra]'`."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
         raise MissingDependency(f"{feature} needs {module}, which is not installed: "
-                                f"pip install 'cp-runtime[{extra}]'")
+                                f"pip install 'cp-runtime[{extra}]'") from None

@@ -1,5 +1,9 @@
 """`cp-runtime demo`: a served session with a planted fact, end to end, in this process."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 from cp_runtime.cli import main
@@ -31,23 +35,41 @@ def test_bad_demo_flags_are_usage_errors(capsys):
     assert "--tokens 2m" in err and "up to 1m" in err
 
 
+# What a plain `pip install .` lacks: the extras' packages, made unimportable in a subprocess.
+WITHOUT_EXTRAS = ("ray", "yaml", "matplotlib", "tokenizers", "hypothesis")
+
+
+def run_without_extras(*argv: str, env=None) -> subprocess.CompletedProcess:
+    """`cp-runtime ARGV` in a fresh interpreter in which no extra's package can be imported."""
+    code = ("import sys\n"
+            f"for name in {WITHOUT_EXTRAS!r}:\n"
+            "    sys.modules[name] = None\n"
+            "from cp_runtime.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_a_plain_install_plans_and_names_the_extra_it_lacks():
+    out = run_without_extras("capacity", "--model", "glm-5.2")
+    assert out.returncode == 0 and "tokens that fit" in out.stdout, out.stderr
+    out = run_without_extras("serve", "--executor", "ray", "--port", "0")
+    assert out.returncode == 2
+    assert "--executor ray needs ray" in out.stderr and "cp-runtime[ray]" in out.stderr
+
+
 def test_the_demo_starts_no_libtpu_on_a_machine_without_a_tpu():
     """With the tpu extra installed, libtpu would look for a TPU at JAX's first backend use and
     print a page of warnings (TPU_ACCELERATOR_TYPE, worker hostnames); the command line keeps
-    JAX on the CPU where no TPU chip is attached (cp_runtime.platform)."""
-    import os
-    import subprocess
-    import sys
-
+    JAX on the CPU where no TPU chip is attached (cp_runtime.platform). The demo runs without
+    any extra's package, as from a plain install."""
     from cp_runtime.platform import tpu_chips_present
 
     if tpu_chips_present():
         import pytest
         pytest.skip("this machine has TPU chips")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "CP_RUNTIME_TOKEN")}
-    out = subprocess.run([sys.executable, "-m", "cp_runtime.cli", "demo", "--tokens", "4k",
-                          "--no-progress"], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = run_without_extras("demo", "--tokens", "4k", "--no-progress", env=env)
     assert out.returncode == 0, out.stderr
     printed = out.stdout + out.stderr
     for noise in ("libtpu", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle",

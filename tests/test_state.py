@@ -34,6 +34,12 @@ def test_token_store_appends_commits_forks_and_drops_a_cut_short_token(tmp_path)
     with store.path(SID).open("ab") as f:
         f.write(b"\x05\x00")                           # a write cut short by a kill
     assert store.load()[SID] == [1, 2, 3, 4]
+    assert store.path(SID).stat().st_size == 16      # cut off the file, not only in memory
+    for restart, token in enumerate((70, 2490406)):   # appends line up across restarts
+        store = TokenStore(tmp_path, fsync="always")
+        store.appended(SID, [token])
+        store.commit()
+        assert store.load()[SID] == [1, 2, 3, 4, 70, 2490406][:5 + restart]
     store.closed(child)
     assert set(store.load()) == {SID}
     with pytest.raises(ValueError, match="not a session id"):

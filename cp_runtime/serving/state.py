@@ -12,7 +12,7 @@ so a server killed at any point (kill -9 included) restarts with every acknowled
 restarted server lists the same sessions and rebuilds each cache from its log. A log may also
 hold tokens that were accepted but never acknowledged (the server died between the two); a
 client that did not see `done` should read the session's length before resending. A partial
-int32 at the end of a file (a write cut short) is dropped when the log is read.
+int32 at the end of a file (a write cut short) is cut off the file when the log is read.
 
 Fsync policy (`--fsync`):
     always     fsync every file written, at every commit: survives a power loss; costs a
@@ -69,13 +69,25 @@ class TokenStore(Journal):
         return self.dir / (session_id + SUFFIX)
 
     def load(self) -> dict[str, list[int]]:
-        """Every stored session's token log, by id (a cut-short last token is dropped)."""
+        """Every stored session's token log, by id. A cut-short last token (a crash inside an
+        append) is cut off the file itself, so later appends line up with whole tokens."""
         logs = {}
         for path in sorted(self.dir.glob("*" + SUFFIX)):
             raw = path.read_bytes()
             whole = len(raw) - len(raw) % 4
+            if whole != len(raw):
+                self._truncate(path, whole, len(raw) - whole)
             logs[path.stem] = np.frombuffer(raw[:whole], "<i4").tolist()
         return logs
+
+    @staticmethod
+    def _truncate(path: pathlib.Path, size: int, dropped: int) -> None:
+        """Cut a torn log back to its last whole token, durably, and say so."""
+        with path.open("r+b") as f:
+            f.truncate(size)
+            os.fsync(f.fileno())
+        log.warning("session %s: its token log ended in a partial token (%d bytes, a write "
+                    "cut short); cut back to its last whole token", path.stem, dropped)
 
     # -- snapshots --------------------------------------------------------------------------
     def snapshot_dir(self, session_id: str) -> pathlib.Path:
