@@ -4,6 +4,7 @@ few hundred bytes, so this times latency, not bytes.
 
     cp-runtime bench collectives                    # S = 2, 4, 8, 16; writes out/collectives.json
     cp-runtime bench collectives --shards 16 --depth 16
+    cp-runtime bench collectives --quick            # 5 rounds instead of 30
 
 Each program chains `--depth` gather-then-reduce calls over a small array of each shard (each
 reduces the gathered copies to one, so the next call depends on it), and the same program with
@@ -23,13 +24,15 @@ import random
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_out, add_shard_counts, check_out_dir,
-                                 positive_int)
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
+from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shard_counts,
+                                 check_out_dir, positive_int)
 
 __all__ = ["build_parser", "parse_args", "main"]
 
 MODES = ("flat", "staged", "native")
+QUICK = {"rounds": ("30", "5")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,14 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Latency of one small all-gather (XLA's flat and "
                                             "staged, and the in-process one) as the shard "
                                             "count grows, in one run.")
-    add_shard_counts(p, "2,4,8,16")
+    add_shard_counts(p, "2,4,8,16", why="the sweep: how latency grows with the shard count")
     p.add_argument("--depth", type=positive_int, default=9,
                    help="chained collectives in the long program (at least 2)")
     p.add_argument("--values", type=positive_int, default=66,
                    help="f32 values each shard contributes (66: a decode merge's packed "
                         "partials of `small`)")
-    p.add_argument("--rounds", type=positive_int, default=30,
-                   help="timed rounds, each running every program once")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="timed rounds, each running every program once "
+                        f"({quick_help(QUICK, 'rounds')})")
+    p.add_argument("--quick", action="store_true", help="fewer timed rounds")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -54,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     set up, then `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     if args.depth < 2:
         parser.error(f"--depth {args.depth} must be at least 2")
     args.shards = sorted(set(args.shards))
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s, mode in cases for calls in (1, args.depth)}
     samples = {key: [] for key in programs}
     rng = random.Random(0)
-    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round", disable=args.no_progress):
         for key in rng.sample(list(programs), len(programs)):
             samples[key].append(_seconds(*programs[key]))
     rows = []

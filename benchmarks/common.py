@@ -19,8 +19,8 @@ import jax
 from cp_runtime.cli_args import parse_length  # re-exported; the one copy is in cli_args
 from cp_runtime.devices import init_cpu_devices  # re-exported
 
-__all__ = ["ServeProcess", "init_cpu_devices", "init_shard_devices", "machine", "parse_length", "print_table",
-           "write_json"]
+__all__ = ["ServeProcess", "apply_quick", "init_cpu_devices", "init_shard_devices", "machine",
+           "parse_length", "print_table", "quick_help", "write_json"]
 
 
 def init_shard_devices(parser: argparse.ArgumentParser, shards: int) -> None:
@@ -30,6 +30,24 @@ def init_shard_devices(parser: argparse.ArgumentParser, shards: int) -> None:
         init_cpu_devices(shards)
     except ValueError as e:
         parser.error(f"--shards {shards}: {e}")
+
+
+def quick_help(values: dict[str, tuple[str, str]], dest: str) -> str:
+    """The help's note on a flag that `--quick` changes: 'unset: 8k,128k; --quick: 8k'."""
+    default, quick = values[dest]
+    return f"unset: {default}; --quick: {quick}"
+
+
+def apply_quick(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                values: dict[str, tuple[str, str]]) -> None:
+    """Fill each flag of `values` (dest -> (default, --quick value), as typed on a command
+    line) that was left unset: its --quick value under `--quick`, else its default, parsed by
+    the flag's own type. An explicit flag wins over both."""
+    actions = {a.dest: a for a in parser._actions}
+    for dest, (default, quick) in values.items():
+        if getattr(args, dest) is None:
+            kind = actions[dest].type or str
+            setattr(args, dest, kind(quick if args.quick else default))
 
 
 def machine() -> dict:

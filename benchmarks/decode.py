@@ -6,6 +6,7 @@ median / max over the rounds of each round's median step.
 
     cp-runtime bench decode                       # small, S = 16: 8K vs 1M, 1x vs 4x pool, ...
     cp-runtime bench decode --long 128k --rounds 3
+    cp-runtime bench decode --quick               # 8K vs 128K, 32K pool context, 3 rounds x 4
 
   context   one session at --short and one at --long tokens, in the same engine and pool. The
             bound the long step should meet: t(short) + 2 x (extra bytes) / read bandwidth, the
@@ -37,13 +38,17 @@ import pathlib
 import random
 import statistics
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_out,
-                                 add_page_size, add_shards, add_weight_dtype, check_not_below_page,
-                                 check_out_dir, check_page_size, check_page_size_for_model,
-                                 parse_length, positive_int)
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
+from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_no_progress,
+                                 add_out, add_page_size, add_shards, add_weight_dtype,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, length, positive_int)
 
 __all__ = ["build_parser", "parse_args", "main"]
+
+QUICK = {"long": ("1m", "128k"), "pool_context": ("128k", "32k"), "rounds": ("15", "3"),
+         "steps": ("8", "4")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,19 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_shards(p, 16)
     add_kv_cache_dtype(p)
     add_weight_dtype(p)
-    add_page_size(p, 64)
-    p.add_argument("--short", type=parse_length, default=8 << 10, help="short context (tokens)")
-    p.add_argument("--long", type=parse_length, default=1 << 20, help="long context (tokens)")
-    p.add_argument("--pool-context", type=parse_length, default=128 << 10,
-                   help="context of the 1x vs 4x pool comparison (tokens)")
+    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
+    p.add_argument("--short", type=length, default=8 << 10, metavar="N",
+                   help="short context (tokens)")
+    p.add_argument("--long", type=length, default=None, metavar="N",
+                   help=f"long context, tokens ({quick_help(QUICK, 'long')})")
+    p.add_argument("--pool-context", type=length, default=None, metavar="N",
+                   help="context of the 1x vs 4x pool comparison, tokens "
+                        f"({quick_help(QUICK, 'pool_context')})")
     p.add_argument("--batch", type=positive_int, default=8,
                    help="sessions decoding together for the host-time measurement")
-    p.add_argument("--rounds", type=positive_int, default=15, help="interleaved rounds")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help=f"interleaved rounds ({quick_help(QUICK, 'rounds')})")
     p.add_argument("--roofline-mib", type=positive_int, default=None,
                    help="read-bandwidth array size, all devices together (unset: by backend)")
-    p.add_argument("--steps", type=positive_int, default=8,
-                   help="decode steps per configuration and round (their median is the "
-                        "round's figure)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="decode steps per configuration and round, their median the round's "
+                        f"figure ({quick_help(QUICK, 'steps')})")
+    p.add_argument("--quick", action="store_true",
+                   help="a shorter long context and pool context, fewer rounds and steps")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -76,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_page_size(parser, args.page_size)
     check_page_size_for_model(parser, args.model, args.page_size)
     check_not_below_page(parser, "--short", args.short, args.page_size)
@@ -155,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     from cp_runtime.benchmarks.profile import phase_work, step_shape
     from cp_runtime.benchmarks.roofline import measure_roofline
     from cp_runtime.config import load_model_config
-    from cp_runtime.pool import CP_AXIS
     from cp_runtime.step import make_step
     from cp_runtime.weights import init_params
 
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         run()
     rounds: dict = {}
     rng = random.Random(0)
-    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round", disable=args.no_progress):
         _round(configs, rounds, args.steps, rng)
 
     rows = [{"configuration": name, "part": part, **_spread(v)}

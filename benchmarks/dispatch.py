@@ -2,6 +2,9 @@
 the local executor and through the Ray executor (H worker processes of D devices), in one run.
 
     cp-runtime bench dispatch                   # table, and out/dispatch.json
+    cp-runtime bench dispatch --quick           # 10 timed steps instead of 50
+
+Needs Ray (the ray extra: pip install 'cp-runtime[ray]').
 
 For each executor: the step as the engine sees it (plan to host outputs), the step as the
 devices see it (inside the process that runs it), and their difference, the dispatch overhead.
@@ -19,14 +22,17 @@ import argparse
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import init_shard_devices, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model, add_out,
-                                 add_page_size, add_shards, add_weight_dtype, check_out_dir, length,
-                                 positive_int)
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, print_table,
+                                         quick_help, write_json)
+from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
+                                 add_no_progress, add_out, add_page_size, add_shards,
+                                 add_weight_dtype, check_out_dir, length, positive_int)
+from cp_runtime.optional import require
 
 __all__ = ["build_parser", "parse_args", "main"]
 
 CHANNELS = ("actor", "socket")
+QUICK = {"steps": ("50", "10")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,15 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_shards(p, 16)
     p.add_argument("--hosts", type=positive_int, default=2,
                    help="Ray worker processes (--shards / --hosts devices each)")
-    add_kv_cache_dtype(p, "f32")
+    add_kv_cache_dtype(p, "f32", why="dispatch time does not depend on it; f32 is the tiny "
+                                      "model's own dtype")
     add_weight_dtype(p)
     add_page_size(p, 16)
     add_gathers(p)
     p.add_argument("--context", type=length, default=256,
                    help="tokens in the session before the timed decode steps")
     p.add_argument("--batch", type=positive_int, default=1, help="sessions decoded per step")
-    p.add_argument("--steps", type=positive_int, default=50,
-                   help="timed decode steps per executor and channel (the median is reported)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed decode steps per executor and channel, the median reported "
+                        f"({quick_help(QUICK, 'steps')})")
+    p.add_argument("--quick", action="store_true", help="fewer timed steps")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -55,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     if args.shards % args.hosts:
         parser.error(f"--shards {args.shards} is not a multiple of --hosts {args.hosts}")
     init_shard_devices(parser, args.shards)
@@ -97,6 +108,7 @@ def _row(name: str, walls: list, devices: list, noop: list | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require("ray", "cp-runtime bench dispatch", "ray")        # before any work
     from cp_runtime.config import RuntimeConfig
     from cp_runtime.engine import Engine
     from cp_runtime.engine.executor import LocalExecutor

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.common import print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_model, add_out, check_out_dir,
-                                 positive_int)
+from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
+from cp_runtime.cli_args import (HelpFormatter, add_backend, add_model, add_no_progress, add_out,
+                                 check_out_dir, positive_int)
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.kernels_dispatch import select_kernels
@@ -37,6 +37,7 @@ CACHE_ERROR_BOUNDS = {
     ("fp8_e5m2", "prefill"): (0.120, 0.25),
     ("fp8_e5m2", "decode"): (0.120, 0.18),
 }
+QUICK = {"seeds": ("3", "1")}
 
 
 def _latent_rows(rng: np.random.Generator, n: int, cfg) -> np.ndarray:
@@ -102,9 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="rel-L2 and peak error of fp8 latent caches against "
                                             "an identical bf16 cache, prefill and decode paths.")
     add_model(p, "glm-5.2")
-    add_backend(p, "reference")
-    p.add_argument("--seeds", type=positive_int, default=3,
-                   help="problems per (dtype, path); the worst is reported")
+    add_backend(p, "reference", why="the error measured is the cache dtype's, on the plain "
+                                     "reference kernels")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help=f"problems per (dtype, path), the worst reported "
+                        f"({quick_help(QUICK, 'seeds')})")
+    p.add_argument("--quick", action="store_true", help="one problem per (dtype, path)")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -113,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_out_dir(parser, args.out)
     return args
 

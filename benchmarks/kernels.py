@@ -3,6 +3,7 @@ agreement with the XLA reference.
 
     cp-runtime bench kernels                      # small shapes, interpret mode on CPU
     cp-runtime bench kernels --size full          # model-sized shapes (default on a TPU)
+    cp-runtime bench kernels --quick              # small shapes on any backend
     cp-runtime bench kernels --kernels decode --kv-cache-dtypes fp8_e4m3 --out out/decode
 
 Columns: grid, block shapes and VMEM footprint come from each kernel module's `cost()`, as do the
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.cli_args import HelpFormatter, add_out, check_out_dir, comma_list
+from cp_runtime.cli_args import HelpFormatter, add_no_progress, add_out, check_out_dir, comma_list
 from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
 __all__ = ["Shapes", "SIZES", "run", "build_parser", "parse_args", "main"]
@@ -216,11 +217,13 @@ def print_table(rows: list[dict], mode: str) -> None:
               f"{r['rel_l2']:>9.2e} {r['call_ms']:>14.1f}  {_blocks(r['blocks'])}")
 
 
-def run(kernels, dtypes, s: Shapes, *, interpret: bool, seed: int) -> list[dict]:
+def run(kernels, dtypes, s: Shapes, *, interpret: bool, seed: int,
+        progress: bool = True) -> list[dict]:
     todo = [(k, d) for k in kernels for d in dtypes]
     rows = []
     for i, (k, d) in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] {k} {d}", file=sys.stderr, flush=True)
+        if progress:
+            print(f"[{i}/{len(todo)}] {k} {d}", file=sys.stderr, flush=True)
         rows.append(measure(k, d, s, interpret=interpret, seed=seed))
     return rows
 
@@ -235,12 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
                    default=",".join(CACHE_DTYPES), metavar="D[,D...]",
                    help=f"cache dtypes, from: {', '.join(CACHE_DTYPES)}")
     p.add_argument("--size", choices=list(SIZES), default=None,
-                   help="shape preset (unset: full on a TPU, small elsewhere); "
+                   help="shape preset (unset: full on a TPU, small elsewhere and with --quick); "
                         + "; ".join(f"{k}: {v}" for k, v in SIZES.items()))
     p.add_argument("--mode", choices=("interpret", "compiled"), default=None,
                    help="run the kernels in TPU interpret mode or compiled (TPU only); "
                         "unset: compiled on a TPU, interpret elsewhere")
     p.add_argument("--seed", type=int, default=0, help="input seed")
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes on any backend (on a CPU, what runs anyway)")
+    add_no_progress(p)                     # the [i/n] line per kernel on stderr
     add_out(p, "out")
     return p
 
@@ -255,7 +261,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.mode == "compiled" and not on_tpu:
         parser.error(f"--mode compiled: needs a TPU backend; this one is "
                      f"{jax.default_backend()!r}")
-    args.size = args.size or ("full" if on_tpu else "small")
+    args.size = args.size or ("full" if on_tpu and not args.quick else "small")
     check_out_dir(parser, args.out)
     return args
 
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jax {info['jax']} backend {info['backend']} ({', '.join(info['devices'])}); "
           f"{mode} mode, size {size}")
     rows = run(args.kernels, args.kv_cache_dtypes, shapes, interpret=mode == "interpret",
-               seed=args.seed)
+               seed=args.seed, progress=not args.no_progress)
     print_table(rows, mode)
     out = pathlib.Path(args.out) / "kernels.json"
     out.write_text(json.dumps({"machine": info, "mode": mode, "size": size,

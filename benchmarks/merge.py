@@ -5,6 +5,8 @@ a noisy machine).
 
     cp-runtime bench merge                          # glm-5.2 widths, writes out/merge.json
     cp-runtime bench merge --model deepseek-v3.2
+    cp-runtime bench merge --quick                  # 5 timed calls per variant and shape, not 20
+    cp-runtime bench merge --prefill-tokens 256     # the full chunk (about 18 GB at glm-5.2)
 
 Bytes per token per device, ring algorithms over S devices, f32 values (4 bytes):
     all-gather of n values in total    (S-1)/S * n      reduce-scatter of n    (S-1)/S * n
@@ -15,19 +17,28 @@ o_proj of GLM-5.2 replicated on 16 CPU devices would not fit this machine), so w
 is each variant's collectives plus elementwise work. all_gather's gather runs flat (one
 collective over every shard), as the byte counts above assume; `bench collectives` compares
 flat and staged gathers.
+
+Two shapes are timed: a decode step of 8 tokens, and a prefill chunk of Q tokens. all_gather
+leaves every device with every shard's partials, S x Q x H x (Dv + 1) f32, so over the S devices
+of one process the chunk costs S^2 x Q x H x (Dv + 1) x 4 bytes (glm-5.2 at S = 16: 34 MB per
+token, 8.6 GB at Q = 256, about 18 GB of peak RSS with the inputs and temporaries). Unless
+`--prefill-tokens` is given, Q is the largest multiple of 8 up to 256 whose gathered partials fit
+`--gather-gib` (1 GiB: Q = 24 at glm-5.2, S = 16, 2.2 GB of peak RSS in all; the whole 256 for
+the toy models); the output says which Q ran and what its gathered partials take. Per-token
+bytes do not depend on Q; the times are per call, for that Q.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_model, add_out, add_shards, check_out_dir,
-                                 positive_int)
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
+from cp_runtime.cli_args import (HelpFormatter, add_model, add_no_progress, add_out, add_shards,
+                                 check_out_dir, finite_positive_float, length, positive_int)
 
 __all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
 
@@ -36,7 +47,9 @@ VARIANTS = (("gather_psum", "replicated"), ("all_to_all", "replicated"),
             ("all_gather", "replicated"), ("hidden_psum", "replicated"),
             ("gather_psum", "sharded"), ("all_to_all", "sharded"), ("all_gather", "sharded"),
             ("head_scatter", "sharded"))
-TOKENS = {"decode B=8": 8, "prefill chunk Q=256": 256}
+DECODE_TOKENS = 8
+PREFILL_TOKENS = 256                  # the chunk timed when its gathered partials fit
+QUICK = {"repeats": ("20", "5")}
 
 
 def bytes_per_token(merge: str, weights: str, *, heads: int, value_dim: int, hidden: int,
@@ -59,14 +72,36 @@ def bytes_per_token(merge: str, weights: str, *, heads: int, value_dim: int, hid
     return moved + (hidden_reduce if weights == "sharded" else 0)
 
 
+def gathered_bytes(tokens: int, *, heads: int, value_dim: int, shards: int) -> int:
+    """Bytes all_gather leaves on the S devices of this process together: each holds every
+    shard's partials and lse, S x tokens x heads x (value_dim + 1) f32."""
+    return shards * shards * tokens * heads * (value_dim + 1) * 4
+
+
+def prefill_tokens(*, heads: int, value_dim: int, shards: int, budget_bytes: int) -> int:
+    """The prefill chunk timed: the largest multiple of 8 up to PREFILL_TOKENS whose gathered
+    partials fit `budget_bytes` (at least 8)."""
+    per_token = gathered_bytes(1, heads=heads, value_dim=value_dim, shards=shards)
+    return max(8, min(PREFILL_TOKENS, budget_bytes // per_token) // 8 * 8)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench merge", formatter_class=HelpFormatter,
                                 description="Every merge variant: bytes per token and its "
                                             "collectives timed in one run.")
     add_model(p, "glm-5.2")
     add_shards(p, 16)
-    p.add_argument("--repeats", type=positive_int, default=20,
-                   help="timed calls per variant and shape (the median is reported)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed calls per variant and shape, the median reported "
+                        f"({quick_help(QUICK, 'repeats')})")
+    p.add_argument("--prefill-tokens", type=length, default=None,
+                   help=f"tokens of the timed prefill chunk (unset: up to {PREFILL_TOKENS}, as "
+                        "many as fit --gather-gib)")
+    p.add_argument("--gather-gib", type=finite_positive_float, default=1.0,
+                   help="GiB the prefill chunk's gathered partials may take, all devices "
+                        "together (sets the chunk unless --prefill-tokens)")
+    p.add_argument("--quick", action="store_true", help="fewer timed calls")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -76,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     init_shard_devices(parser, args.shards)
     check_out_dir(parser, args.out)
     return args
@@ -124,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model_config(args.model)
     h, dv, hid = model.num_attention_heads, model.kv_lora_rank, model.hidden_size
+    q = args.prefill_tokens or prefill_tokens(heads=h, value_dim=dv, shards=args.shards,
+                                              budget_bytes=int(args.gather_gib * (1 << 30)))
+    tokens = {f"decode B={DECODE_TOKENS}": DECODE_TOKENS, f"prefill chunk Q={q}": q}
+    gathered = gathered_bytes(q, heads=h, value_dim=dv, shards=args.shards)
+    sizing = (f"The prefill chunk's gathered partials (all_gather): {gathered / (1 << 30):.2f} "
+              "GiB over the devices" + ("" if args.prefill_tokens else
+                                        f", Q sized to fit {args.gather_gib:g} GiB") + ".")
+    print(sizing)
     mesh = jax.make_mesh((args.shards,), ("cp",))
     programs = {v: _combine_program(mesh, *v, hid) for v in VARIANTS}
     rows = []
@@ -132,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                      "bytes_per_token": round(bytes_per_token(
                          merge, weights, heads=h, value_dim=dv, hidden=hid,
                          shards=args.shards))})
-    for label, tokens in TOKENS.items():
+    for label, n in tokens.items():
         key = jax.random.key(0)
-        o = jax.random.normal(key, (args.shards, tokens, h, dv), jnp.float32)
-        lse = jax.random.normal(key, (args.shards, tokens, h), jnp.float32)
+        o = jax.random.normal(key, (args.shards, n, h, dv), jnp.float32)
+        lse = jax.random.normal(key, (args.shards, n, h), jnp.float32)
         o, lse = (jax.device_put(x, NamedSharding(mesh, P("cp"))) for x in (o, lse))
         # Interleave the variants within each repeat round, so drift hits all alike.
         samples = {v: [] for v in VARIANTS}
@@ -149,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["bytes vs smallest"] = row["bytes_per_token"] / smallest["bytes_per_token"]
     print_table(rows, ["merge", "weights", "bytes_per_token", "bytes vs smallest",
-                       *(f"{label} ms" for label in TOKENS)],
+                       *(f"{label} ms" for label in tokens)],
                 title=f"merge variants, {model.name} (H={h}, Dv={dv}, hidden={hid}), "
                       f"S={args.shards}, {machine()['backend']} ({machine()['cpu_count']} cores)")
     write_json(pathlib.Path(args.out) / "merge.json",
-               {"model": model.name, "shards": args.shards, "rows": rows})
+               {"model": model.name, "shards": args.shards, "tokens": tokens,
+                "gathered_bytes": gathered, "sizing": sizing, "rows": rows})
     return 0
 
 

@@ -3,6 +3,7 @@ decode steps. Reports prefill time and tokens/s, decode ms/step, and peak RSS ag
 planned bytes (memory beyond the pool must stay bounded by the chunk, not the context).
 
     cp-runtime bench million --tokens 1m     # writes out/million.json
+    cp-runtime bench million --quick         # 64K tokens
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pathlib
 import resource
 import time
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_shards,
                                  add_weight_dtype, check_not_below_page, check_out_dir,
@@ -20,21 +22,24 @@ from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dty
 
 __all__ = ["build_parser", "parse_args", "main", "run"]
 
+QUICK = {"tokens": ("1m", "64k")}
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-runtime bench million", formatter_class=HelpFormatter,
                                 description="One very long session: prefill time, decode ms/step "
                                             "and peak RSS vs the pool's planned bytes.")
-    p.add_argument("--tokens", type=length, default="1m",
-                   help="context length (k/m suffixes allowed)")
+    p.add_argument("--tokens", type=length, default=None,
+                   help=f"context length, k/m suffixes allowed ({quick_help(QUICK, 'tokens')})")
     add_model(p, "small")
     add_shards(p, 16)
     add_kv_cache_dtype(p, "fp8_e4m3")
     add_weight_dtype(p)
-    add_page_size(p, 64)
-    add_chunk_size(p, 4096)
+    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
+    add_chunk_size(p, 4096, why="a million tokens in 256 prefill steps instead of 1024")
     p.add_argument("--decode-steps", type=positive_int, default=8,
                    help="decode steps timed after the prefill")
+    p.add_argument("--quick", action="store_true", help="a shorter session")
     add_no_progress(p)
     add_out(p, "out")
     return p
@@ -45,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_page_size(parser, args.page_size)
     check_page_size_for_model(parser, args.model, args.page_size)
     check_not_below_page(parser, "--tokens", args.tokens, args.page_size)

@@ -5,6 +5,9 @@ retrieval model (cp_runtime/recall_model.py: fact tokens with clustered keys, a 
 key); `text_context` builds RULER-style text for a real checkpoint's tokenizer (filler sentences,
 a key-value sentence per needle, then "Question: ... Answer: ..."). benchmarks/niah.py runs them.
 
+`shared_recall_model` builds the recall model once per process, for every benchmark that asks
+(niah and selection in one `bench all` run).
+
 A depth d puts a context's first needle after a fraction d of the haystack and the others every
 `gap` tokens after it (a window of about 1/16 of the haystack); text needles move down to the
 nearest sentence boundary.
@@ -13,15 +16,24 @@ nearest sentence boundary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
-from cp_runtime.recall_model import RecallModel
 from cp_runtime.checkpoint import HFTokenizer
+from cp_runtime.config import ModelConfig
+from cp_runtime.recall_model import RecallModel, build_recall_model
 
 __all__ = ["KEY_WORDS", "OBJECTS", "SUBJECTS", "VARIANTS", "VERBS", "Case", "Context",
-           "ContextFn", "Probe", "Variant", "recall_context", "text_context"]
+           "ContextFn", "Probe", "Variant", "recall_context", "shared_recall_model", "text_context"]
+
+
+@functools.lru_cache(maxsize=None)
+def shared_recall_model(cfg: ModelConfig) -> RecallModel:
+    """build_recall_model(cfg) with its defaults, built once per process: the build is seconds
+    of work and its result never changes (its arrays are immutable)."""
+    return build_recall_model(cfg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,8 @@ from tqdm import tqdm
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
-                                           recall_context, text_context)
-from cp_runtime.recall_model import RecallLayout, build_recall_model
+                                           recall_context, shared_recall_model, text_context)
+from cp_runtime.recall_model import RecallLayout
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_kv_cache_dtypes, add_model, add_no_progress, add_out,
                                  add_page_size, add_shard_counts, add_weight_dtype,
@@ -60,6 +60,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.layout import cdiv
+from cp_runtime.optional import require
 from cp_runtime.weight_placement import BlockSource
 from cp_runtime.weights import Params
 from cp_runtime.weights_source import WeightsSource
@@ -276,6 +277,7 @@ def _length_label(n: int) -> str:
 def write_heatmap(report: dict, path: pathlib.Path) -> pathlib.Path:
     """Recall fraction per length x depth: one panel per (variant, dtype), one row of panels
     per variant, shard counts side by side."""
+    require("matplotlib", "the needle heatmap", "bench")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -350,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p, "recall")
     add_checkpoint(p)
     add_page_size(p, 16)
-    add_chunk_size(p, 256)
+    add_chunk_size(p, 256, why="the recall figures of docs/recall.md were measured with it")
     p.add_argument("--query-block", type=positive_int, default=16,
                    help="sparse prefill query block")
     p.add_argument("--max-batch", type=positive_int, default=8, help="questions per decode step")
@@ -386,7 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _workload(args) -> Workload:
     if args.checkpoint is None:
-        model = build_recall_model(load_model_config(args.model))
+        model = shared_recall_model(load_model_config(args.model))
         return Workload(args.model, model.cfg, model.params,
                         lambda v, n, d, rng: recall_context(model, v, n, d, rng))
     # The checkpoint's files, read a device's block at a time (fp8 stays fp8 on the devices).

@@ -1,6 +1,6 @@
 """PNG charts for the benchmarks: grouped bars and lines, written with matplotlib's Agg backend
-(no display needed). matplotlib is the `bench` extra; it loads on first use, so the benchmarks'
-tables and JSON do not depend on it.
+(no display needed). matplotlib is the `bench` extra; it loads on first use (without it, a
+clear error names the extra; `cp-runtime bench` checks for it before any work).
 """
 
 from __future__ import annotations
@@ -8,11 +8,14 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 
+from cp_runtime.optional import require
+
 __all__ = ["bar_chart", "line_chart", "stacked_bar_chart", "token_label"]
 
 
 def _pyplot():
     """matplotlib.pyplot on the Agg backend (imported here: the `bench` extra is optional)."""
+    require("matplotlib", "the benchmarks' plots", "bench")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -28,22 +31,34 @@ def _save(fig, path: str | pathlib.Path) -> pathlib.Path:
     return path
 
 
-def bar_chart(path: str | pathlib.Path, groups: Sequence[str], series: dict[str, Sequence[float]],
+def bar_chart(path: str | pathlib.Path,
+              panels: Sequence[tuple[str, Sequence[str], dict[str, Sequence[float]]]],
               *, ylabel: str, title: str, log: bool = False) -> pathlib.Path:
-    """Grouped bars: one group per entry of `groups`, one bar per series (values in group order)."""
+    """Grouped bars in side-by-side panels, each (title, groups, {series: one value per
+    group}): one group of bars per entry of `groups`, one bar per series, a series keeping its
+    colour across panels. Each panel has its own y axis, so groups of very different sizes
+    stay readable."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(series)) / 3), 4))
-    width = 0.8 / max(1, len(series))
-    for i, (name, values) in enumerate(series.items()):
-        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, values, width, label=name)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    if log:
-        ax.set_yscale("log")
-    ax.legend(fontsize="small")
-    ax.grid(axis="y", alpha=0.3)
+    widths = [max(2.5, 0.45 * len(groups) * max(1, len(series)))
+              for _, groups, series in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, sum(widths) + 1.5), 4.5),
+                             squeeze=False, gridspec_kw={"width_ratios": widths})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(dict.fromkeys(name for _, _, series in panels for name in series))
+    colors = {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+    for ax, (panel_title, groups, series) in zip(axes[0], panels):
+        width = 0.8 / max(1, len(series))
+        for i, (name, values) in enumerate(series.items()):
+            xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, values, width, label=name, color=colors[name])
+        ax.set_xticks(range(len(groups)), groups, fontsize="small")
+        ax.set_title(panel_title, fontsize="medium")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize="small")
+    fig.suptitle(title, fontsize="medium")
     return _save(fig, path)
 
 

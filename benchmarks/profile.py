@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import pathlib
 import statistics
 import time
@@ -265,11 +266,17 @@ def phase_work(model: ModelConfig, shape: StepShape, *, page_size: int, kv_cache
 
 
 # -- the synthetic pool and session ---------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _random_maker(shape: tuple[int, ...], sharding, value_dtype):
+    """key -> a pool buffer (storage form) of N(0, 1) values of `value_dtype`, made on the
+    devices; one compile per (shape, sharding, dtype), shared by a pool's equal buffers."""
+    return jax.jit(lambda key: to_storage(jax.random.normal(key, shape, jnp.float32),
+                                          value_dtype), out_shardings=sharding)
+
+
 def _random_buffer(shape: tuple[int, ...], sharding, value_dtype, key: jax.Array) -> jax.Array:
     """A pool buffer (storage form) of N(0, 1) values of `value_dtype`, made on the devices."""
-    make = jax.jit(lambda key: to_storage(jax.random.normal(key, shape, jnp.float32),
-                                          value_dtype), out_shardings=sharding)
-    return make(key)
+    return _random_maker(tuple(shape), sharding, value_dtype)(key)
 
 
 def fill_pool(executor, seed: int = 0) -> None:
@@ -715,10 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=length_list, default=None, metavar="N[,N...]",
                    help=f"context lengths (default: {FULL_LENGTHS}; with --quick "
                         f"{QUICK_LENGTHS})")
-    add_shard_counts(p, "16,2")
+    add_shard_counts(p, "16,2", why="S = 2 beside 16 shows what 16 devices' launches cost")
     add_kv_cache_dtype(p, "fp8_e4m3")
     add_weight_dtype(p)
-    add_page_size(p, 64)
+    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
     add_chunk_size(p, 1024)
     add_backend(p, "auto")
     p.add_argument("--merge", choices=[m for m in MERGE_VARIANTS if m != "head_scatter"],

@@ -10,6 +10,7 @@ and `first token` (a one-token greedy generation on the restored session has ret
 recovery a user sees). Compiles are inside these times, as they are after a real restart.
 
     cp-runtime bench recovery --lengths 8k,128k --out out/recovery
+    cp-runtime bench recovery --quick                      # 8K only
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ import time
 import numpy as np
 
 import cp_runtime
-from cp_runtime.benchmarks.common import ServeProcess, print_table, write_json
+from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, print_table, quick_help,
+                                         write_json)
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_out, add_page_size, add_shards, check_out_dir,
-                                 check_page_size_for_model, comma_list, length_list)
+                                 add_no_progress, add_out, add_page_size, add_shards,
+                                 check_out_dir, check_page_size_for_model, comma_list,
+                                 length_list)
 from cp_runtime.layout import cdiv
 from cp_runtime.serving.protocol import UnavailableError
 
 __all__ = ["build_parser", "main", "measure"]
 
 MODES = ("log", "snapshot")
+QUICK = {"lengths": ("8k,128k", "8k")}
 
 
 def _server_flags(args, tokens: int, state_dir: str) -> list[str]:
@@ -87,12 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p, "small")
     add_shards(p, 16)
     add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 64)
-    add_chunk_size(p, 4096)
-    p.add_argument("--lengths", type=length_list, default=length_list("8k,128k"),
-                   help="session lengths to recover (k/m suffixes)")
+    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
+    add_chunk_size(p, 4096, why="a restored log re-prefills in 4x fewer steps")
+    p.add_argument("--lengths", type=length_list, default=None,
+                   help=f"session lengths to recover, k/m suffixes "
+                        f"({quick_help(QUICK, 'lengths')})")
     p.add_argument("--modes", default=MODES, type=comma_list(str, choices=MODES),
                    help="how the cache comes back: log (re-prefill), snapshot")
+    p.add_argument("--quick", action="store_true", help="the shortest session only")
+    add_no_progress(p)
     add_out(p, "out/recovery")
     return p
 
@@ -100,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_page_size_for_model(parser, args.model, args.page_size)
     out = check_out_dir(parser, args.out)
     rows = [measure(args, n, mode) for n in args.lengths for mode in args.modes]

@@ -1,22 +1,27 @@
 """The whole benchmark suite in one run, written up as DIR/report.md with its PNGs.
 
     cp-runtime bench all --quick                  # every benchmark small: a few minutes on a CPU
-    cp-runtime bench report --quick --out out/report
-    cp-runtime bench report --only capacity,kernel_error --out out/report
+    cp-runtime bench all --quick --out out/report
+    cp-runtime bench all --only capacity,kernel_error --out out/report
 
 Sections, in order: niah, capacity, kernel_error, selection, throughput (with the roofline),
 merge, kernels, serving. Each benchmark's `main(argv)` runs in this process with its `--out`
 inside DIR; its console output is echoed and kept, and the report renders its JSON as markdown
-tables next to its PNGs. Without `--quick` each benchmark runs with its own defaults (hours for
-the needle sweep).
+tables next to its PNGs. `--quick` runs each as `cp-runtime bench NAME --quick`, its own quick
+mode; without it each runs with its own defaults (hours for the needle sweep). `--no-progress`
+is passed on to every section.
 
-JAX is given `--shards` virtual CPU devices once, here, before anything uses it; the benchmarks
-that ask for devices themselves ask for that same count, which JAX accepts after start-up (a
-different count would raise). A benchmark that fails is reported in its section, the others still
-run, and the exit status is 1.
+DIR/report.md is rewritten after every section, so an interrupted run keeps what it finished
+(the sections still to run are listed as pending). JAX is given `--shards` virtual CPU devices
+once, here, before anything uses it; the benchmarks that ask for devices themselves ask for that
+same count, which JAX accepts after start-up (a different count would raise). A benchmark that
+fails is reported in its section with its traceback, its last error line is printed on the
+console, the others still run, and the exit status is 1.
 
-Measured on the development machine (2 shared x86 cores, 16 virtual devices): `--quick` takes
-5.3 min, of which niah 2.6 min, throughput 1.4 min, selection 38 s, kernels 20 s, the rest 16 s.
+Measured on the development machine (2 shared x86 cores, 16 virtual devices): `--quick` took
+5.3 min, of which niah 2.6 min, throughput 1.4 min, selection 38 s, kernels 20 s. merge's
+prefill chunk has since been sized to fit (benchmarks/merge.py): alone, `bench merge --quick`
+takes 35 s and peaks at 2.2 GB of RSS (18 GB before).
 """
 
 from __future__ import annotations
@@ -34,9 +39,13 @@ import traceback
 from collections.abc import Callable
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine
-from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, comma_list
+from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shards,
+                                 check_out_dir, comma_list)
 
-__all__ = ["Section", "SECTIONS", "markdown_table", "build_parser", "parse_args", "main"]
+__all__ = ["Section", "SECTIONS", "last_error_line", "markdown_table", "write_report",
+           "build_parser", "parse_args", "main"]
+
+PROG = "cp-runtime bench all"              # the command that runs this module
 
 
 # -- markdown -------------------------------------------------------------------------------
@@ -82,10 +91,18 @@ def _niah(out: pathlib.Path) -> list[str]:
 
 def _capacity(out: pathlib.Path) -> list[str]:
     d = _load(out / "capacity" / "capacity.json")
-    return [f"Slice: {d['devices']} devices x {d['hbm_gib']:g} GiB, {d['weights_gib']:g} GiB "
-            "each for weights.",
+    where = ((f"{d['topology']}, " if d["topology"] else "")
+             + f"{d['devices']} devices x {d['hbm_gib']:g} GiB")
+    if d["weights_gib"] is not None:
+        taken = f"{d['weights_gib']:g} GiB each for weights"
+    else:
+        taken = (f"each model's weights per device (`--weight-dtype {d['weight_dtype']}`, "
+                 f"`--weights {d['weights']}`) and a reserve, as `cp-runtime capacity` counts "
+                 "them")
+    return [f"Slice: {where}; {taken}. Weights, reserve and KV in GiB per device.",
             markdown_table(d["rows"], ["model", "dtype", "latent", "indexer", "bytes_per_token",
-                                       "tokens_per_gib", "ratio_vs_bf16", "slice_tokens_M"]),
+                                       "tokens_per_gib", "ratio_vs_bf16", "weights_gib",
+                                       "reserve_gib", "kv_gib", "slice_tokens_M"]),
             _image(out, out / "capacity" / "capacity.png", "capacity")]
 
 
@@ -132,7 +149,10 @@ def _throughput(out: pathlib.Path) -> list[str]:
 
 
 def _merge(out: pathlib.Path) -> list[str]:
-    return [markdown_table(_load(out / "merge.json")["rows"])]
+    d = _load(out / "merge.json")
+    shapes = ", ".join(f"{label} ({n} tokens)" for label, n in d["tokens"].items())
+    return [f"Model `{d['model']}` widths, S = {d['shards']}; timed: {shapes}. {d['sizing']}",
+            markdown_table(d["rows"])]
 
 
 def _serving(out: pathlib.Path) -> list[str]:
@@ -159,37 +179,32 @@ def _kernels(out: pathlib.Path) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Section:
     """One benchmark: its module under benchmarks/, its `--out` directory inside DIR ("": DIR
-    itself), the extra arguments of a quick run, and the renderer of its outputs."""
+    itself), the renderer of its outputs, and whether it runs on the report's `--shards`."""
 
     name: str
     title: str
     out: str
-    quick: tuple[str, ...]
     render: Callable[[pathlib.Path], list[str]]
     takes_shards: bool = False
 
-    def argv(self, out: pathlib.Path, *, quick: bool, shards: int) -> list[str]:
-        return [*(self.quick if quick else ()),
+    def argv(self, out: pathlib.Path, *, quick: bool, shards: int,
+             no_progress: bool) -> list[str]:
+        return [*(("--quick",) if quick else ()), *(("--no-progress",) if no_progress else ()),
                 *(("--shards", str(shards)) if self.takes_shards else ()),
                 "--out", str(out / self.out)]
 
 
 SECTIONS = (
-    Section("niah", "Needle in a haystack (recall per cache dtype)", "niah", ("--quick",), _niah,
+    Section("niah", "Needle in a haystack (recall per cache dtype)", "niah", _niah,
             takes_shards=True),
-    Section("capacity", "Capacity", "capacity", (), _capacity),
-    Section("kernel_error", "fp8 cache error", "", ("--seeds", "1"),
-            _kernel_error),
-    Section("selection", "Indexer cache dtype and selection", "selection", ("--quick",),
-            _selection),
-    Section("throughput", "Throughput and roofline", "",
-            ("--lengths", "2k,8k", "--kv-cache-dtypes", "bf16,fp8_e4m3", "--pool-factors", "1,4",
-             "--pool-length", "2k", "--decode-steps", "5", "--no-progress"), _throughput,
-            takes_shards=True),
-    Section("merge", "Merge collectives", "", ("--repeats", "5"), _merge, takes_shards=True),
-    Section("kernels", "Pallas kernels vs references", "", ("--size", "small"), _kernels),
+    Section("capacity", "Capacity", "capacity", _capacity),
+    Section("kernel_error", "fp8 cache error", "", _kernel_error),
+    Section("selection", "Indexer cache dtype and selection", "selection", _selection),
+    Section("throughput", "Throughput and roofline", "", _throughput, takes_shards=True),
+    Section("merge", "Merge collectives", "", _merge, takes_shards=True),
+    Section("kernels", "Pallas kernels vs references", "", _kernels),
     Section("serving", "Serving under load (a server process, concurrent clients)", "",
-            ("--quick", "--no-progress"), _serving),
+            _serving),
 )
 
 
@@ -208,9 +223,9 @@ class _Tee(io.TextIOBase):
         self.stream.flush()
 
 
-def _run(section: Section, out: pathlib.Path, *, quick: bool, shards: int, label: str) -> dict:
+def _run(section: Section, out: pathlib.Path, *, args: argparse.Namespace, label: str) -> dict:
     """Run one benchmark's main; returns its argv, seconds, console text and error (or None)."""
-    argv = section.argv(out, quick=quick, shards=shards)
+    argv = section.argv(out, quick=args.quick, shards=args.shards, no_progress=args.no_progress)
     print(f"\n== [{label}] {section.name}: cp-runtime bench {section.name} "
           f"{' '.join(argv)}", flush=True)
     tee = _Tee(sys.stdout)
@@ -248,15 +263,21 @@ def _section_md(section: Section, run: dict, out: pathlib.Path) -> list[str]:
     return md
 
 
-def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool,
-                 total_s: float) -> pathlib.Path:
+def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool, total_s: float,
+                 pending: tuple[str, ...] = ()) -> pathlib.Path:
+    """DIR/report.md of the sections run so far (`runs`), the ones still to run listed as
+    pending."""
     info = machine()
+    done = f"{len(runs)} benchmarks in {total_s:.0f} s"
+    if pending:
+        done += f", {len(pending)} still to run"
     md = ["# cp-runtime benchmark report", "",
-          f"{'Quick run' if quick else 'Full run'} of {len(runs)} benchmarks in {total_s:.0f} s "
+          f"{'Quick run' if quick else 'Full run'} of {done} "
           f"({time.strftime('%Y-%m-%d %H:%M')}).", "",
           markdown_table([info]), ""]
     md += [f"- {s.name}: {'failed' if runs[s.name]['error'] else 'ok'}, "
            f"{runs[s.name]['seconds']:.1f} s" for s in SECTIONS if s.name in runs]
+    md += [f"- {name}: pending" for name in pending]
     md.append("")
     for section in SECTIONS:
         if section.name in runs:
@@ -266,38 +287,59 @@ def write_report(out: pathlib.Path, runs: dict[str, dict], *, quick: bool,
     return path
 
 
-def build_parser() -> argparse.ArgumentParser:
+def last_error_line(error: str) -> str:
+    """The line of a section's error that says what went wrong: a traceback's last line."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else error
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The flags; `prog` names the command in usage and errors (`cp-runtime bench all` runs
+    this same report)."""
     names = [s.name for s in SECTIONS]
-    p = argparse.ArgumentParser(prog="cp-runtime bench report", formatter_class=HelpFormatter,
-                                description="Run every benchmark and write DIR/report.md. JAX gets "
-                                            "--shards virtual CPU devices, and niah, throughput "
-                                            "and merge run on that many shards.")
-    p.add_argument("--quick", action="store_true", help="every benchmark small (minutes on a CPU)")
+    p = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter,
+                                description="Run every benchmark and write DIR/report.md, "
+                                            "rewritten after each section.\nJAX gets --shards "
+                                            "virtual CPU devices, and niah, throughput and merge "
+                                            "run on that many shards;\n--quick and "
+                                            "--no-progress are passed on to every section.")
+    p.add_argument("--quick", action="store_true",
+                   help="every benchmark in its own quick mode (minutes on a CPU)")
     add_out(p, "out/report")
     p.add_argument("--only", type=comma_list(str, choices=names), default=None,
-                   metavar="NAME[,NAME...]", help=f"a subset of {', '.join(names)} (unset: all)")
+                   metavar="NAME[,NAME...]",
+                   help=f"run only these sections, from: {', '.join(names)} (unset: all)")
     add_shards(p, 16)
+    add_no_progress(p)                      # passed on to every section
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None,
+               prog: str = PROG) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the `--shards` devices set up, then `--out`
     created (`args.out` a Path)."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     init_shard_devices(parser, args.shards)
     args.out = check_out_dir(parser, args.out)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """Run the chosen sections in order, rewriting report.md after each; 1 if any failed."""
+    args = parse_args(argv, prog)
     out, only = args.out, args.only or [s.name for s in SECTIONS]
     t0 = time.perf_counter()
     chosen = [s for s in SECTIONS if s.name in only]
-    runs = {s.name: _run(s, out, quick=args.quick, shards=args.shards,
-                         label=f"{i}/{len(chosen)}") for i, s in enumerate(chosen, 1)}
-    path = write_report(out, runs, quick=args.quick, total_s=time.perf_counter() - t0)
+    runs: dict[str, dict] = {}
+    for i, section in enumerate(chosen, 1):
+        run = runs[section.name] = _run(section, out, args=args, label=f"{i}/{len(chosen)}")
+        if run["error"]:
+            print(f"== {section.name} FAILED after {run['seconds']:.1f} s: "
+                  f"{last_error_line(run['error'])}", flush=True)
+        write_report(out, runs, quick=args.quick, total_s=time.perf_counter() - t0,
+                     pending=tuple(s.name for s in chosen[i:]))
+    path = out / "report.md"
     failed = [n for n, r in runs.items() if r["error"]]
     print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s"
           + (f"; failed: {', '.join(failed)})" if failed else ")"))

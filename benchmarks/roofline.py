@@ -14,6 +14,7 @@ Times are the best of `repeats` calls after a compile-and-warm call (a peak, not
 denominators of "achieved fraction"). `memory_gb_per_s` is the larger of read and copy.
 
     cp-runtime bench roofline --shards 16    # writes out/roofline.json
+    cp-runtime bench roofline --quick        # 2 timed calls per figure instead of 5
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
-from cp_runtime.cli_args import HelpFormatter, add_out, add_shards, check_out_dir, positive_int
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
+from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shards,
+                                 check_out_dir, positive_int)
 
 __all__ = ["measure_roofline", "default_sizes", "build_parser", "parse_args", "main"]
 
 _AXIS = "roofline"
+QUICK = {"repeats": ("5", "2")}
 
 
 def default_sizes(backend: str, devices: int) -> tuple[int, int]:
@@ -94,8 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of the bandwidth array, all devices together (unset: by backend)")
     p.add_argument("--matmul-n", type=positive_int, default=None,
                    help="matmul side per device (unset: by backend)")
-    p.add_argument("--repeats", type=positive_int, default=5,
-                   help="timed calls per figure (the best is reported)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed calls per figure, the best reported "
+                        f"({quick_help(QUICK, 'repeats')})")
+    p.add_argument("--quick", action="store_true", help="fewer timed calls")
+    add_no_progress(p)
     add_out(p, "out")
     return p
 
@@ -105,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     init_shard_devices(parser, args.shards)
     check_out_dir(parser, args.out)
     return args

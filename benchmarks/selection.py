@@ -45,12 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.common import print_table, write_json
-from cp_runtime.benchmarks.needles import Variant, recall_context
-from cp_runtime.recall_model import build_recall_model
-from cp_runtime.cli_args import (HelpFormatter, add_model, add_out, add_page_size,
-                                 check_not_below_page, check_out_dir, check_page_size,
-                                 check_page_size_for_model, length, length_list, positive_int)
+from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
+from cp_runtime.benchmarks.needles import Variant, recall_context, shared_recall_model
+from cp_runtime.cli_args import (HelpFormatter, add_model, add_no_progress, add_out,
+                                 add_page_size, check_not_below_page, check_out_dir,
+                                 check_page_size, check_page_size_for_model, length, length_list,
+                                 positive_int)
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
@@ -60,11 +60,12 @@ from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
 from cp_runtime.weights import Params, init_params, layer_params, model_layout
 
 __all__ = ["SCHEMES", "round_keys", "top_pages", "SelectionChange", "selection_change",
-           "indexer_inputs_of", "last_token_answer", "build_parser", "parse_args", "main"]
+           "indexer_inputs_of", "last_token_answers", "build_parser", "parse_args", "main"]
 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 SCHEMES = ("bf16", "f32", "fp8_e4m3", "fp8_e4m3_tok", "fp8_e4m3_tok448", "fp8_e5m2")
 REFERENCE = "bf16"
+QUICK = {"tokens": ("2048", "1024"), "seeds": ("3", "1"), "recall_trials": ("64", "24")}
 
 
 def round_keys(k: jax.Array, scheme: str) -> jax.Array:
@@ -155,42 +156,48 @@ def _indexer_inputs_of(params, tokens, *, cfg, page_size, kv_cache_dtype):
     return seen
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "k_pages", "scheme",
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "k_pages", "schemes",
                                              "latent_dtype"))
-def last_token_answer(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
-                      k_pages: int, scheme: str, latent_dtype: str = "bf16"
-                      ) -> tuple[jax.Array, jax.Array]:
-    """Logits f32[V] of the last token and its top pages i32[k_pages], with indexer keys read
-    back under `scheme`. One-layer models only: layer 0's cache rows depend on the tokens
-    alone, so the last token runs as a decode step over them."""
+def last_token_answers(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
+                       k_pages: int, schemes: tuple[str, ...], latent_dtype: str = "bf16"
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Per scheme of `schemes`, the logits f32[V] of the last token and its top pages
+    i32[k_pages] with indexer keys read back under that scheme, stacked: f32[len(schemes), V]
+    and i32[len(schemes), k_pages]. All schemes in one program (one compile, not one each).
+    One-layer models only: layer 0's cache rows depend on the tokens alone, so the last token
+    runs as a decode step over them."""
     if cfg.num_hidden_layers != 1:
-        raise ValueError(f"{cfg.name}: last_token_answer needs a one-layer model")
+        raise ValueError(f"{cfg.name}: last_token_answers needs a one-layer model")
     t = tokens.shape[0]
     pos = jnp.arange(t, dtype=jnp.int32)
     p = layer_params(params, 0)
     h = rms_norm(params["model.embed_tokens.weight"][tokens], p["input_layernorm.weight"],
                  cfg.rms_norm_eps)
     _, kv_rows, q_lora = mla_inputs(p, cfg, h, pos)                     # [T, D]
-    keys = round_keys(indexer_inputs(p, cfg, h, q_lora, pos).k, scheme)  # [T, Di]
+    raw_keys = indexer_inputs(p, cfg, h, q_lora, pos).k                 # [T, Di]
     kv_rows = kv_rows.astype(latent_cache_dtype(latent_dtype)).astype(jnp.float32)
     own = (t - 1) // page_size
     key_page = jnp.arange(t) // page_size
 
-    def attend(layer, chosen, q_row, kv_row, index, project):            # one query [1, ...]
-        logit = jnp.einsum("hd,sd->hs", index.q[0], keys)
-        scores = jnp.einsum("hs,h->s", jax.nn.relu(logit), index.w[0])   # [T]
-        n = own + 1
-        pscores = jnp.pad(scores, (0, n * page_size - t), constant_values=-jnp.inf
-                          ).reshape(n, page_size).max(-1)                # [T] -> [n, ps] -> [n]
-        pages = jnp.arange(n, dtype=jnp.int32)
-        top = rank_pages(jnp.where(pages < own, pscores, -jnp.inf), pages, k_pages)[1]
-        mask = (key_page[:, None] == top[None]).any(-1) | (key_page == own)
-        o = dense_sparse_attention(q_row, kv_rows, mask[None], value_dim=cfg.kv_lora_rank,
-                                   scale=cfg.softmax_scale)
-        return project(o), top
+    def answer(keys):
+        def attend(layer, chosen, q_row, kv_row, index, project):        # one query [1, ...]
+            logit = jnp.einsum("hd,sd->hs", index.q[0], keys)
+            scores = jnp.einsum("hs,h->s", jax.nn.relu(logit), index.w[0])   # [T]
+            n = own + 1
+            pscores = jnp.pad(scores, (0, n * page_size - t), constant_values=-jnp.inf
+                              ).reshape(n, page_size).max(-1)            # [T] -> [n, ps] -> [n]
+            pages = jnp.arange(n, dtype=jnp.int32)
+            top = rank_pages(jnp.where(pages < own, pscores, -jnp.inf), pages, k_pages)[1]
+            mask = (key_page[:, None] == top[None]).any(-1) | (key_page == own)
+            o = dense_sparse_attention(q_row, kv_rows, mask[None], value_dim=cfg.kv_lora_rank,
+                                       scale=cfg.softmax_scale)
+            return project(o), top
 
-    hidden, top = forward(params, cfg, tokens[-1:], pos[-1:], attend, None)
-    return logits(params, hidden)[0], top
+        hidden, top = forward(params, cfg, tokens[-1:], pos[-1:], attend, None)
+        return logits(params, hidden)[0], top
+
+    answers = [answer(round_keys(raw_keys, scheme)) for scheme in schemes]
+    return jnp.stack([a[0] for a in answers]), jnp.stack([a[1] for a in answers])
 
 
 # -- the study ----------------------------------------------------------------------------
@@ -221,7 +228,7 @@ def tiny_study(args) -> list[dict]:
 
 def recall_study(args) -> tuple[list[dict], list[dict]]:
     """Selection changes at the question, and recall, on the recall model per index_topk."""
-    model = build_recall_model()
+    model = shared_recall_model(load_model_config("recall"))
     variant = Variant("selection", needles=1, siblings=args.siblings, level=2)
     rng = np.random.default_rng(args.seed)
     trials = []
@@ -235,13 +242,12 @@ def recall_study(args) -> tuple[list[dict], list[dict]]:
     sel_rows, recall_rows = [], []
     for topk in args.topks:
         k_pages = topk // args.page_size
+        out = [last_token_answers(model.params, toks, cfg=model.cfg, page_size=args.page_size,
+                                  k_pages=k_pages, schemes=SCHEMES) for toks, _ in trials]
         results = {}
-        for scheme in SCHEMES:
-            out = [last_token_answer(model.params, toks, cfg=model.cfg,
-                                     page_size=args.page_size, k_pages=k_pages, scheme=scheme)
-                   for toks, _ in trials]
-            correct = sum(int(np.argmax(lg)) == ans for (lg, _), (_, ans) in zip(out, trials))
-            results[scheme] = (np.stack([np.asarray(top) for _, top in out]), correct)
+        for i, scheme in enumerate(SCHEMES):
+            correct = sum(int(np.argmax(lg[i])) == ans for (lg, _), (_, ans) in zip(out, trials))
+            results[scheme] = (np.stack([np.asarray(top[i]) for _, top in out]), correct)
         ref = results[REFERENCE][0]
         for scheme, (tops, correct) in results.items():
             recall_rows.append({"index_topk": topk, "K": k_pages, "scheme": scheme,
@@ -262,11 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="How often an fp8 indexer key cache changes the DSA top-K pages compared "
                     "with bf16, and what that does to recall.")
     add_model(p, "tiny")
-    p.add_argument("--tokens", type=length, default=2048,
-                   help="sequence length for the random-weight --model")
-    p.add_argument("--seeds", type=positive_int, default=3, help="--model weight seeds")
+    p.add_argument("--tokens", type=length, default=None,
+                   help="sequence length for the random-weight --model "
+                        f"({quick_help(QUICK, 'tokens')})")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help=f"--model weight seeds ({quick_help(QUICK, 'seeds')})")
     add_page_size(p, 16)
-    p.add_argument("--recall-trials", type=positive_int, default=64, help="needle contexts")
+    p.add_argument("--recall-trials", type=positive_int, default=None,
+                   help=f"needle contexts ({quick_help(QUICK, 'recall_trials')})")
     p.add_argument("--recall-length", type=length, default=2048, help="needle context length")
     p.add_argument("--siblings", type=_siblings, default=7,
                    help="near-key distractors per needle (0 to 7)")
@@ -275,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(K = topk / page_size)")
     p.add_argument("--seed", type=int, default=0, help="needle context seed")
     p.add_argument("--quick", action="store_true",
-                   help="fewer seeds, trials and tokens (1 seed, 1024 tokens, 24 trials)")
+                   help="fewer seeds, tokens and trials (explicit flags win)")
+    add_no_progress(p)
     add_out(p, "out/selection")
     return p
 
@@ -292,11 +302,11 @@ def _siblings(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), `--quick` applied, `--out` created."""
+    """The flags, checked (usage errors exit 2), `--quick` applied to the flags left unset,
+    `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.seeds, args.tokens, args.recall_trials = 1, 1024, 24
+    apply_quick(parser, args, QUICK)
     check_page_size(parser, args.page_size)
     check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
     check_not_below_page(parser, "--recall-length", args.recall_length, args.page_size)

@@ -60,7 +60,8 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
+                                         quick_help, write_json)
 from cp_runtime.benchmarks.plots import line_chart
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.capacity import bytes_per_token
@@ -80,6 +81,8 @@ from cp_runtime.weights import init_params
 __all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
            "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
            "compile_seconds", "build_parser", "parse_args", "main"]
+
+QUICK = {"decode_steps": ("10", "5")}
 
 
 # -- work accounting ------------------------------------------------------------------------
@@ -429,10 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the fixed context of the pool size table")
     p.add_argument("--base-pages", type=positive_int, default=256,
                    help="pages per shard of the 1x pool (at least what the context needs)")
-    add_page_size(p, 64)
+    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
     add_chunk_size(p, 1024)
-    p.add_argument("--decode-steps", type=positive_int, default=10,
-                   help="decode steps timed per length (the median is reported)")
+    p.add_argument("--decode-steps", type=positive_int, default=None,
+                   help="decode steps timed per length, the median reported "
+                        f"({quick_help(QUICK, 'decode_steps')})")
     add_backend(p, "auto")
     p.add_argument("--dense-max-length", type=nonnegative_length, default="128k",
                    help="longest context for the dense decode comparison (0: none)")
@@ -440,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bandwidth array size, all devices together (unset: by backend)")
     p.add_argument("--matmul-n", type=positive_int, default=None,
                    help="roofline matmul side per device (unset: by backend)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer timed decode steps (the lengths, dtypes and pools are the "
+                        "defaults' already: about 1.5 min on a CPU)")
     add_no_progress(p)
     add_out(p, "out")
     return p
@@ -450,6 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     set up, then `--out` created."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_page_size(parser, args.page_size)
     check_page_size_for_model(parser, args.model, args.page_size)
     check_not_below_page(parser, "--lengths", args.lengths, args.page_size)

@@ -62,14 +62,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from cp_runtime.benchmarks.common import print_table
+from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help
 from cp_runtime.benchmarks.throughput import matmul_weights, projection_work
 from cp_runtime.capacity import bytes_per_token
 from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_out, add_page_size, check_out_dir, check_page_size,
-                                 finite_nonnegative_float, finite_positive_float, length_list,
-                                 positive_int,
-                                 positive_int_list)
+                                 add_no_progress, add_out, add_page_size, check_out_dir,
+                                 check_page_size, finite_nonnegative_float, finite_positive_float,
+                                 length_list, positive_int, positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
@@ -79,6 +78,7 @@ __all__ = ["Hardware", "Term", "Setup", "tpu7x_16", "decode_terms", "prefill_ter
            "chunk_terms", "hbm_use", "scenarios", "build_parser", "main"]
 
 GB, TFLOP = 1e9, 1e12
+QUICK = {"compiler_layers": ("4", "1")}
 
 # Per-chip figures. Cloud TPU docs, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x):
 # peak bf16 2307 and fp8 4614 TFLOP/s, 192 GiB HBM, 2 TensorCores per chip. HBM bandwidth and
@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p, "glm-5.2")
     add_kv_cache_dtype(p)
     add_page_size(p, 16)
-    add_chunk_size(p, 8192)
+    add_chunk_size(p, 8192, why="docs/performance.md's tables model 8K-token prefill steps")
     p.add_argument("--prefill-lengths", type=length_list, default=[8192, 1 << 20],
                    help="prefill lengths (k/m suffixes)")
     p.add_argument("--contexts", type=length_list, default=[128 << 10, 1 << 20],
@@ -407,15 +407,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile the runtime's decode step and a prefill chunk for "
                         "tpu7x-16 (needs the tpu extra) and print the hand model beside the "
                         "compiler's flops, bytes and time estimate, term by term")
-    p.add_argument("--compiler-layers", type=positive_int, default=4,
-                   help="with --compiler: cut the model to its first N layers (compile time)")
-    add_out(p, None)
+    p.add_argument("--compiler-layers", type=positive_int, default=None,
+                   help="with --compiler: cut the model to its first N layers, for compile "
+                        f"time ({quick_help(QUICK, 'compiler_layers')})")
+    p.add_argument("--quick", action="store_true",
+                   help="the hand model is arithmetic and instant either way; with --compiler, "
+                        "a one-layer cut")
+    add_no_progress(p)                     # the --compiler progress lines on stderr
+    add_out(p, None, why="unset, the tables are printed and no JSON is written")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_quick(parser, args, QUICK)
     check_page_size(parser, args.page_size)
     args.out_dir = check_out_dir(parser, args.out)
     return args
@@ -481,7 +487,8 @@ def _compare_with_compiler(args, model: ModelConfig, hw: Hardware, setup: Setup)
     out = tpu_compiler.compare(model, hw, setup, layers=args.compiler_layers,
                                context=args.contexts[0], batch=args.batches[0],
                                decode_terms=decode_terms, chunk_terms=chunk_terms,
-                               progress=lambda m: print(m, file=sys.stderr, flush=True))
+                               progress=lambda m: args.no_progress or print(
+                                   m, file=sys.stderr, flush=True))
     print()
     print_table(out["rows"], ["program", "term", "hand GFLOP", "compiler GFLOP", "flops x",
                               "hand GB", "compiler GB", "bytes x", "hand ms", "compiler ms",

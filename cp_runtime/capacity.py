@@ -28,6 +28,10 @@ norms and biases f32 in both (cp_runtime.weight_format).
 
 Reserve: ACTIVATION_RESERVE_FRACTION (10%) of each device's HBM is kept for activations, XLA
 scratch and the step's temporaries (a round figure, not a measurement); `reserve_gib` overrides.
+
+`slice_report` is what `cp-runtime capacity` and `cp-runtime bench capacity` both report: a
+known topology (DEFAULT_TOPOLOGY unless a custom slice is given) through `deployment_report`, or,
+with a fixed weight share per device, `capacity_report`.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dty
 from cp_runtime.weight_format import (WEIGHT_DTYPES, bytes_per_device, device_tensors,
                                       resolve_weight_dtype, resolve_weight_mode)
 
-__all__ = ["ACTIVATION_RESERVE_FRACTION", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES", "CapacityReport",
-           "Topology", "bytes_per_token", "capacity_report", "deployment_report",
-           "weight_bytes_per_device"]
+__all__ = ["ACTIVATION_RESERVE_FRACTION", "DEFAULT_TOPOLOGY", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES",
+           "CapacityReport", "Topology", "bytes_per_token", "capacity_report", "deployment_report",
+           "slice_report", "weight_bytes_per_device"]
 
 GIB = 1 << 30
 ACTIVATION_RESERVE_FRACTION = 0.10
@@ -67,6 +71,7 @@ TOPOLOGIES = {
     "tpu7x-16": Topology("tpu7x-16", devices=16, hbm_gib=96.0, chips=8, hosts=2, shape="2x2x2"),
     "tpu7x-32": Topology("tpu7x-32", devices=32, hbm_gib=96.0, chips=16, hosts=4, shape="2x2x4"),
 }
+DEFAULT_TOPOLOGY = "tpu7x-16"
 
 
 def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
@@ -172,3 +177,29 @@ def deployment_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, 
                            weights_gib=weight_bytes / GIB, reserve_gib=reserve_gib,
                            topology=topology, weight_dtype=weight_dtype, weights=weights,
                            weight_bytes_per_device=weight_bytes)
+
+
+def slice_report(model: ModelConfig, kv_cache_dtype: str, *, topology: str | None = None,
+                 devices: int | None = None, hbm_gib: float | None = None,
+                 weight_dtype: str = "auto", weights: str = "auto",
+                 reserve_gib: float | None = None,
+                 weights_gib: float | None = None) -> CapacityReport:
+    """The capacity of a slice: `topology` (DEFAULT_TOPOLOGY when neither it nor a custom
+    slice is given), or a custom slice of `devices` devices of `hbm_gib` each (both or neither;
+    not with `topology`). deployment_report computes the weights; a fixed `weights_gib` per
+    device replaces them (capacity_report, no reserve unless `reserve_gib`)."""
+    if (devices is None) != (hbm_gib is None):
+        raise ValueError("devices and hbm_gib go together")
+    if topology is not None and devices is not None:
+        raise ValueError("give a topology, or devices with hbm_gib, not both")
+    topo = None if devices is not None else TOPOLOGIES[topology or DEFAULT_TOPOLOGY]
+    if topo is not None:
+        devices, hbm_gib = topo.devices, topo.hbm_gib
+    name = topo and topo.name
+    if weights_gib is not None:
+        return capacity_report(model, kv_cache_dtype, devices=devices, hbm_gib=hbm_gib,
+                               weights_gib=weights_gib, reserve_gib=reserve_gib or 0.0,
+                               topology=name)
+    return deployment_report(model, kv_cache_dtype, devices=devices, hbm_gib=hbm_gib,
+                             weight_dtype=weight_dtype, weights=weights,
+                             reserve_gib=reserve_gib, topology=name)

@@ -25,7 +25,7 @@ import sys
 import time
 
 from cp_runtime import __version__, demo
-from cp_runtime.capacity import TOPOLOGIES, capacity_report, deployment_report
+from cp_runtime.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
 from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_gathers, add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, add_weight_dtype,
@@ -309,7 +309,7 @@ def _add_capacity(sub) -> None:
     add_kv_cache_dtype(p)
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="a known slice (TPU v7x: 96 GiB per device, 2 devices per chip); "
-                        "default tpu7x-16 unless --devices and --hbm-gib are given")
+                        f"default {DEFAULT_TOPOLOGY} unless --devices and --hbm-gib are given")
     p.add_argument("--devices", type=positive_int, default=None,
                    help="devices holding weights and cache (with --hbm-gib, for any slice)")
     p.add_argument("--hbm-gib", type=finite_positive_float, default=None,
@@ -330,16 +330,10 @@ def _run_capacity(args) -> int:
         raise ValueError("--devices and --hbm-gib go together")
     if args.topology is not None and args.devices is not None:
         raise ValueError("give --topology, or --devices with --hbm-gib, not both")
-    topo = None if args.devices is not None else TOPOLOGIES[args.topology or "tpu7x-16"]
-    devices, hbm = (topo.devices, topo.hbm_gib) if topo else (args.devices, args.hbm_gib)
-    if args.weights_gib is not None:
-        report = capacity_report(model, args.kv_cache_dtype, devices=devices, hbm_gib=hbm,
-                                 weights_gib=args.weights_gib, reserve_gib=args.reserve_gib or 0.0,
-                                 topology=topo and topo.name)
-    else:
-        report = deployment_report(model, args.kv_cache_dtype, devices=devices, hbm_gib=hbm,
-                                   weight_dtype=args.weight_dtype, weights=args.weights,
-                                   reserve_gib=args.reserve_gib, topology=topo and topo.name)
+    report = slice_report(model, args.kv_cache_dtype, topology=args.topology,
+                          devices=args.devices, hbm_gib=args.hbm_gib,
+                          weight_dtype=args.weight_dtype, weights=args.weights,
+                          reserve_gib=args.reserve_gib, weights_gib=args.weights_gib)
     if args.json:
         print(json.dumps(dataclasses.asdict(report), indent=2))
         return 0
@@ -382,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_benchmark(name: str, argv: list[str], **kwargs) -> int:
+    if "-h" not in argv and "--help" not in argv:     # help reads fine without the extra
+        require("matplotlib", f"cp-runtime bench {name}", "bench")      # before any work
     module = importlib.import_module(f"cp_runtime.benchmarks.{name}")
     return int(module.main(argv, **kwargs) or 0)
 

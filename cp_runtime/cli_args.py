@@ -72,13 +72,14 @@ __all__ = [
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's line breaks and ends each flag's help with its default, written
     as a user would type it (`8k,128k`, `bf16,fp8_e4m3`). A flag whose help already speaks of
-    its default, or whose default is unset (None) or off (False), gets no default appended."""
+    its default ("(default ..." in its text), or whose default is unset (None) or off (False),
+    gets no default appended."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
         if (not action.option_strings or default is None or default is False
-                or default is argparse.SUPPRESS or "default" in text):
+                or default is argparse.SUPPRESS or "(default" in text):
             return text
         typed = format_default(default, action.type).replace("%", "%%")
         return f"{text} (default: {typed})"
@@ -192,7 +193,7 @@ def add_model(p: argparse.ArgumentParser, default: str, why: str | None = None) 
     commands on the model they plan for), so each command says why it picks its own."""
     p.add_argument("--model", default=default, choices=model_names(), metavar="NAME",
                    help=f"model config name, one of: {', '.join(model_names())}"
-                        + (f"; default {default}: {why}" if why else ""))
+                        + (f" (default {default}: {why})" if why else ""))
 
 
 def add_checkpoint(p: argparse.ArgumentParser) -> None:

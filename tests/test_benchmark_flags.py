@@ -13,8 +13,17 @@ import cp_runtime.benchmarks
 from cp_runtime import cli_args
 from cp_runtime.config import model_names
 
-KNOWN = ("capacity", "collectives", "kernel_error", "kernels", "merge", "million", "niah",
-         "report", "roofline", "selection", "throughput")
+KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
+         "million", "niah", "profile", "recovery", "report", "roofline", "selection", "serving",
+         "throughput", "tpu_model")
+# The command each module runs as, where it is not `cp-runtime bench MODULE`.
+COMMAND = {"report": "all"}
+# Shared flags' common defaults (cp_runtime.cli_args): a benchmark whose default differs says
+# why in its help.
+COMMON = {"--chunk-size": (cli_args.add_chunk_size, 1024),
+          "--page-size": (cli_args.add_page_size, 16),
+          "--backend": (cli_args.add_backend, "auto"),
+          "--kv-cache-dtype": (cli_args.add_kv_cache_dtype, "fp8_e4m3")}
 # Old spellings that the shared flags replaced.
 RETIRED = ("--chunk", "--dtypes", "--tiny-model")
 # Benchmarks that sweep shard counts take a list; the others one count.
@@ -58,7 +67,7 @@ def test_help_shows_every_flag_and_its_default(name, capsys):
         _module(name).main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert f"cp-runtime bench {name}" in text and "(default:" in text
+    assert f"cp-runtime bench {COMMAND.get(name, name)}" in text and "(default:" in text
     parser = _module(name).build_parser()
     assert parser.formatter_class is cli_args.HelpFormatter
     for action in parser._actions:
@@ -85,6 +94,42 @@ def test_shared_flag_names_and_types(name):
         assert opts["--lengths"].type is cli_args.length_list
     if "--kv-cache-dtypes" in opts:
         assert opts["--kv-cache-dtypes"].metavar == "D[,D...]"
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_has_quick_and_no_progress(name):
+    opts = _options(name)
+    for flag in ("--quick", "--no-progress"):
+        assert flag in opts and opts[flag].default is False and opts[flag].help, (name, flag)
+
+
+def _common(flag: str, action: argparse.Action) -> tuple[object, str]:
+    """(common default, the help the shared helper gives it) of a shared flag."""
+    if flag == "--shards":
+        sweep = action.type is cli_args.positive_int_list
+        add, default = ((cli_args.add_shard_counts, "16") if sweep else
+                        (cli_args.add_shards, 16))
+    else:
+        add, default = COMMON[flag]
+    p = argparse.ArgumentParser()
+    add(p, default)
+    return default, next(a.help for a in p._actions if flag in a.option_strings)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_default_that_differs_says_why(name):
+    """The common default keeps the shared helper's help; any other default adds its reason."""
+    opts = _options(name)
+    for flag in [*COMMON, "--shards"]:
+        if flag not in opts:
+            continue
+        default, common_help = _common(flag, opts[flag])
+        help_ = opts[flag].help
+        if opts[flag].default == default:
+            assert help_ == common_help, (name, flag)
+        else:
+            assert help_.startswith(common_help) and help_ != common_help, \
+                f"{name} {flag}: its own default, and no why"
 
 
 def test_niah_model_is_a_config_and_checkpoint_a_directory():
@@ -124,6 +169,17 @@ BAD = [
     ("capacity", ["--weights-gib", "-1"], "--weights-gib"),
     ("capacity", ["--weights-gib", "200"], "--weights-gib"),    # more than --hbm-gib
     ("capacity", ["--devices", "0"], "--devices"),
+    ("capacity", ["--devices", "16"], "--devices"),             # without --hbm-gib
+    ("capacity", ["--topology", "tpu7x-8", "--devices", "8", "--hbm-gib", "96"], "--topology"),
+    ("capacity", ["--topology", "tpu9"], "--topology"),
+    ("capacity", ["--reserve-gib", "96"], "--reserve-gib"),      # all of a device
+    ("merge", ["--gather-gib", "0"], "--gather-gib"),
+    ("merge", ["--prefill-tokens", "0"], "--prefill-tokens"),
+    ("collectives", ["--rounds", "0"], "--rounds"),
+    ("million", ["--tokens", "0"], "--tokens"),
+    ("recovery", ["--lengths", "8k,"], "--lengths"),
+    ("dispatch", ["--steps", "0"], "--steps"),
+    ("tpu_model", ["--compiler-layers", "0"], "--compiler-layers"),
     ("capacity", ["--models", "nope"], "--models"),
     *[(n, ["--model", "nope"], "--model") for n in ("kernel_error", "million", "niah",
                                                     "selection", "throughput")],

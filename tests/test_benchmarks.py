@@ -6,8 +6,10 @@ import json
 import jax
 import pytest
 
-from cp_runtime.benchmarks import capacity, report, selection, throughput
+from cp_runtime import cli
+from cp_runtime.benchmarks import capacity, kernel_error, report, selection, throughput
 from cp_runtime.benchmarks.roofline import measure_roofline
+from cp_runtime.capacity import deployment_report, slice_report
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.weights import param_shapes
 
@@ -16,8 +18,7 @@ GIB = 1 << 30
 
 # -- capacity -------------------------------------------------------------------------------
 def test_capacity_glm_figures():
-    rows = capacity.capacity_rows(["glm-5.2"], ["bf16", "fp8_e4m3", "fp8_e5m2", "f32"],
-                                  devices=16, hbm_gib=192.0, weights_gib=0.0)
+    rows = capacity.capacity_rows(["glm-5.2"], ["bf16", "fp8_e4m3", "fp8_e5m2", "f32"])
     by = {r["dtype"]: r for r in rows}
     assert by["bf16"]["bytes_per_token"] == 105216
     assert by["fp8_e4m3"]["bytes_per_token"] == by["fp8_e5m2"]["bytes_per_token"] == 55296
@@ -25,16 +26,73 @@ def test_capacity_glm_figures():
     assert by["fp8_e4m3"]["ratio_vs_bf16"] == "1.90x"
     assert by["bf16"]["ratio_vs_bf16"] == "1.00x"
     assert by["fp8_e4m3"]["tokens_per_gib"] == GIB // 55296
-    assert by["fp8_e4m3"]["slice_tokens"] == 16 * 192 * GIB // 55296
     assert by["fp8_e4m3"]["indexer"] == "bfloat16"
+    # tpu7x-16 by default: 96 GiB a device, less glm-5.2's fp8 weight shard and a 9.6 GiB
+    # reserve (docs/capacity.md: 43.40 GiB of weights, 13,358,658 fp8 tokens)
+    assert by["fp8_e4m3"]["weights_gib"] == pytest.approx(43.40, abs=0.005)
+    assert by["fp8_e4m3"]["reserve_gib"] == pytest.approx(9.6)
+    assert by["fp8_e4m3"]["slice_tokens"] == 13_358_658
+
+
+@pytest.mark.parametrize("model", ["glm-5.2", "deepseek-v3.2", "tiny"])
+def test_bench_capacity_is_cp_runtime_capacity(model, tmp_path, capsys):
+    """bench capacity and `cp-runtime capacity` share one device model: the same tokens as
+    deployment_report on tpu7x-16, and as the command's --json."""
+    assert capacity.main(["--models", model, "--kv-cache-dtypes", "fp8_e4m3,bf16",
+                          "--out", str(tmp_path)]) == 0
+    rows = {r["dtype"]: r for r in json.loads((tmp_path / "capacity.json").read_text())["rows"]}
+    cfg = load_model_config(model)
+    want = deployment_report(cfg, "fp8_e4m3", devices=16, hbm_gib=96.0, topology="tpu7x-16")
+    assert rows["fp8_e4m3"]["slice_tokens"] == want.tokens_that_fit
+    assert rows["bf16"]["slice_tokens"] == want.tokens_that_fit_bf16
+    assert rows["fp8_e4m3"]["weights_gib"] == want.weights_gib_per_device
+    capsys.readouterr()
+    assert cli.main(["capacity", "--model", model, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tokens_that_fit_fp8"] == rows["fp8_e4m3"]["slice_tokens"]
+    assert printed["tokens_that_fit_bf16"] == rows["bf16"]["slice_tokens"]
+
+
+def test_capacity_groups_full_size_models_apart(tmp_path):
+    rows = capacity.capacity_rows(["glm-5.2", "deepseek-v3.2", "tiny", "small"], ["fp8_e4m3"])
+    groups = {r["model"]: r["group"] for r in rows}
+    assert groups["glm-5.2"] == groups["deepseek-v3.2"] != groups["tiny"] == groups["small"]
+    assert groups["glm-5.2"].startswith("full-size") and groups["tiny"].startswith("toy")
 
 
 def test_capacity_weights_reduce_slice(tmp_path):
-    assert capacity.main(["--models", "glm-5.2", "--weights-gib", "32",
-                          "--out", str(tmp_path)]) == 0
-    rows = {r["dtype"]: r for r in json.loads((tmp_path / "capacity.json").read_text())["rows"]}
-    assert rows["fp8_e4m3"]["slice_tokens"] == 16 * 160 * GIB // 55296
+    """--weights-gib: a fixed share for every model, no reserve (as `cp-runtime capacity`)."""
+    assert capacity.main(["--models", "glm-5.2", "--kv-cache-dtypes", "fp8_e4m3",
+                          "--weights-gib", "32", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "capacity.json").read_text())
+    assert (d["topology"], d["devices"], d["hbm_gib"], d["weights_gib"]) == ("tpu7x-16", 16,
+                                                                             96.0, 32.0)
+    (row,) = d["rows"]
+    assert row["slice_tokens"] == 16 * 64 * GIB // 55296 and row["reserve_gib"] == 0
     assert (tmp_path / "capacity.png").stat().st_size > 0
+
+
+def test_slice_report_is_the_capacity_command():
+    """slice_report: tpu7x-16 unless told otherwise; a custom slice needs both sizes; a fixed
+    weight share goes through capacity_report with no reserve."""
+    glm = load_model_config("glm-5.2")
+    assert slice_report(glm, "fp8_e4m3") == deployment_report(
+        glm, "fp8_e4m3", devices=16, hbm_gib=96.0, topology="tpu7x-16")
+    assert slice_report(glm, "fp8_e4m3", topology="tpu7x-32").devices == 32
+    fixed = slice_report(glm, "fp8_e4m3", weights_gib=32.0)
+    assert fixed.reserve_gib_per_device == 0 and fixed.tokens_that_fit == 16 * 64 * GIB // 55296
+    for bad in ({"devices": 16}, {"topology": "tpu7x-8", "devices": 8, "hbm_gib": 96.0}):
+        with pytest.raises(ValueError):
+            slice_report(glm, "fp8_e4m3", **bad)
+
+
+def test_capacity_custom_slice(tmp_path):
+    assert capacity.main(["--models", "glm-5.2", "--kv-cache-dtypes", "fp8_e4m3",
+                          "--devices", "32", "--hbm-gib", "96", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    want = deployment_report(load_model_config("glm-5.2"), "fp8_e4m3", devices=32,
+                             hbm_gib=96.0)
+    assert row["slice_tokens"] == want.tokens_that_fit == 40_200_771    # docs/capacity.md
 
 
 # -- roofline -------------------------------------------------------------------------------
@@ -135,24 +193,46 @@ def test_markdown_table():
     assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.1235 |", "| x\\|y |  |"]
 
 
-def test_report_writes_markdown(tmp_path):
-    assert report.main(["--quick", "--only", "capacity,kernel_error", "--out",
-                        str(tmp_path)]) == 0
-    text = (tmp_path / "report.md").read_text()
-    assert "## Capacity" in text and "## fp8 cache error" in text
-    assert "| glm-5.2 | fp8_e4m3 |" in text and "55296" in text and "1.90x" in text
-    assert "![capacity](capacity/capacity.png)" in text
-    assert "failed" not in text
+# `bench all --quick --only capacity,kernel_error` end to end: test_benchmark_smoke.py.
+def test_report_writes_each_section_and_names_a_failure(tmp_path, monkeypatch, capsys):
+    """report.md is rewritten after each section (the next one sees it, itself pending); a
+    failed section's last error line reaches the console and the exit status is 1."""
+    seen = {}
 
-
-def test_report_records_a_failure(tmp_path, monkeypatch):
     def broken(argv):
+        seen["report"] = (tmp_path / "report.md").read_text()
         raise RuntimeError("deliberately broken")
 
-    monkeypatch.setattr(capacity, "main", broken)
-    assert report.main(["--only", "capacity", "--out", str(tmp_path)]) == 1
+    monkeypatch.setattr(kernel_error, "main", broken)
+    assert report.main(["--only", "capacity,kernel_error", "--out", str(tmp_path)]) == 1
+    assert "- capacity: ok" in seen["report"] and "- kernel_error: pending" in seen["report"]
+    assert "## Capacity" in seen["report"]
+    out = capsys.readouterr().out
+    assert "== kernel_error FAILED after" in out and "RuntimeError: deliberately broken" in out
+    assert "failed: kernel_error)" in out
     text = (tmp_path / "report.md").read_text()
+    assert "- kernel_error: failed" in text and "pending" not in text
     assert "**failed:**" in text and "deliberately broken" in text
+
+
+def test_report_prog_and_only_help(capsys):
+    """`cp-runtime bench all` is the report's name in its usage, and --only lists every
+    section it accepts."""
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: cp-runtime bench all ")
+    names = ", ".join(s.name for s in report.SECTIONS)
+    assert f"from: {names} (unset: all)" in " ".join(text.split())
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "all", "--only", "nope"])
+    assert "cp-runtime bench all: error: argument --only" in capsys.readouterr().err
+
+
+def test_last_error_line():
+    assert report.last_error_line("Traceback (most recent call last):\n  File x\n"
+                                  "ValueError: bad\n\n") == "ValueError: bad"
+    assert report.last_error_line("exit status 2") == "exit status 2"
 
 
 def test_report_rejects_unknown_benchmark(tmp_path, capsys):

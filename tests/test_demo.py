@@ -56,6 +56,8 @@ def test_a_plain_install_plans_and_names_the_extra_it_lacks():
     out = run_without_extras("serve", "--executor", "ray", "--port", "0")
     assert out.returncode == 2
     assert "--executor ray needs ray" in out.stderr and "cp-runtime[ray]" in out.stderr
+    out = run_without_extras("bench", "capacity")
+    assert out.returncode == 2 and "cp-runtime[bench]" in out.stderr, out.stderr
 
 
 def test_the_demo_starts_no_libtpu_on_a_machine_without_a_tpu():
