@@ -18,10 +18,11 @@ same count, which JAX accepts after start-up (a different count would raise). A 
 fails is reported in its section with its traceback, its last error line is printed on the
 console, the others still run, and the exit status is 1.
 
-Measured on the development machine (2 shared x86 cores, 16 virtual devices): `--quick` took
-5.3 min, of which niah 2.6 min, throughput 1.4 min, selection 38 s, kernels 20 s. merge's
-prefill chunk has since been sized to fit (benchmarks/merge.py): alone, `bench merge --quick`
-takes 35 s and peaks at 2.2 GB of RSS (18 GB before).
+Measured on the development machine (2 shared x86 cores, 16 virtual devices, nothing else
+running): `bench all --quick --no-progress` took 5.8 min at a peak RSS of 3.3 GiB (GNU time's
+maximum resident set size, the serving section's server process included): niah 115 s,
+throughput 100 s, serving 58 s, kernels 24 s, merge 20 s (its prefill chunk sized to fit:
+benchmarks/merge.py), selection 19 s, the rest 7 s.
 """
 
 from __future__ import annotations

@@ -22,6 +22,20 @@ from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
 from cp_runtime.weights import init_params  # noqa: E402
 
 
+# The default run's heaviest files (seconds, measured on the 2-core development machine): they
+# go first, so the two xdist workers finish together instead of one running a heavy file alone
+# at the end. Order only; no test depends on it.
+HEAVIEST_FIRST = ("test_ray.py", "test_paged_model.py", "test_engine.py", "test_tpu_compile.py",
+                  "test_benchmark_smoke.py", "test_state.py", "test_checkpoint.py",
+                  "test_in_place.py", "test_hostile_input.py", "test_sharded_weights.py",
+                  "test_recall.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: files keep order
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return load_model_config("tiny")

@@ -10,7 +10,7 @@ protocol's frames and answers as told.
 import asyncio
 
 import pytest
-from test_serving import client, server  # noqa: F401 - fixtures
+from test_serving import client, served, server  # noqa: F401 - fixtures
 
 import cp_runtime
 from cp_runtime.serving.protocol import encode_frame, read_frame
