@@ -103,7 +103,8 @@ def _add_serve_parallelism(g) -> None:
 def _add_serve_server(g) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback needs --auth-token")
-    g.add_argument("--port", type=int, default=7777, metavar="N", help="TCP port (0: any free port)")
+    g.add_argument("--port", type=int, default=7777, metavar="N",
+                   help="TCP port (0: any free port)")
     g.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
