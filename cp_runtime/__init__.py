@@ -7,10 +7,10 @@ by position over a `cp` mesh axis; docs/architecture.md describes the layers. `C
 
 from cp_runtime.serving.client import AsyncClient, AsyncSession, Client, Generation, Retry, Session
 from cp_runtime.serving.protocol import (BadRequestError, CapacityError, InternalError,
-                                         NotFoundError, ServerError, UnauthorizedError,
-                                         UnavailableError)
+                                         NotFoundError, OverloadedError, ServerError,
+                                         StorageError, UnauthorizedError, UnavailableError)
 
 __all__ = ["__version__", "AsyncClient", "AsyncSession", "BadRequestError", "CapacityError",
-           "Client", "Generation", "InternalError", "NotFoundError", "Retry", "ServerError",
-           "Session", "UnauthorizedError", "UnavailableError"]
+           "Client", "Generation", "InternalError", "NotFoundError", "OverloadedError", "Retry",
+           "ServerError", "Session", "StorageError", "UnauthorizedError", "UnavailableError"]
 __version__ = "0.1.0"

@@ -288,12 +288,26 @@ class RuntimeConfig:
     # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
     # max_batch, so a full chunk always rides along with a full decode batch.
     step_token_budget: int | None = None
+    # Prefill tokens queued extends may hold before the next extend is refused as overloaded
+    # (an extend into an empty queue is always taken); absent: 16 chunks; 0: no bound.
+    max_queued_tokens: int | None = None
+
+    @property
+    def admission_bound(self) -> int:
+        """max_queued_tokens resolved (0: no bound)."""
+        if self.max_queued_tokens is None:
+            return 16 * self.chunk_size
+        return self.max_queued_tokens
 
     def __post_init__(self) -> None:
         _check_sizes("", self, ("page_size", "num_shards", "pages_per_shard", "chunk_size",
                                 "max_batch", "key_block_pages", "query_block"))
         if self.step_token_budget is not None:
             _check_sizes("", self, ("step_token_budget",))
+        if self.max_queued_tokens is not None and (
+                not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens < 0):
+            raise ConfigError(f"max_queued_tokens={self.max_queued_tokens!r} must be an "
+                              "integer >= 0 (0: no bound)")
         if self.page_size % 16:
             raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
         if self.backend not in BACKENDS:

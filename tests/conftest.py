@@ -28,7 +28,7 @@ from cp_runtime.weights import init_params  # noqa: E402
 HEAVIEST_FIRST = ("test_ray.py", "test_paged_model.py", "test_engine.py", "test_tpu_compile.py",
                   "test_benchmark_smoke.py", "test_state.py", "test_checkpoint.py",
                   "test_in_place.py", "test_hostile_input.py", "test_sharded_weights.py",
-                  "test_recall.py")
+                  "test_recall.py", "test_state_faults.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -20,9 +20,13 @@ Admission: an extend reserves the pages of all its tokens and a generation those
 nothing. A finished generation gives back the pages it did not use.
 
 Durability: every change of a token log goes to the `journal` (a store under a state
-directory, or nothing), which is committed before any event acknowledges the tokens. A failed
-device step gets the executor a fresh pool and rebuilds every session's cache from its log
-(docs/state.md); `restore_session` does the same for sessions read back after a restart.
+directory, or nothing) before the engine applies it: an extend's tokens before they join the
+session, a step's sampled tokens before any of them is acknowledged. A journal call that fails
+raises StorageFailed having changed nothing, and the engine then leaves its sessions, pages
+and queue as they were (the generations of a step whose tokens could not be stored end with
+`storage`; the prefill in the same step goes on). A failed device step gets the executor a
+fresh pool and rebuilds every session's cache from its log (docs/state.md); `restore_session`
+does the same for sessions read back after a restart.
 
 `extend` and `decode` are the direct path for scoring (benchmarks, tests): they run at once,
 synchronously, and return logits; they refuse sessions that have queued work.
@@ -43,7 +47,8 @@ from cp_runtime.engine.executor import Executor
 from cp_runtime.engine.journal import Journal
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
-                                        Progress, Token, Unavailable, check_token_ids)
+                                        Progress, StorageFailed, Token, Unavailable,
+                                        check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
 from cp_runtime.kernels.storage import storage_dtype
 from cp_runtime.layout import cdiv, owner_shard
@@ -99,7 +104,8 @@ class Engine:
         self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard)
         self.scheduler = Scheduler(chunk_size=runtime.chunk_size, max_batch=runtime.max_batch,
                                    token_budget=runtime.step_token_budget
-                                   or runtime.chunk_size + runtime.max_batch)
+                                   or runtime.chunk_size + runtime.max_batch,
+                                   max_queued_tokens=runtime.admission_bound)
         self.sessions: dict[str, Session] = {}
         self._work: dict[object, ExtendWork | GenerateWork] = {}
         self._rng = np.random.default_rng(seed)
@@ -109,10 +115,10 @@ class Engine:
     # -- sessions -------------------------------------------------------------------------
     def create_session(self) -> Session:
         """A new empty session with an unguessable id (128 random bits)."""
-        session = Session(id=secrets.token_hex(16), table=self.allocator.new_table())
+        session_id = secrets.token_hex(16)
+        self.journal.create(session_id)
+        session = Session(id=session_id, table=self.allocator.new_table())
         self.sessions[session.id] = session
-        self.journal.created(session.id)
-        self.journal.commit()
         return session
 
     def restore_session(self, session_id: str, tokens: list[int],
@@ -121,14 +127,16 @@ class Engine:
         now; the cached rows of its first tokens, if given (a snapshot, from a pool of any
         shard count), are written at once, and the rest of its cache is rebuilt by a prefill
         queued like any other work. Until that is done its requests are refused as
-        `unavailable` (retryable)."""
+        `unavailable` (retryable). Its token ids are checked as an extend's are."""
         if session_id in self.sessions:
             raise BadRequest(f"session {session_id} already exists")
+        if len(tokens):
+            check_token_ids(np.asarray(tokens, np.int64), self.model.vocab_size)
         if cache is not None:
             self._check_rows(cache)
         session = Session(id=session_id, table=self.allocator.new_table())
         self._reserve(session, len(tokens))
-        session.tokens = list(tokens)
+        session.tokens = np.asarray(tokens, np.int64).tolist()
         self.sessions[session_id] = session
         cached = 0
         if cache is not None and len(tokens):
@@ -201,6 +209,7 @@ class Engine:
         """Free a session's pages. Its queued or running request, if any, ends: the returned
         events say so."""
         session = self.get(session_id)
+        self.journal.close(session_id)
         events = []
         if session.busy is not None:
             events.append(Failed(request=session.busy, code="not_found",
@@ -208,21 +217,23 @@ class Engine:
             self._drop(self._work[session.busy])
         self.allocator.free(session.table)
         del self.sessions[session_id]
-        self.journal.closed(session_id)
-        self.journal.commit()
         return events
 
     def fork(self, session_id: str) -> Session:
         """A new session with the same log, sharing the parent's full pages."""
         parent = self._idle(session_id)
         table, copy = self.allocator.fork(parent.table, parent.length, self.runtime.page_size)
+        child_id = secrets.token_hex(16)
+        try:
+            self.journal.fork(parent.id, child_id, list(parent.tokens))
+        except StorageFailed:
+            self.allocator.free(table)
+            raise
         if copy is not None:
             self.executor.copy_page(copy.shard, copy.src, copy.dst)
-        child = Session(id=secrets.token_hex(16), table=table, tokens=list(parent.tokens),
+        child = Session(id=child_id, table=table, tokens=list(parent.tokens),
                         kv_len=parent.kv_len)
         self.sessions[child.id] = child
-        self.journal.forked(parent.id, child.id, child.tokens)
-        self.journal.commit()
         return child
 
     def info(self, session_id: str) -> dict:
@@ -240,7 +251,8 @@ class Engine:
         return self.scheduler.has_work
 
     def submit(self, request: Extend | Generate) -> None:
-        """Queue a request, or raise (BadRequest, NotFound, CapacityError) changing nothing."""
+        """Queue a request, or raise (BadRequest, NotFound, CapacityError, Overloaded,
+        StorageFailed) changing nothing."""
         if request.id in self._work:
             raise BadRequest(f"request id {request.id!r} is already in use")
         session = self._idle(request.session)
@@ -253,13 +265,11 @@ class Engine:
         session.busy = request.id
         self._work[request.id] = work
         self.scheduler.add(work)
-        self.journal.commit()
 
     def _admit_extend(self, session: Session, request: Extend) -> ExtendWork:
         tokens = check_token_ids(request.tokens, self.model.vocab_size)
-        self._reserve(session, session.length + len(tokens))
-        session.tokens.extend(tokens.tolist())
-        self.journal.appended(session.id, tokens.tolist())
+        self.scheduler.check_room(len(tokens))
+        self._append(session, tokens.tolist())
         return ExtendWork(request=request, session=session, target=session.length)
 
     def _admit_generate(self, session: Session, request: Generate) -> GenerateWork:
@@ -271,6 +281,23 @@ class Engine:
         if seed is None:
             seed = int(self._rng.integers(0, 2 ** 32))
         return GenerateWork(request=request, session=session, seed=seed)
+
+    def _append(self, session: Session, ids: list[int]) -> None:
+        """Reserve pages for `ids`, store them in the journal, then add them to the session;
+        CapacityError or StorageFailed change nothing."""
+        table = session.table
+        self._reserve(session, session.length + len(ids))
+        try:
+            self.journal.append({session.id: ids})
+        except StorageFailed:
+            self._unreserve(session, table)
+            raise
+        session.tokens.extend(ids)
+
+    def _unreserve(self, session: Session, table: PageTable) -> None:
+        """Give back what `_reserve` took: the session's table is `table` again."""
+        session.table = self.allocator.shrink(session.table, len(table))
+        session.table = table
 
     def _reserve(self, session: Session, tokens: int) -> None:
         """Grow the session's table to hold `tokens` tokens (atomic: CapacityError changes
@@ -317,7 +344,6 @@ class Engine:
             return self._recover(e)
         t2 = time.perf_counter()
         events = self._apply(batch, outputs)
-        self.journal.commit()           # before any token of this step is acknowledged
         t3 = time.perf_counter()
         self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
                                 decode_tokens=len(batch.decodes), host_s=(t1 - t0) + (t3 - t2),
@@ -347,17 +373,35 @@ class Engine:
         events: list = []
         if batch.decodes:
             tokens, logprobs = outputs[0]
-            for i, work in enumerate(batch.decodes):
-                events += self._advance_generation(work, int(tokens[i]), float(logprobs[i]))
+            try:                        # stored before any of them is acknowledged
+                self.journal.append({w.session.id: [int(tokens[i])]
+                                     for i, w in enumerate(batch.decodes)})
+            except StorageFailed as e:
+                events += self._end_unstored(batch.decodes, e)
+            else:
+                for i, work in enumerate(batch.decodes):
+                    events += self._advance_generation(work, int(tokens[i]),
+                                                       float(logprobs[i]))
         if batch.prefill is not None:
             events += self._advance_extend(batch.prefill, batch.prefill_tokens)
+        return events
+
+    def _end_unstored(self, decodes: tuple[GenerateWork, ...], error: StorageFailed) -> list:
+        """The step's sampled tokens could not be stored: they are dropped, and these
+        generations end with `storage` (their earlier tokens stay, acknowledged)."""
+        events = []
+        for work in decodes:
+            work.session.kv_len = work.session.length    # the step wrote the last token
+            self.scheduler.remove(work)
+            self._finish(work)
+            events.append(Failed(request=work.request.id, code=error.code,
+                                 message=str(error)))
         return events
 
     def _advance_generation(self, work: GenerateWork, token: int, logprob: float) -> list:
         session, params = work.session, work.request.sampling
         session.kv_len = session.length            # the step wrote the log's last token
         session.tokens.append(token)
-        self.journal.appended(session.id, [token])
         work.produced += 1
         events = [Token(request=work.request.id, token=token, logprob=logprob,
                         index=work.produced - 1)]
@@ -439,10 +483,7 @@ class Engine:
         token f32[V] (or of every new token, f32[N, V], with all_logits)."""
         session = self._idle(session_id)
         ids = check_token_ids(tokens, self.model.vocab_size).tolist()
-        self._reserve(session, session.length + len(ids))
-        session.tokens.extend(ids)
-        self.journal.appended(session.id, ids)
-        self.journal.commit()
+        self._append(session, ids)
         pending = session.length - session.kv_len      # includes an unwritten last token
         chunk, outs = self.runtime.chunk_size, []
         while session.kv_len < session.length:
@@ -473,14 +514,19 @@ class Engine:
         sessions = [self._idle(i) for i in session_ids]
         if any(s.kv_len != s.length for s in sessions):
             raise BadRequest("decode needs sessions whose every token is in the cache")
+        tables = [s.table for s in sessions]
         self._reserve_all(sessions)
         rows = [Row(s.table, [t], s.length) for s, t in zip(sessions, ids)]
         out = self._run_now(self._segment("logits", rows))
+        try:
+            self.journal.append({s.id: [t] for s, t in zip(sessions, ids)})
+        except StorageFailed:
+            for s, table in zip(sessions, tables):
+                self._unreserve(s, table)
+            raise
         for s, t in zip(sessions, ids):
             s.tokens.append(t)
             s.kv_len += 1
-            self.journal.appended(s.id, [t])
-        self.journal.commit()
         return out[: len(sessions)]
 
     def _run_now(self, segment: Segment):
@@ -496,11 +542,11 @@ class Engine:
 
     def _reserve_all(self, sessions: list[Session]) -> None:
         """Reserve one more token for each session, all or nothing."""
-        before = [len(s.table) for s in sessions]
+        before = [s.table for s in sessions]
         try:
             for s in sessions:
                 self._reserve(s, s.length + 1)
         except CapacityError:
-            for s, pages in zip(sessions, before):
-                s.table = self.allocator.shrink(s.table, pages)
+            for s, table in zip(sessions, before):
+                self._unreserve(s, table)
             raise

@@ -3,7 +3,8 @@ the errors a refused request raises. Every check happens at `Engine.submit`, bef
 changes: a refused request leaves every session and the pool as they were.
 
 Error codes (the server sends them as they are): bad_request, not_found, capacity,
-unauthorized, unavailable, internal.
+unauthorized, unavailable, overloaded, storage, internal. unavailable, overloaded and storage
+are retryable: the request changed nothing.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ __all__ = [
     "Failed",
     "Generate",
     "NotFound",
+    "Overloaded",
     "Progress",
     "SamplingParams",
+    "StorageFailed",
     "Token",
     "Unavailable",
     "check_token_ids",
@@ -51,6 +54,20 @@ class Unavailable(EngineError):
     """Retryable: the engine could not finish the request now (a failed step, shutdown)."""
 
     code = "unavailable"
+
+
+class Overloaded(EngineError):
+    """Retryable: the admission queue is full; the request was refused at once, changing
+    nothing."""
+
+    code = "overloaded"
+
+
+class StorageFailed(EngineError):
+    """Retryable: the state directory could not take the request's change (disk full, an I/O
+    error); nothing changed, on disk or in memory."""
+
+    code = "storage"
 
 
 def _is_int(x) -> bool:

@@ -21,7 +21,8 @@ from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.serving.server import Server, ServerLimits
-from cp_runtime.serving.state import TokenStore, restore_sessions
+from cp_runtime.serving.recovery import restore_sessions
+from cp_runtime.serving.state import TokenStore
 from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "check_port_free", "is_loopback",

@@ -13,10 +13,12 @@ notebooks; it runs an `AsyncClient` on a background event loop).
                 print(child.info())
 
 Server errors raise `ServerError` subclasses named after their codes (`BadRequestError`,
-`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `InternalError`),
-all importable from `cp_runtime`. `Client(..., retry=Retry())` retries a request the server
-turned away as `unavailable` (its pool rebuilding after a failed step) before it began, with
-exponential backoff; nothing is retried by default.
+`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `OverloadedError`,
+`StorageError`, `InternalError`), all importable from `cp_runtime`. The retryable ones
+(`unavailable`: a pool rebuilding or a session restoring; `overloaded`: the admission queue is
+full; `storage`: the state directory could not take the change) are `UnavailableError`s, and
+`Client(..., retry=Retry())` retries a request turned away with one of them before it began,
+with exponential backoff; nothing is retried by default.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class Retry:
-    """Retry a request the server answered `unavailable` before any other event (so it had no
-    effect): up to `attempts` tries in all, waiting `backoff_s`, then twice that, ..., at most
+    """Retry a request the server answered with a retryable code (`unavailable`, `overloaded`,
+    `storage`) before any other event (so it had no effect): up to `attempts` tries in all, waiting `backoff_s`, then twice that, ..., at most
     `max_backoff_s` between tries."""
 
     attempts: int = 5
@@ -184,9 +186,17 @@ class AsyncClient:
         return await self.call("stats")
 
     async def sessions(self) -> list[dict]:
-        """Every session on the server: `id` (as `AsyncSession.id`), `length`, `restoring`.
-        (The wire names the id `session`, as in every request.)"""
+        """Every session on the server: `id` (as `AsyncSession.id`), `length`, `restoring`,
+        and `damaged` (why) for one restored up to the trusted prefix of a damaged log. (The
+        wire names the id `session`, as in every request.)"""
         listed = (await self.call("sessions"))["sessions"]
+        return [{"id": s["session"], **{k: v for k, v in s.items() if k != "session"}}
+                for s in listed]
+
+    async def unrestored(self) -> list[dict]:
+        """Sessions of the server's state directory that start-up could not bring back:
+        `id`, `reason` (naming the file), `quarantine` (where their files went, or None)."""
+        listed = (await self.call("sessions")).get("unrestored", [])
         return [{"id": s["session"], **{k: v for k, v in s.items() if k != "session"}}
                 for s in listed]
 
@@ -372,6 +382,9 @@ class Client:
 
     def sessions(self) -> list[dict]:
         return self._run(self._async.sessions())
+
+    def unrestored(self) -> list[dict]:
+        return self._run(self._async.unrestored())
 
 
 class Session:

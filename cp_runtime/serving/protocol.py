@@ -27,6 +27,7 @@ __all__ = [
     "HEADER",
     "OPS",
     "PROTOCOL_VERSION",
+    "RETRYABLE_CODES",
     "FrameError",
     "ProtocolError",
     "ServerError",
@@ -43,7 +44,9 @@ OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats"
        "snapshot")
 EVENTS = ("progress", "token", "done", "error")
 ERROR_CODES = ("bad_request", "not_found", "capacity", "unauthorized", "unavailable",
-               "internal")
+               "overloaded", "storage", "internal")
+# Codes of requests that changed nothing and may succeed if sent again later.
+RETRYABLE_CODES = ("unavailable", "overloaded", "storage")
 
 
 class FrameError(Exception):
@@ -138,12 +141,24 @@ class UnavailableError(ServerError):
     code = "unavailable"
 
 
+class OverloadedError(UnavailableError):
+    """Retryable: the server's admission queue is full; try again later."""
+    code = "overloaded"
+
+
+class StorageError(UnavailableError):
+    """Retryable: the server's state directory could not take the change (disk full, an I/O
+    error); nothing changed."""
+    code = "storage"
+
+
 class InternalError(ServerError):
     code = "internal"
 
 
 _ERRORS = {cls.code: cls for cls in (BadRequestError, NotFoundError, CapacityError,
-                                     UnauthorizedError, UnavailableError, InternalError)}
+                                     UnauthorizedError, UnavailableError, OverloadedError,
+                                     StorageError, InternalError)}
 
 
 def error_class(code: str) -> type[ServerError]:

@@ -475,11 +475,16 @@ class _Handlers:
 
     @staticmethod
     async def sessions(conn: _Connection, rid, message: dict) -> None:
+        store = conn.server.state
+        damaged = store.damaged if store is not None else {}
+
         def listing(engine: Engine):
-            return [{"session": s.id, "length": s.length, "restoring": engine._restoring(s)}
+            return [{"session": s.id, "length": s.length, "restoring": engine._restoring(s),
+                     **({"damaged": damaged[s.id]["reason"]} if s.id in damaged else {})}
                     for s in engine.sessions.values()]
 
-        conn.done(rid, sessions=await conn.server.on_engine(listing))
+        conn.done(rid, sessions=await conn.server.on_engine(listing),
+                  unrestored=list(store.unrestored) if store is not None else [])
 
     @staticmethod
     async def stats(conn: _Connection, rid, message: dict) -> None:

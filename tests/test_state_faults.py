@@ -1,0 +1,228 @@
+"""A state directory damaged the way disks and operators damage it, served by real server
+processes: every session that can come back does, nothing that fails a check is served, no bad
+file stops the server, and a full disk changes nothing."""
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+import cp_runtime
+from conftest import random_tokens
+from cp_runtime.serving import token_log
+from cp_runtime.serving.state import read_logs
+from test_serving import _Log, start_server
+from test_state import WHILE_RESTORING, greedy_continuation
+
+SNAPSHOT_FAULTS = ("flipped", "meta_empty", "meta_garbage", "npy_missing", "npy_zeroed",
+                   "short_log")
+
+
+def _stop(proc, log=None):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.text()[-4000:] if log else ""
+
+
+def _serve(state_dir, *extra):
+    proc, address = start_server("--state-dir", state_dir, *extra)
+    return proc, address, _Log(proc.stderr)
+
+
+def _write_log(path, pieces):
+    data, crc = token_log.HEADER, 0
+    for piece in pieces:
+        record, crc = token_log.encode_record(piece, crc)
+        data += record
+    path.write_bytes(data)
+
+
+async def _first_life(address, tiny):
+    """Sessions for every fault, snapshots for the snapshot faults, and snapshots racing
+    closes; returns {name: (id, acknowledged tokens)}."""
+    made = {}
+    async with cp_runtime.AsyncClient(address) as client:
+        for i, name in enumerate(("good", "torn", "flipped_log") + SNAPSHOT_FAULTS):
+            s = await client.create_session()
+            tokens = random_tokens(tiny, 30 + i, 100 + i)
+            await s.extend(tokens)
+            if name == "flipped_log":                  # a second record to flip a bit in
+                more = random_tokens(tiny, 20, 99)
+                await s.extend(more)
+                tokens += more
+            if name in SNAPSHOT_FAULTS:
+                await s.snapshot()
+            made[name] = (s.id, tokens)
+        for i in range(6):                             # a snapshot racing a close
+            s = await client.create_session()
+            await s.extend(random_tokens(tiny, 20, 200 + i))
+            await asyncio.gather(s.snapshot(), s.close(), return_exceptions=True)
+    return made
+
+
+def _damage(state, made, tiny):
+    """Every fault, by hand, on the stopped server's directory; returns the extra ids."""
+    sessions, snaps = state / "sessions", state / "snapshots"
+    log = lambda name: sessions / (made[name][0] + ".log")       # noqa: E731
+    snap = lambda name: snaps / made[name][0]                    # noqa: E731
+    with log("torn").open("ab") as f:
+        f.write(b"\x05\x00\x00\x00\x11")                         # a record cut short
+    raw = bytearray(log("flipped_log").read_bytes())
+    raw[-3] ^= 0x04                                              # in the second record's ids
+    log("flipped_log").write_bytes(bytes(raw))
+    latent = snap("flipped") / "latent.npy"
+    raw = bytearray(latent.read_bytes())
+    raw[-1] ^= 0x40
+    latent.write_bytes(bytes(raw))
+    (snap("meta_empty") / "meta.json").write_bytes(b"")
+    (snap("meta_garbage") / "meta.json").write_bytes(b"\x00{ not json")
+    (snap("npy_missing") / "indexer.npy").unlink()
+    size = (snap("npy_zeroed") / "latent.npy").stat().st_size
+    (snap("npy_zeroed") / "latent.npy").write_bytes(b"\0" * size)
+    _write_log(log("short_log"), [])                             # the log emptied
+    extra = {"bad_ids": "%032x" % 0xbad1, "log_dir": "%032x" % 0xbad2,
+             "format1": "%032x" % 0xbad3}
+    _write_log(sessions / (extra["bad_ids"] + ".log"), [[1, 2, 3], [4, -1, 1000, 70000]])
+    (sessions / (extra["log_dir"] + ".log")).mkdir()
+    (sessions / (extra["format1"] + ".tokens")).write_bytes(
+        np.asarray([5, 6, 7, 8], "<i4").tobytes())
+    (sessions / "README.tokens").write_text("an operator's notes")
+    good = made["good"][0]
+    (sessions / (good.upper() + ".log")).write_bytes(log("good").read_bytes())
+    for leftover in (good + ".tmp-0badf00d", good + ".old-0badf00d", "e" * 32):
+        (snaps / leftover).mkdir()
+        (snaps / leftover / "latent.npy").write_bytes(b"x" * 1000)
+    return extra
+
+
+def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_the_server(
+        tmp_path, tiny, tiny_params):
+    state = tmp_path / "state"
+    proc, address, log = _serve(str(state))
+    try:
+        made = asyncio.run(_first_life(address, tiny))
+    finally:
+        _stop(proc, log)
+    assert sorted(p.name for p in (state / "snapshots").iterdir()) == sorted(
+        made[name][0] for name in SNAPSHOT_FAULTS)                 # no orphan from the race
+    extra = _damage(state, made, tiny)
+
+    proc, address, log = _serve(str(state))
+    try:
+        with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
+            listed = {s["id"]: s for s in client.sessions()}
+            unrestored = client.unrestored()
+            length = {name: listed[sid]["length"] for name, (sid, _) in made.items()}
+            assert length == {**{name: len(t) for name, (_, t) in made.items()},
+                              "flipped_log": len(made["flipped_log"][1]) - 20}
+            assert listed[extra["bad_ids"]]["length"] == 4
+            assert listed[extra["format1"]]["length"] == 4
+            damaged = {sid for sid, s in listed.items() if "damaged" in s}
+            assert damaged == {made["flipped_log"][0], made["short_log"][0], extra["bad_ids"]}
+            assert "checksum" in listed[made["flipped_log"][0]]["damaged"]
+            assert "token id -1 at position 4" in listed[extra["bad_ids"]]["damaged"]
+            assert [u["id"] for u in unrestored] == [extra["log_dir"]]
+            assert "not a regular file" in unrestored[0]["reason"]
+            # Restored sessions continue exactly, from the log where the snapshot was bad.
+            for name in ("good", "flipped", "short_log"):
+                sid, tokens = made[name]
+                out = client.session(sid).generate(max_tokens=2).tokens
+                assert out == greedy_continuation(tiny_params, tiny, tokens, 2), name
+                made[name] = (sid, tokens + out)
+            torn = client.session(made["torn"][0])
+            more = random_tokens(tiny, 10, 300)
+            torn.extend(more)
+            made["torn"] = (torn.id, made["torn"][1] + more)
+    finally:
+        _stop(proc, log)
+    text = log.text()
+    for name in SNAPSHOT_FAULTS[:-1]:                    # each bad snapshot named in the log
+        assert f"session {made[name][0]}: its snapshot fails a check" in text, name
+    assert f"session {made['torn'][0]}: its token log ended in a record cut short" in text
+    assert "README.tokens: ignored" in text and made["good"][0].upper() in text
+    assert sorted(p.name for p in (state / "snapshots").iterdir()) == [
+        made["short_log"][0]]                            # leftovers and bad snapshots gone
+    notes = [json.loads((d / "note.json").read_text())
+             for d in (state / "quarantine").iterdir()]
+    assert len(notes) == 3 + 5 + 1                       # 3 damaged logs, 5 bad snapshots, a dir
+
+    # A third life: the repairs held, and the torn log's later appends read back exactly.
+    proc, address, log = _serve(str(state))
+    try:
+        with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
+            listed = {s["id"]: s for s in client.sessions()}
+            assert not any("damaged" in s for s in listed.values())
+            logs = read_logs(state)
+            for name, (sid, tokens) in made.items():
+                if name != "flipped_log":
+                    assert logs[sid] == tokens, name
+            sid, tokens = made["torn"]
+            assert (client.session(sid).generate(max_tokens=2).tokens
+                    == greedy_continuation(tiny_params, tiny, tokens, 2))
+    finally:
+        _stop(proc, log)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size="256k"):
+    """A real tmpfs of `size` mounted at `path` (skips the test where mounting is refused)."""
+    path.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): "
+                    "the full-disk path is covered by tests/test_durable_state.py's injected "
+                    "faults")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(directory):
+    """Write a filler file until the file system is full."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on(
+        tmp_path, tiny, tiny_params):
+    with small_tmpfs(tmp_path / "state") as state:
+        proc, address, log = _serve(str(state), "--fsync", "always")
+        try:
+            with cp_runtime.Client(address) as client:
+                s = client.create_session()
+                acked = random_tokens(tiny, 100, 1)
+                s.extend(acked)
+                acked += s.generate(max_tokens=3).tokens
+                filler = _fill(state)
+                with pytest.raises(cp_runtime.StorageError, match="No space left"):
+                    s.extend(random_tokens(tiny, 2000, 2))
+                with pytest.raises(cp_runtime.StorageError):
+                    client.create_session()
+                assert s.info()["length"] == len(acked) and not s.info()["busy"]
+                assert read_logs(state) == {s.id: acked}          # nothing half-written
+                filler.unlink()                                    # space is back
+                more = random_tokens(tiny, 2000, 2)
+                s.extend(more)
+                acked += more
+                out = s.generate(max_tokens=3).tokens
+                assert out == greedy_continuation(tiny_params, tiny, acked, 3)
+                acked += out
+        finally:
+            _stop(proc, log)
+        assert read_logs(state) == {s.id: acked}         # what a restart would restore
+        assert "No space left" in log.text()
