@@ -87,13 +87,15 @@ def _fmt(v) -> str:
 
 
 class ServeProcess:
-    """`cp-runtime serve FLAGS --port 0` as a subprocess (no auth token from the environment);
-    `address` is the HOST:PORT of its `listening on` line, `proc` the process."""
+    """`cp-runtime serve FLAGS --port 0` as a subprocess (no auth token from the environment;
+    `env` adds variables to it); `address` is the HOST:PORT of its `listening on` line, `proc`
+    the process."""
 
-    def __init__(self, flags: list[str], timeout_s: float = 600.0):
+    def __init__(self, flags: list[str], timeout_s: float = 600.0,
+                 env: dict[str, str] | None = None):
         self.command = [sys.executable, "-m", "cp_runtime.cli", "serve", *flags, "--port", "0"]
         self._log = tempfile.TemporaryFile(mode="w+t")
-        env = {k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"}
+        env = {**{k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"}, **(env or {})}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env)
         deadline = time.monotonic() + timeout_s

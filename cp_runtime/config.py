@@ -289,12 +289,14 @@ class RuntimeConfig:
     # max_batch, so a full chunk always rides along with a full decode batch.
     step_token_budget: int | None = None
     # Prefill tokens queued extends may hold before the next extend is refused as overloaded
-    # (an extend into an empty queue is always taken); absent: 16 chunks; 0: no bound.
+    # (an extend into an empty queue is always taken); 0: no bound; absent: auto, what the
+    # engine prefills in 10 s at its rate measured over the last minute, and at least 16 chunks
+    # (cp_runtime.engine.core).
     max_queued_tokens: int | None = None
 
     @property
     def admission_bound(self) -> int:
-        """max_queued_tokens resolved (0: no bound)."""
+        """max_queued_tokens, or the auto bound's floor (16 chunks) when absent; 0: none."""
         if self.max_queued_tokens is None:
             return 16 * self.chunk_size
         return self.max_queued_tokens

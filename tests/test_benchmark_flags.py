@@ -14,8 +14,8 @@ from cp_runtime import cli_args
 from cp_runtime.config import model_names
 
 KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
-         "million", "niah", "profile", "recovery", "report", "roofline", "selection", "serving",
-         "throughput", "tpu_model")
+         "million", "niah", "overload", "profile", "recovery", "report", "roofline", "selection",
+         "serving", "throughput", "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
 # Shared flags' common defaults (cp_runtime.cli_args): a benchmark whose default differs says
@@ -215,6 +215,13 @@ BAD = [
     ("decode", ["--long", "4k"], "--short"),                    # not below --long
     ("decode", ["--page-size", "48"], "--page-size"),
     ("decode", ["--batch", "x"], "--batch"),
+    ("overload", ["--clients", "32,0"], "--clients"),
+    ("overload", ["--tokens", "0"], "--tokens"),
+    ("overload", ["--deadline-s", "0"], "--deadline-s"),
+    ("overload", ["--bounds", "0,most"], "--bounds"),
+    ("overload", ["--page-size", "24"], "--page-size"),
+    ("overload", ["--chunk-size", "100"], "--chunk-size"),      # not a multiple of the page
+    ("overload", ["--pages-per-shard", "8"], "--pages-per-shard"),  # 64 sessions need more
 ]
 
 

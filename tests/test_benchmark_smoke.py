@@ -4,13 +4,13 @@ JSON: a smoke test per benchmark, so a broken entry point shows in the default s
 than in a user's first hour. The fuller runs (and their figures' checks) are the slow tests of
 test_benchmarks.py, test_profile_bench.py, test_serving_benchmark.py and test_tpu_model.py.
 
-Budget: the default-suite tests here take about 165 s on the 2-core development machine
+Budget: the default-suite tests here take about 185 s on the 2-core development machine
 (every engine-based benchmark compiles at least a prefill and a decode step, seconds each;
-decode compiles eight step programs by design, dispatch starts Ray, recovery two server
-processes). Only tpu_model --compiler runs with `-m slow` (TPU compiles, about 3 min even cut
-to one layer); tpu_model's main runs here without it. Order matters a
-little: kernel_error before report and niah before selection share compiled programs and the
-recall model within the session."""
+decode compiles eight step programs by design, dispatch starts Ray, recovery and overload two
+server processes each). Only tpu_model --compiler runs with `-m slow` (TPU compiles, about 3
+min even cut to one layer); tpu_model's main runs here without it. Order matters a little:
+kernel_error before report and niah before selection share compiled programs and the recall
+model within the session."""
 
 import json
 
@@ -18,8 +18,8 @@ import jax
 import pytest
 
 from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kernel_error, kernels,
-                                   merge, million, niah, profile, recovery, report, roofline,
-                                   selection, serving, throughput, tpu_model)
+                                   merge, million, niah, overload, profile, recovery, report,
+                                   roofline, selection, serving, throughput, tpu_model)
 from cp_runtime.capacity import deployment_report
 from cp_runtime.config import load_model_config
 
@@ -120,6 +120,24 @@ def test_niah(tmp_path):
     d = _json(tmp_path, "niah.json")
     assert [r["variant"] for r in d["summary"]] == ["single"]
     assert (tmp_path / "niah_heatmap.png").exists()
+
+
+def test_overload(tmp_path):
+    """Two server processes (no bound, then a 64-token bound), four clients of one page each:
+    one step program to compile. A deadline no run comes near, so nothing times out."""
+    _run(overload, tmp_path, "--clients", "4", "--tokens", "64", "--chunk-size", "64",
+         "--bounds", "0,64", "--deadline-s", "60")
+    d = _json(tmp_path, "overload.json")
+    before, after = d["runs"]
+    assert (before["max_queued_tokens"], after["max_queued_tokens"]) == (0, 64)
+    assert before["completed"] == 4 and before["refused"] == 0
+    assert after["completed"] >= 1 and after["completed"] + after["refused"] == 4
+    assert all(r["refusal_ms"] > 0 for r in after["records"] if r["outcome"] == "refused")
+    assert "| none | 4 | 4 | 0 | 0 |" in (tmp_path / "overload.md").read_text()
+    assert (before["bound_at_start"], after["bound_at_start"]) == (0, 64)  # as served
+    # `default` is the auto bound, labelled as such.
+    assert overload.bound_label("default") == "auto (10 s of prefill)"
+    assert overload.resolved_bound("default") is None
 
 
 def test_profile(tmp_path):

@@ -70,6 +70,30 @@ def test_config_file_under_typed_flags(tmp_path):
     assert runtime.pages_per_shard == args.pages_per_shard            # serve's default
 
 
+def test_max_queued_tokens_flag_and_file(tmp_path, capsys):
+    """--max-queued-tokens: unset, the runtime's auto default (16 chunks before any measured
+    rate); 0, no bound; k suffixes;
+    a --config file may set it and a typed flag overrides the file."""
+    parser = build_parser()
+    runtime = serve_runtime(parser.parse_args(["serve", "--chunk-size", "256"]), set())
+    assert runtime.max_queued_tokens is None and runtime.admission_bound == 16 * 256
+    for typed, want in (("0", 0), ("8k", 8192)):
+        args = parser.parse_args(["serve", "--max-queued-tokens", typed])
+        assert serve_runtime(args, set()).admission_bound == want
+    path = tmp_path / "rt.toml"
+    path.write_text('model = "tiny"\nmax_queued_tokens = 5000\n')
+    for argv, want in ((["serve", "--config", str(path)], 5000),
+                       (["serve", "--config", str(path), "--max-queued-tokens", "0"], 0)):
+        args = parser.parse_args(argv)
+        assert serve_runtime(args, typed_flags(parser, argv)).admission_bound == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-queued-tokens", "-1"])
+    assert "--max-queued-tokens" in capsys.readouterr().err
+    text = _help(parser._subparsers._group_actions[0].choices["serve"])
+    assert "0: no bound (default: what the engine prefills in 10 s at its measured rate, at " \
+           "least 16 chunks)" in " ".join(text.split())
+
+
 def test_a_bad_config_file_is_named(tmp_path, capsys):
     path = tmp_path / "rt.toml"
     path.write_text("page_size = 24\n")

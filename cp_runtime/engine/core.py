@@ -17,7 +17,10 @@ shares a session's last page, so neither write touches a page another session re
 
 Admission: an extend reserves the pages of all its tokens and a generation those of
 `max_tokens`, when submitted; a request that does not fit raises `CapacityError` and changes
-nothing. A finished generation gives back the pages it did not use.
+nothing. A finished generation gives back the pages it did not use. An extend that would take
+the queued prefill tokens past the scheduler's bound raises `Overloaded`; unless the runtime
+sets `max_queued_tokens`, the bound follows the measured prefill rate: AUTO_QUEUE_S seconds of
+it (at least 16 chunks), so a refused client would otherwise have waited longer than that.
 
 Durability: every change of a token log goes to the `journal` (a store under a state
 directory, or nothing) before the engine applies it: an extend's tokens before they join the
@@ -60,6 +63,7 @@ __all__ = ["Session", "Engine", "StepTiming"]
 
 log = logging.getLogger(__name__)
 STATS_WINDOW_S = 60.0
+AUTO_QUEUE_S = 10.0            # an auto admission bound holds this many seconds of prefill
 
 
 @dataclasses.dataclass
@@ -84,13 +88,15 @@ class Session:
 @dataclasses.dataclass(frozen=True)
 class StepTiming:
     """One step: when it ended, tokens it wrote, host seconds (planning and applying results)
-    and device seconds (the executor's run, transfers included)."""
+    and device seconds (the executor's run, transfers included); `first_of_shape`: the first
+    step of its program shapes, which compiled (or loaded) them."""
 
     end: float
     prefill_tokens: int
     decode_tokens: int
     host_s: float
     device_s: float
+    first_of_shape: bool = False
 
 
 class Engine:
@@ -110,6 +116,8 @@ class Engine:
         self._work: dict[object, ExtendWork | GenerateWork] = {}
         self._rng = np.random.default_rng(seed)
         self.timings: collections.deque[StepTiming] = collections.deque()   # the last minute
+        self._window = collections.Counter()         # prefill tokens and their steps' seconds
+        self._shapes_seen: set[tuple] = set()         # step shapes run (compiled) so far
         self.totals = collections.Counter()          # steps, tokens, host and device seconds
 
     # -- sessions -------------------------------------------------------------------------
@@ -345,9 +353,13 @@ class Engine:
         t2 = time.perf_counter()
         events = self._apply(batch, outputs)
         t3 = time.perf_counter()
+        shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
+                      for seg in segments)          # what a program is compiled for
+        first = shape not in self._shapes_seen
+        self._shapes_seen.add(shape)
         self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
                                 decode_tokens=len(batch.decodes), host_s=(t1 - t0) + (t3 - t2),
-                                device_s=t2 - t1))
+                                device_s=t2 - t1, first_of_shape=first))
         return events
 
     def _segments(self, batch: Batch) -> list[Segment]:
@@ -451,8 +463,24 @@ class Engine:
                            decode_tokens=timing.decode_tokens, host_s=timing.host_s,
                            device_s=timing.device_s)
         self.timings.append(timing)
+        self._count_prefill(timing, 1)
         while self.timings and self.timings[0].end < timing.end - STATS_WINDOW_S:
-            self.timings.popleft()
+            self._count_prefill(self.timings.popleft(), -1)
+        if self.runtime.max_queued_tokens is None:
+            self.scheduler.max_queued_tokens = self._auto_bound()
+
+    def _count_prefill(self, timing: StepTiming, sign: int) -> None:
+        if timing.prefill_tokens and not timing.first_of_shape:     # compiles are not a rate
+            self._window.update(tokens=sign * timing.prefill_tokens,
+                                seconds=sign * (timing.host_s + timing.device_s))
+
+    def _auto_bound(self) -> int:
+        """AUTO_QUEUE_S seconds of the last minute's prefill rate (steps with a prefill chunk,
+        their decode rows included: a conservative rate; not a shape's first step, which
+        compiled), at least 16 chunks."""
+        seconds = self._window["seconds"]
+        rate = self._window["tokens"] / seconds if seconds > 0 else 0.0
+        return max(self.runtime.admission_bound, int(rate * AUTO_QUEUE_S))
 
     def stats(self) -> dict:
         """Pool pages per shard, sessions, and tokens/s and step time split over the last
@@ -464,6 +492,8 @@ class Engine:
         return {
             "sessions": len(self.sessions),
             "requests": len(self._work),
+            "queued_prefill_tokens": self.scheduler.queued_tokens,
+            "max_queued_tokens": self.scheduler.max_queued_tokens,     # 0: no bound
             "pages_used_per_shard": self.allocator.used_per_shard(),
             "pages_per_shard": self.runtime.pages_per_shard,
             "executor": self.executor.stats(self.allocator.used_per_shard()),

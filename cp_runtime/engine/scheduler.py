@@ -9,7 +9,7 @@ a long upload waits a chunk or two, not for the whole upload (first come, first 
 256-token chat prompt wait 31 s behind two 8K uploads in `cp-runtime bench serving`).
 
 Admission queue: the prefill tokens of queued extends are bounded by `max_queued_tokens`
-(0: no bound). An extend that would pass it is refused at once (`Overloaded`, retryable), unless
+(0: no bound; the engine may move it with the measured prefill rate). An extend that would pass it is refused at once (`Overloaded`, retryable), unless
 the queue is empty, so an overloaded server serves the extends it took within their clients'
 deadlines and turns the rest away fast instead of slowing every upload down together. Restores
 (the engine rebuilding a cache from its log) are never refused, but count.
