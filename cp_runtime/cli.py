@@ -30,7 +30,7 @@ from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add
                                  add_gathers, add_kv_cache_dtype, add_model, add_page_size,
                                  add_pages_per_shard, add_shards, add_weight_dtype,
                                  add_weights, finite_nonnegative_float, finite_positive_float,
-                                 positive_int)
+                                 nonnegative_length, positive_int)
 from cp_runtime.compile_cmd import add_compile, run_compile
 from cp_runtime.config import (MERGE_VARIANTS, ConfigError, RuntimeConfig,
                                check_runtime_for_model, load_model_config, load_runtime_config)
@@ -46,7 +46,7 @@ __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
-              "decode", "collectives",
+              "decode", "collectives", "overload",
               "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
@@ -70,6 +70,13 @@ def _add_serve(sub) -> None:
     add_chunk_size(g)
     g.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="generations decoded together in one step")
+    g.add_argument("--max-queued-tokens", type=nonnegative_length, default=None, metavar="N",
+                   help="bound on the prefill tokens queued extends still have to run: an "
+                        "extend that would pass it is refused at once as overloaded "
+                        "(retryable), one into an empty queue is always taken "
+                        "(docs/performance.md); k/m suffixes allowed; 0: no bound (default: "
+                        "what the engine prefills in 10 s at its measured rate, at least 16 "
+                        "chunks)")
     _add_serve_server(p.add_argument_group("server and limits"))
     _add_serve_state(p.add_argument_group("state"))
     _add_serve_executor(p.add_argument_group("executor"))
@@ -105,6 +112,10 @@ def _add_serve_server(g) -> None:
                    help="address to bind; anything but loopback needs --auth-token")
     g.add_argument("--port", type=int, default=7777, metavar="N",
                    help="TCP port (0: any free port)")
+    g.add_argument("--http-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /health, "
+                        "/metrics; docs/http.md) on this port of --host, same engine, token "
+                        "and limits (0: any free port; unset: no HTTP; the http extra)")
     g.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -186,7 +197,7 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "shards": "num_shards", "pages_per_shard": "pages_per_shard",
                  "chunk_size": "chunk_size", "max_batch": "max_batch", "backend": "backend",
                  "weights": "weights", "weight_dtype": "weight_dtype", "merge": "merge",
-                 "gathers": "gathers"}
+                 "gathers": "gathers", "max_queued_tokens": "max_queued_tokens"}
 
 
 def _flag_of(field: str) -> str:
@@ -220,6 +231,10 @@ def _run_serve(args, typed: set[str]) -> int:
     token = args.auth_token or os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)                     # before any loading
     check_port_free(args.host, args.port)
+    if args.http_port is not None:
+        check_port_free(args.host, args.http_port, "--http-port")
+        for module in ("uvicorn", "starlette", "prometheus_client"):
+            require(module, "--http-port", "http")
     runtime = serve_runtime(args, typed)
     source = WeightsSource(model=runtime.model, checkpoint=args.checkpoint, seed=args.seed)
     model = source.config()
@@ -239,7 +254,8 @@ def _run_serve(args, typed: set[str]) -> int:
              if args.state_dir else None)
     server = build_server(source, runtime, host=args.host, port=args.port,
                           auth_token=token, limits=limits, state=state,
-                          executor_factory=factory, summary_interval_s=args.log_summary_s)
+                          executor_factory=factory, summary_interval_s=args.log_summary_s,
+                          http_port=args.http_port)
     try:
         serve_forever(server, started=started)
     finally:

@@ -1,8 +1,20 @@
 """Test setup: 16 virtual CPU devices (configured before JAX is first used) and shared fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
+
+# The server processes tests start (`cp-runtime serve`, benchmarks) share one XLA compilation
+# cache for the run, so only the first server of each step shape compiles it. This process's
+# own JAX was configured at its import above and keeps no cache; the xdist workers inherit the
+# variable from the controller, which removes the folder at exit.
+if "CP_RUNTIME_TEST_XLA_CACHE" not in os.environ:
+    os.environ["CP_RUNTIME_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="cp-runtime-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["CP_RUNTIME_TEST_XLA_CACHE"], True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["CP_RUNTIME_TEST_XLA_CACHE"])
 
 CPU_DEVICES = 16
 # One more thread than devices in XLA's CPU client pool: TPU interpret-mode kernels running on

@@ -3,7 +3,6 @@ after kill -9, every kind of damage to the directory, a full disk, recovery from
 step."""
 
 import asyncio
-import os
 import signal
 import time
 

@@ -18,7 +18,7 @@ from conftest import random_tokens
 from cp_runtime.serving import token_log
 from cp_runtime.serving.state import read_logs
 from test_serving import _Log, start_server
-from test_state import WHILE_RESTORING, greedy_continuation
+from test_state import WHILE_RESTORING
 
 SNAPSHOT_FAULTS = ("flipped", "meta_empty", "meta_garbage", "npy_missing", "npy_zeroed",
                    "short_log")
@@ -32,6 +32,16 @@ def _stop(proc, log=None):
 def _serve(state_dir, *extra):
     proc, address = start_server("--state-dir", state_dir, *extra)
     return proc, address, _Log(proc.stderr)
+
+
+def fresh_greedy(client, tokens, n):
+    """The server's greedy n tokens after `tokens` in a new, undamaged session (the engine's
+    greedy decoding equals the oracle's: tests/test_engine.py)."""
+    s = client.create_session()
+    s.extend(tokens)
+    out = s.generate(max_tokens=n).tokens
+    s.close()
+    return out
 
 
 def _write_log(path, pieces):
@@ -101,7 +111,7 @@ def _damage(state, made, tiny):
 
 
 def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_the_server(
-        tmp_path, tiny, tiny_params):
+        tmp_path, tiny):
     state = tmp_path / "state"
     proc, address, log = _serve(str(state))
     try:
@@ -132,7 +142,7 @@ def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_
             for name in ("good", "flipped", "short_log"):
                 sid, tokens = made[name]
                 out = client.session(sid).generate(max_tokens=2).tokens
-                assert out == greedy_continuation(tiny_params, tiny, tokens, 2), name
+                assert out == fresh_greedy(client, tokens, 2), name
                 made[name] = (sid, tokens + out)
             torn = client.session(made["torn"][0])
             more = random_tokens(tiny, 10, 300)
@@ -163,7 +173,7 @@ def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_
                     assert logs[sid] == tokens, name
             sid, tokens = made["torn"]
             assert (client.session(sid).generate(max_tokens=2).tokens
-                    == greedy_continuation(tiny_params, tiny, tokens, 2))
+                    == fresh_greedy(client, tokens, 2))
     finally:
         _stop(proc, log)
 
@@ -199,7 +209,7 @@ def _fill(directory):
 
 
 def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on(
-        tmp_path, tiny, tiny_params):
+        tmp_path, tiny):
     with small_tmpfs(tmp_path / "state") as state:
         proc, address, log = _serve(str(state), "--fsync", "always")
         try:
@@ -220,7 +230,7 @@ def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on
                 s.extend(more)
                 acked += more
                 out = s.generate(max_tokens=3).tokens
-                assert out == greedy_continuation(tiny_params, tiny, acked, 3)
+                assert out == fresh_greedy(client, acked, 3)
                 acked += out
         finally:
             _stop(proc, log)

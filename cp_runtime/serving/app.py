@@ -21,6 +21,7 @@ from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.serving.server import Server, ServerLimits
+from cp_runtime.serving.chat_template import load_chat_template
 from cp_runtime.serving.recovery import restore_sessions
 from cp_runtime.serving.state import TokenStore
 from cp_runtime.weights_source import WeightsSource
@@ -52,7 +53,7 @@ def check_bind(host: str, auth_token: str | None) -> None:
                          "--auth-token (or set CP_RUNTIME_TOKEN), or bind 127.0.0.1")
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Refuse a port something else already listens on, before anything is loaded (the server
     binds it for real only once the model is up). Port 0 asks for any free port."""
     if port == 0:
@@ -63,8 +64,8 @@ def check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise ValueError(f"--port {port}: cannot listen on {host}:{port} "
-                             f"({e.strerror}); give another --port, or 0 for any free one"
+            raise ValueError(f"{flag} {port}: cannot listen on {host}:{port} "
+                             f"({e.strerror}); give another {flag}, or 0 for any free one"
                              ) from None
 
 
@@ -72,13 +73,14 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
                  port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
                  state: TokenStore | None = None, executor_factory=None,
-                 summary_interval_s: float = 60.0) -> Server:
+                 summary_interval_s: float = 60.0, http_port: int | None = None) -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
     server. With a token store, the sessions it holds come back (their caches rebuilt from
     their logs by prefills queued before the first connection). `executor_factory(source,
     runtime) -> Executor` replaces the local executor (its workers load the weights: this
     process reads only the config and the tokenizer). `summary_interval_s`: seconds between
-    the server's info summaries (0: none)."""
+    the server's info summaries (0: none). `http_port`: also serve the OpenAI-compatible HTTP
+    API there (None: not)."""
     check_bind(host, auth_token)
     t0 = time.perf_counter()
     if executor_factory is None:
@@ -102,7 +104,9 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
                  "are prefilled as the engine steps)", state.dir, time.perf_counter() - t0)
     return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
                   port=port, auth_token=auth_token, limits=limits, state=state,
-                  summary_interval_s=summary_interval_s)
+                  summary_interval_s=summary_interval_s, http_port=http_port,
+                  chat_template=load_chat_template(source.checkpoint) if http_port is not None
+                  else None)
 
 
 async def _serve_until_signalled(server: Server, started: float | None) -> None:
@@ -114,6 +118,8 @@ async def _serve_until_signalled(server: Server, started: float | None) -> None:
     if started is not None:
         log.info("listening on %s:%d, %.1f s after start-up began (programs compile at "
                  "each step shape's first run)", host, port, time.perf_counter() - started)
+    if server.http is not None:
+        print(f"http listening on {server.http.host}:{server.http.port}", flush=True)
     print(f"listening on {host}:{port}", flush=True)
     await stop.wait()
     print("shutting down", file=sys.stderr, flush=True)

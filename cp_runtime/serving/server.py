@@ -32,7 +32,7 @@ from cp_runtime.serving.state import TokenStore
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
                                          decode_tokens, encode_frame, read_frame)
 
-__all__ = ["ServerLimits", "Server"]
+__all__ = ["Refused", "Server", "ServerLimits", "error_code"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ServerLimits:
                 raise ValueError(f"{f.name}={value!r} must be a positive integer")
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A request refused by the server itself; `code` is the error code."""
 
     def __init__(self, code: str, message: str):
@@ -82,8 +82,9 @@ class _Refused(Exception):
         self.code = code
 
 
-def _error_code(e: Exception) -> str:
-    if isinstance(e, _Refused):
+def error_code(e: Exception) -> str:
+    """The protocol's error code for an exception a request raised."""
+    if isinstance(e, Refused):
         return e.code
     if isinstance(e, EngineError):
         return e.code
@@ -101,10 +102,15 @@ class Server:
     def __init__(self, engine: Engine, *, model_name: str, tokenizer=None,
                  host: str = "127.0.0.1", port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), state: TokenStore | None = None,
-                 summary_interval_s: float = 60.0):
+                 summary_interval_s: float = 60.0, http_port: int | None = None,
+                 chat_template=None):
         """summary_interval_s: seconds between the info summaries of what was served (0: none;
-        an interval in which no request finished logs nothing)."""
+        an interval in which no request finished logs nothing). http_port: also serve the
+        OpenAI-compatible HTTP API there, on `host` (cp_runtime.serving.http_front; 0: any
+        free port; None: no HTTP). chat_template: the model's (serving.chat_template), for
+        HTTP's chat completions."""
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
+        self.chat_template = chat_template
         self.state = state
         self.host, self.port, self.limits = host, port, limits
         self._token = auth_token.encode() if auth_token else None
@@ -118,6 +124,10 @@ class Server:
         self.activity = Activity()
         self.summary_interval_s = summary_interval_s
         self._summaries: asyncio.Task | None = None
+        self.http = None
+        if http_port is not None:
+            from cp_runtime.serving.http_front import HttpFront   # the `http` extra
+            self.http = HttpFront(self, host, http_port)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> tuple[str, int]:
@@ -128,6 +138,8 @@ class Server:
                                                   limit=1 << 20)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.port = port
+        if self.http is not None:
+            await self.http.start()
         if self.summary_interval_s > 0:
             self._summaries = self._loop.create_task(self._log_summaries())
         return host, port
@@ -145,6 +157,8 @@ class Server:
             self._summaries.cancel()
         if self._server is not None:
             self._server.close()
+        if self.http is not None:
+            await self.http.close()
         for conn in list(self._connections):
             conn.abort()
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, 30.0)
@@ -165,6 +179,33 @@ class Server:
     async def on_engine(self, fn):
         """Run fn(engine) on the device thread and await its result."""
         return await asyncio.wrap_future(self.engine_loop.call(fn))
+
+    async def request_events(self, request):
+        """Submit an engine request and yield its events up to its Done; a Failed event
+        raises (as the error code it carries). Every front door (the session protocol, HTTP)
+        runs requests through here."""
+        key = request.id
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[key] = sink
+        try:
+            await self.on_engine(lambda e: e.submit(request))
+            while True:
+                event = await sink.get()
+                if isinstance(event, Failed):
+                    raise Refused(event.code, event.message)
+                yield event
+                if isinstance(event, Done):
+                    return
+        finally:
+            self._sinks.pop(key, None)
+
+    async def cancel(self, request_id) -> None:
+        """Stop an engine request whose client went away (no event follows)."""
+        self._sinks.pop(request_id, None)
+        try:
+            await asyncio.shield(self.on_engine(lambda e: e.cancel(request_id)))
+        except RuntimeError:                         # the engine loop has stopped
+            pass
 
     # -- connections ------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -297,9 +338,9 @@ class _Connection:
         try:
             op = message.get("op")
             if op not in OPS:
-                raise _Refused("bad_request", f"unknown op {op!r}; ops: {', '.join(OPS)}")
+                raise Refused("bad_request", f"unknown op {op!r}; ops: {', '.join(OPS)}")
             if not self.authorized and op != "hello":
-                raise _Refused("unauthorized", "authenticate first: send hello with a token")
+                raise Refused("unauthorized", "authenticate first: send hello with a token")
             handler = getattr(_Handlers, op)
             await handler(self, rid, message)
         except asyncio.CancelledError:
@@ -308,7 +349,7 @@ class _Connection:
             outcome = "cancelled"
             await self._cancel(rid, in_engine=message.get("op") != "extend")
         except Exception as e:                       # noqa: BLE001 - answered, never fatal
-            code = outcome = _error_code(e)
+            code = outcome = error_code(e)
             if code == "internal":
                 log.exception("request %r failed", rid)
             self._error(rid, code, str(e))
@@ -327,35 +368,22 @@ class _Connection:
 
     async def _cancel(self, rid, in_engine: bool = True) -> None:
         key = (self.number, rid)
-        self.server._sinks.pop(key, None)
-        if not in_engine:
-            return
-        try:
-            await asyncio.shield(self.server.on_engine(lambda e: e.cancel(key)))
-        except RuntimeError:                         # the engine loop has stopped
-            pass
+        if in_engine:
+            await self.server.cancel(key)
+        else:
+            self.server._sinks.pop(key, None)
 
     async def stream(self, rid, request) -> dict:
         """Submit an engine request and forward its events; returns its Done info."""
-        key = request.id
-        sink: asyncio.Queue = asyncio.Queue()
-        self.server._sinks[key] = sink
-        try:
-            await self.server.on_engine(lambda e: e.submit(request))
-            while True:
-                event = await sink.get()
-                if isinstance(event, Progress):
-                    self.send({"id": rid, "event": "progress", "done": event.done,
-                               "total": event.total})
-                elif isinstance(event, Token):
-                    self.tokens_of[rid] = self.tokens_of.get(rid, 0) + 1
-                    self.send(self._token_event(rid, request, event))
-                elif isinstance(event, Done):
-                    return event.info
-                elif isinstance(event, Failed):
-                    raise _Refused(event.code, event.message)
-        finally:
-            self.server._sinks.pop(key, None)
+        async for event in self.server.request_events(request):
+            if isinstance(event, Progress):
+                self.send({"id": rid, "event": "progress", "done": event.done,
+                           "total": event.total})
+            elif isinstance(event, Token):
+                self.tokens_of[rid] = self.tokens_of.get(rid, 0) + 1
+                self.send(self._token_event(rid, request, event))
+            elif isinstance(event, Done):
+                return event.info
 
     @staticmethod
     def _token_event(rid, request, event: Token) -> dict:
@@ -371,7 +399,7 @@ class _Connection:
 def _session_field(message: dict) -> str:
     session = message.get("session")
     if not isinstance(session, str):
-        raise _Refused("bad_request", f"'session' must be a session id string, got {session!r}")
+        raise Refused("bad_request", f"'session' must be a session id string, got {session!r}")
     return session
 
 
@@ -381,7 +409,7 @@ class _Handlers:
     @staticmethod
     async def hello(conn: _Connection, rid, message: dict) -> None:
         if not conn.server.authorized(message.get("token")):
-            raise _Refused("unauthorized", "wrong or missing token")
+            raise Refused("unauthorized", "wrong or missing token")
         conn.authorized = True
         server, engine = conn.server, conn.server.engine
         rt = engine.runtime
@@ -398,7 +426,7 @@ class _Handlers:
 
         def create(engine: Engine):
             if len(engine.sessions) >= limit:
-                raise _Refused("capacity", f"session limit reached (max_sessions={limit})")
+                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
             return engine.create_session().id
 
         conn.done(rid, session=await conn.server.on_engine(create))
@@ -412,7 +440,7 @@ class _Handlers:
             tokens = decode_tokens(message.get("tokens"))
         limit = conn.server.limits.max_tokens_per_request
         if len(tokens) > limit:
-            raise _Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
+            raise Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
                                           f"max_tokens_per_request={limit}; send them in parts")
         conn.tokens_of[rid] = len(tokens)
         info = await conn.stream(rid, Extend(id=(conn.number, rid), session=session,
@@ -425,7 +453,7 @@ class _Handlers:
         try:
             sampling = SamplingParams(**{k: message[k] for k in SAMPLING_FIELDS if k in message})
         except TypeError as e:
-            raise _Refused("bad_request", str(e)) from None
+            raise Refused("bad_request", str(e)) from None
         request = Generate(id=(conn.number, rid), session=session, sampling=sampling)
         info = await conn.stream(rid, request)
         tokenizer = conn.server.tokenizer
@@ -442,7 +470,7 @@ class _Handlers:
 
         def fork(engine: Engine):
             if len(engine.sessions) >= limit:
-                raise _Refused("capacity", f"session limit reached (max_sessions={limit})")
+                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
             return engine.fork(session).id
 
         conn.done(rid, session=await conn.server.on_engine(fork))
@@ -464,7 +492,7 @@ class _Handlers:
         session = _session_field(message)
         store = conn.server.state
         if store is None:
-            raise _Refused("bad_request", "this server keeps no state: start it with "
+            raise Refused("bad_request", "this server keeps no state: start it with "
                                           "--state-dir to take snapshots")
         tokens, rows = await conn.server.on_engine(lambda e: e.export_session(session))
         rt = conn.server.engine.runtime
@@ -494,7 +522,7 @@ class _Handlers:
 
 def _encode_text(tokenizer, text) -> list[int]:
     if tokenizer is None:
-        raise _Refused("bad_request", "this model has no tokenizer: send token ids")
+        raise Refused("bad_request", "this model has no tokenizer: send token ids")
     if not isinstance(text, str):
-        raise _Refused("bad_request", f"'text' must be a string, got {type(text).__name__}")
+        raise Refused("bad_request", f"'text' must be a string, got {type(text).__name__}")
     return tokenizer.encode(text)

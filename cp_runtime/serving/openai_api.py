@@ -1,0 +1,419 @@
+"""The OpenAI-compatible HTTP front door (`cp-runtime serve --http-port PORT`): a Starlette app
+on the same `Server`, so the same engine, device loop, auth token and limits as the session
+protocol (docs/http.md).
+
+    GET  /v1/models            the served model
+    POST /v1/completions       prompt (text or token ids) -> completion; `stream` as
+                               server-sent events ending in `data: [DONE]`
+    POST /v1/chat/completions  messages, rendered with the checkpoint's chat template
+    POST /tokenize             text -> token ids
+    POST /detokenize           token ids -> text
+    GET  /health               200 while serving, 503 while sessions are being restored
+    GET  /metrics              Prometheus exposition (cp_runtime.serving.metrics)
+
+A completion runs in a session of its own (created, extended with the prompt, generated from,
+closed); a client that goes away mid-request cancels it and its pages go back at once.
+Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the session
+protocol's codes mapped to HTTP statuses (openai_format.ERROR_STATUS); a retryable one
+carries `Retry-After`. With an auth token, every endpoint but /health and /metrics needs
+`Authorization: Bearer TOKEN` (probes and scrapers need none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate
+from cp_runtime.serving import openai_format as fmt
+from cp_runtime.serving.metrics import Metrics
+from cp_runtime.serving.protocol import RETRYABLE_CODES
+from cp_runtime.serving.server import Refused, Server, error_code
+
+__all__ = ["OpenAIApp"]
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
+
+
+class _HttpError(Exception):
+    def __init__(self, code: str, message: str, status: int | None = None):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+def _endpoint(name: str, *, auth: bool = True):
+    """Wrap a handler: auth, errors in OpenAI's shape, and the request counter."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def run(self: "OpenAIApp", request: Request) -> Response:
+            try:
+                if auth:
+                    self._check_auth(request)
+                response = await handler(self, request)
+            except Exception as e:               # noqa: BLE001 - answered, never fatal
+                response = self._error_response(e)
+            self.metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+        return run
+    return wrap
+
+
+class OpenAIApp:
+    """`.app` is the ASGI app serving `server`'s engine over HTTP."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.metrics = Metrics()
+        self._ids = itertools.count()
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+        ])
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        if not self.server.requires_auth:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not self.server.authorized(token.strip()):
+            raise _HttpError("unauthorized", "wrong or missing token: send "
+                                             "'Authorization: Bearer TOKEN'")
+
+    async def _json(self, request: Request):
+        limit = self.server.limits.max_frame_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise _HttpError("bad_request", f"a body of {declared} bytes exceeds "
+                                            f"max_frame_bytes={limit}", status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise _HttpError("bad_request", f"the body exceeds max_frame_bytes={limit}",
+                                 status=413)
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _HttpError("bad_request", f"the body is not valid JSON ({e})") from None
+
+    def _error_response(self, e: Exception) -> Response:
+        if isinstance(e, _HttpError):
+            code, status = e.code, e.status
+        elif isinstance(e, LookupError) and not isinstance(e, Refused):
+            code, status = "not_found", None
+        elif isinstance(e, ClientDisconnect):
+            code, status = "bad_request", None
+        else:
+            code, status = error_code(e), None
+        message = str(e)
+        if code == "internal":
+            log.error("HTTP request failed", exc_info=e)
+            message = f"internal error ({type(e).__name__}); see the server's log"
+        default_status, body = fmt.error_body(code, message)
+        retry = code in RETRYABLE_CODES or code == "capacity"   # pages free as sessions end
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+        return JSONResponse(body, status_code=status or default_status, headers=headers)
+
+    # -- endpoints --------------------------------------------------------------------------
+    @_endpoint("models")
+    async def models(self, request: Request) -> Response:
+        rt = self.server.engine.runtime
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.server.model_name, "object": "model", "created": 0,
+            "owned_by": "cp-runtime",
+            "max_model_len": rt.num_shards * rt.pages_per_shard * rt.page_size}]})
+
+    @_endpoint("tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        tokenizer = self._tokenizer()
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, str):
+            raise BadRequest("/tokenize needs 'prompt', a string")
+        ids = tokenizer.encode(prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids)})
+
+    @_endpoint("detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        tokenizer = self._tokenizer()
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.server.engine.model.vocab_size
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              and 0 <= t < vocab for t in ids)):
+            raise BadRequest(f"/detokenize needs 'tokens', a list of ids in [0, {vocab})")
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
+
+    def _tokenizer(self):
+        if self.server.tokenizer is None:
+            raise BadRequest("this model has no tokenizer: send and read token ids")
+        return self.server.tokenizer
+
+    @_endpoint("health", auth=False)
+    async def health(self, request: Request) -> Response:
+        restoring = await self.server.on_engine(
+            lambda e: sum(e._restoring(s) for s in e.sessions.values()))
+        if restoring:
+            return JSONResponse({"status": "restoring", "sessions_restoring": restoring},
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ok"})
+
+    @_endpoint("metrics", auth=False)
+    async def metrics_text(self, request: Request) -> Response:
+        def stats(engine):
+            return {**engine.stats(),
+                    "restoring": sum(engine._restoring(s) for s in engine.sessions.values())}
+
+        text = self.metrics.render(await self.server.on_engine(stats))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @_endpoint("completions")
+    async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()
+        req = fmt.parse_completion(await self._json(request), model=self.server.model_name,
+                                   tokenizer=self.server.tokenizer,
+                                   vocab_size=self.server.engine.model.vocab_size)
+        return await self._respond(req, received, COMPLETION)
+
+    @_endpoint("chat")
+    async def chat(self, request: Request) -> Response:
+        received = time.perf_counter()
+        req = fmt.parse_chat(await self._json(request), model=self.server.model_name,
+                             tokenizer=self.server.tokenizer,
+                             vocab_size=self.server.engine.model.vocab_size,
+                             template=self.server.chat_template)
+        return await self._respond(req, received, CHAT)
+
+    async def _respond(self, req: fmt.CompletionRequest, received: float,
+                       shape: "_Shape") -> Response:
+        limit = self.server.limits.max_tokens_per_request
+        if len(req.prompt_ids) > limit:
+            raise BadRequest(f"a prompt of {len(req.prompt_ids)} tokens exceeds "
+                             f"max_tokens_per_request={limit}")
+        head = {"rid": fmt.new_id(shape.prefix), "model": self.server.model_name,
+                "created": fmt.now()}
+        run = _Completion(self, req, received)
+        first = await run.start()                # errors before any token are plain HTTP
+        if req.stream:
+            return StreamingResponse(self._events(run, first, head, shape),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text, ids, logprobs, finish = "", [], [], None
+        async with contextlib.aclosing(run.pieces(first)) as pieces:
+            async for piece in pieces:
+                text += piece.text
+                ids += piece.ids
+                logprobs += piece.logprobs
+                finish = piece.finish_reason or finish
+        return JSONResponse(run.tagged(shape.whole(
+            **head, text=text, finish_reason=finish, usage_=run.usage(),
+            token_ids=ids if req.return_token_ids else None,
+            prompt_ids=req.prompt_ids if req.return_token_ids else None,
+            logprobs=shape.logprobs(run.token_texts(ids), logprobs, 0) if req.logprobs
+            else None)))
+
+    async def _events(self, run: "_Completion", first, head: dict, shape: "_Shape"):
+        """Server-sent events of a streamed completion."""
+        req, offset, opening = run.req, 0, True
+        async with contextlib.aclosing(run.pieces(first)) as pieces:
+            async for piece in pieces:
+                chunk = shape.chunk(
+                    **head, text=piece.text, finish_reason=piece.finish_reason,
+                    token_ids=piece.ids if req.return_token_ids else None,
+                    logprobs=(shape.logprobs(run.token_texts(piece.ids), piece.logprobs,
+                                             offset) if req.logprobs else None),
+                    prompt_ids=req.prompt_ids if req.return_token_ids and opening else None,
+                    **shape.first(opening))
+                if opening:
+                    chunk = run.tagged(chunk)
+                offset, opening = offset + len(piece.text), False
+                yield _sse(chunk)
+        if req.include_usage:
+            yield _sse(shape.chunk(**head, usage_=run.usage()))
+        yield b"data: [DONE]\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """How one endpoint shapes its answers (OpenAI's completion or chat objects)."""
+
+    prefix: str
+    whole: Callable[..., dict]
+    chunk: Callable[..., dict]
+    logprobs: Callable[[list[str], list[float], int], dict]
+    first: Callable[[bool], dict]            # extra fields of the first streamed chunk
+
+
+COMPLETION = _Shape("cmpl", fmt.completion_object, fmt.completion_chunk, fmt.logprobs_object,
+                    lambda first: {})
+CHAT = _Shape("chatcmpl", fmt.chat_object, fmt.chat_chunk,
+              lambda texts, lps, offset: fmt.chat_logprobs(texts, lps),
+              lambda first: {"role": first})
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Piece:
+    """Generated text released to the client: its token ids, their logprobs, and the finish
+    reason on the last piece."""
+
+    def __init__(self, text: str, ids: list[int], logprobs: list[float],
+                 finish_reason: str | None = None):
+        self.text, self.ids, self.logprobs = text, ids, logprobs
+        self.finish_reason = finish_reason
+
+
+class _Completion:
+    """One completion in a session of its own: prefill the prompt, stream the generation,
+    release text up to stop strings, close the session whatever happens."""
+
+    def __init__(self, front: OpenAIApp, req: fmt.CompletionRequest, received: float):
+        self.front, self.server, self.req = front, front.server, req
+        self.received = received
+        self.key = ("http", next(front._ids))
+        self.session: str | None = None         # a temporary session, closed at the end
+        self.kept: str | None = None            # a session that lives on
+        self.generated: list[int] = []
+        self.released = 0                       # characters of the text sent so far
+        self.tokenizer = self.server.tokenizer
+        stops = req.stop_strings
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    async def start(self):
+        """Create the session (or take the one named), prefill the prompt, and wait for the
+        first generated token (or the end); errors up to here are raised, not streamed."""
+        limit = self.server.limits.max_sessions
+        tokens = len(self.req.prompt_ids) + self.req.sampling.max_tokens
+
+        def create(engine):
+            if len(engine.sessions) >= limit:
+                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
+            # Refused before any prefill: the prompt and every token it may generate.
+            pages = -(-tokens // engine.runtime.page_size)
+            if not engine.allocator.can_grow(engine.allocator.new_table(), pages):
+                raise Refused("capacity", f"no room for {tokens} tokens (the prompt plus "
+                                          f"max_tokens) in the pool: "
+                                          f"{engine.allocator.free_per_shard()} pages free "
+                                          "per shard")
+            return engine.create_session().id
+
+        named = self.req.session
+        if isinstance(named, str):
+            self.kept = named
+        else:
+            self.session = await self.server.on_engine(create)
+            self.kept = self.session if named is True else None
+            if named is True:
+                self.session = None               # lives on: close() leaves it
+        try:
+            prompt = np.asarray(self.req.prompt_ids, np.int32)
+            target = self.kept or self.session
+            async for _ in self.server.request_events(
+                    Extend(id=self.key + ("prompt",), session=target, tokens=prompt)):
+                pass
+            self.front.metrics.prompt_tokens.inc(len(prompt))
+            self.events = self.server.request_events(Generate(
+                id=self.key + ("generate",), session=target, sampling=self.req.sampling))
+            return await self.events.__anext__()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def pieces(self, first):
+        """The generation as _Pieces of released text, from its first event."""
+        try:
+            event, last = first, None
+            while True:
+                if isinstance(event, Done):
+                    tail, stopped = self._release(final=True)
+                    yield _Piece(tail, [], [], "stop" if stopped else
+                                 event.info["finish_reason"])
+                    return
+                now = time.perf_counter()
+                if last is None:
+                    self.front.metrics.ttft.observe(now - self.received)
+                else:
+                    self.front.metrics.itl.observe(now - last)
+                last = now
+                self.generated.append(event.token)
+                self.front.metrics.generated_tokens.inc()
+                text, stopped = self._release()
+                yield _Piece(text, [event.token], [event.logprob], "stop" if stopped else None)
+                if stopped:
+                    return
+                event = await self.events.__anext__()
+        finally:
+            await self.close()
+
+    def _text(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(self.generated)
+
+    def _release(self, final: bool = False) -> tuple[str, bool]:
+        """Text that can go to the client now, and whether a stop string ended it: unless
+        `final`, a tail that may be the start of a stop string, or of a character still being
+        decoded, waits."""
+        text = self._text()
+        for stop in self.req.stop_strings:
+            at = text.find(stop, max(0, self.released - len(stop) + 1))
+            if at >= 0:
+                out, self.released = text[self.released: at], at
+                return out, True
+        safe = len(text) - (0 if final else self.hold)
+        while not final and safe > self.released and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.released:
+            return "", False
+        out, self.released = text[self.released: safe], safe
+        return out, False
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (its id as text for a model without a tokenizer)."""
+        if self.tokenizer is None:
+            return [str(t) for t in ids]
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    def tagged(self, answer: dict) -> dict:
+        """`answer` with the extension field `session` when the session lives on."""
+        return {**answer, "session": self.kept} if self.kept is not None else answer
+
+    def usage(self) -> dict:
+        return fmt.usage(len(self.req.prompt_ids), len(self.generated))
+
+    async def close(self) -> None:
+        """End the generation if it still runs, and close a temporary session (its queued
+        work ends, its pages go back); a kept session stays, idle."""
+        events, self.events = getattr(self, "events", None), None
+        if events is not None:
+            self.server._sinks.pop(self.key + ("generate",), None)
+            with contextlib.suppress(RuntimeError):     # already running: it ends with us
+                await events.aclose()
+            if self.kept is not None:
+                await self.server.cancel(self.key + ("generate",))
+        session, self.session = self.session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.server.on_engine(lambda e: e.close_session(session)))

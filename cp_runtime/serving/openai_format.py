@@ -1,0 +1,265 @@
+"""The OpenAI HTTP API's request and response shapes, as pure functions (no I/O): a request
+body checked into what the engine runs, and the engine's results shaped into OpenAI's objects.
+
+    parse_completion(body, model, tokenizer, vocab_size) -> CompletionRequest
+    parse_chat(body, model, tokenizer, vocab_size, template) -> CompletionRequest
+    completion_object / completion_chunk / chat_object / chat_chunk / usage / error_body
+
+Field names and meanings follow OpenAI's `/v1/completions` and vLLM's extensions
+(`return_token_ids`, `stop_token_ids`, `top_k`); docs/http.md lists what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import secrets
+import time
+
+from cp_runtime.engine.requests import BadRequest, SamplingParams
+
+__all__ = ["CompletionRequest", "ERROR_STATUS", "chat_chunk", "chat_object", "completion_chunk",
+           "completion_object", "error_body", "parse_chat", "parse_completion", "usage"]
+
+# code -> (HTTP status, OpenAI error type); the retryable ones carry Retry-After.
+ERROR_STATUS = {
+    "bad_request": (400, "invalid_request_error"),
+    "unauthorized": (401, "authentication_error"),
+    "not_found": (404, "not_found_error"),
+    "capacity": (429, "rate_limit_error"),
+    "overloaded": (429, "rate_limit_error"),
+    "unavailable": (503, "service_unavailable_error"),
+    "storage": (503, "service_unavailable_error"),
+    "internal": (500, "server_error"),
+}
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "stream", "stream_options", "return_token_ids", "n",
+                   "user", "session"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "logprobs", "max_completion_tokens"}
+MAX_LOGPROBS = 1                  # the sampled token's log-probability, no alternatives
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A checked /v1/completions body: one prompt's token ids and how to sample."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_strings: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    logprobs: bool
+    # The extension field `session`: None, a temporary session closed at the end; True, a new
+    # session that lives on; a session id, that session (its log continues with the prompt).
+    session: str | bool | None = None
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise BadRequest(message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _prompt_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    if isinstance(prompt, str):
+        _need(tokenizer is not None, "this model has no tokenizer: send 'prompt' as a list of "
+                                     "token ids (and read 'token_ids' with return_token_ids)")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = [int(t) for t in prompt]
+    elif isinstance(prompt, list) and len(prompt) == 1:
+        return _prompt_ids(prompt[0], tokenizer, vocab_size)
+    else:
+        raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one "
+                         f"prompt per request), got {type(prompt).__name__}")
+    _need(len(ids) > 0, "'prompt' is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    _need(bad is None, f"token {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _check_fields(body, allowed: set[str], model: str) -> None:
+    _need(isinstance(body, dict), f"the body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - allowed)
+    _need(not unknown, f"unsupported field(s) {unknown}; supported: {sorted(allowed)}")
+    if body.get("model") not in (None, model):
+        raise LookupError(f"the model {body['model']!r} does not exist; this server serves "
+                          f"{model!r}")
+    _need(body.get("n", 1) == 1, "only n=1 is supported")
+
+
+def parse_completion(body, *, model: str, tokenizer, vocab_size: int) -> CompletionRequest:
+    """Check a /v1/completions body; raises BadRequest (400) or LookupError (404: another
+    model) naming the field."""
+    _check_fields(body, COMPLETION_FIELDS, model)
+    _need(body.get("echo", False) is False, "echo is not supported")
+    ids = _prompt_ids(body.get("prompt"), tokenizer, vocab_size)
+    logprobs = body.get("logprobs")
+    _need(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS),
+          f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
+          "log-probability; alternatives are not returned)")
+    return _sampled(body, ids, tokenizer, logprobs is not None)
+
+
+def parse_chat(body, *, model: str, tokenizer, vocab_size: int, template) -> CompletionRequest:
+    """Check a /v1/chat/completions body and render its messages with the model's chat
+    template (`template(messages) -> str`, None: the model has none)."""
+    _check_fields(body, CHAT_FIELDS, model)
+    _need(tokenizer is not None and template is not None,
+          "this model has no chat template (tokenizer_config.json's chat_template): use "
+          "/v1/completions")
+    messages = body.get("messages")
+    _need(isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages),
+        "'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
+    _need(isinstance(body.get("logprobs", False), bool), "'logprobs' must be a boolean")
+    if "max_completion_tokens" in body:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    ids = _prompt_ids(template(messages), tokenizer, vocab_size)
+    return _sampled(body, ids, tokenizer, bool(body.get("logprobs", False)))
+
+
+def _sampled(body: dict, ids: list[int], tokenizer, logprobs: bool) -> CompletionRequest:
+    """The sampling and streaming fields both endpoints share."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    _need(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+          "'stop' must be a string or a list of non-empty strings")
+    _need(not stop or tokenizer is not None, "'stop' strings need a tokenizer: this model has "
+                                             "none; give 'stop_token_ids'")
+    options = body.get("stream_options") or {}
+    _need(isinstance(options, dict), "'stream_options' must be an object")
+    for flag in ("stream", "return_token_ids"):
+        _need(isinstance(body.get(flag, False), bool), f"'{flag}' must be a boolean")
+    session = body.get("session")
+    _need(session is None or session is True or isinstance(session, str),
+          "'session' must be true (a new session that lives on) or a session id")
+    sampling = SamplingParams(
+        max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 1.0),
+        top_p=body.get("top_p", 1.0), top_k=_top_k(body.get("top_k", 0)),
+        seed=body.get("seed"), stop=tuple(body.get("stop_token_ids") or ()),
+        logprobs=logprobs)
+    return CompletionRequest(
+        prompt_ids=ids, sampling=sampling, stop_strings=tuple(stop),
+        stream=body.get("stream", False), include_usage=bool(options.get("include_usage")),
+        return_token_ids=body.get("return_token_ids", False), logprobs=logprobs,
+        session=session)
+
+
+def _top_k(value):
+    """OpenAI clients send top_k -1 (vLLM's spelling of 'no limit'); the engine's is 0."""
+    return 0 if value == -1 else value
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def _choice(text: str, finish_reason: str | None, token_ids: list[int] | None,
+            logprobs: dict | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def logprobs_object(tokens_text: list[str], logprobs: list[float], offset: int) -> dict:
+    """OpenAI's completion `logprobs`: each generated token, its log-probability, and the
+    character offset where it starts in the text."""
+    offsets, at = [], offset
+    for piece in tokens_text:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": tokens_text, "token_logprobs": logprobs,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens_text, logprobs)],
+            "text_offset": offsets}
+
+
+def completion_object(*, rid: str, model: str, created: int, text: str, finish_reason: str,
+                      usage_: dict, token_ids: list[int] | None = None,
+                      prompt_ids: list[int] | None = None, logprobs: dict | None = None
+                      ) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "choices": [_choice(text, finish_reason, token_ids, logprobs)], "usage": usage_}
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+def completion_chunk(*, rid: str, model: str, created: int, text: str | None = None,
+                     finish_reason: str | None = None, token_ids: list[int] | None = None,
+                     logprobs: dict | None = None, usage_: dict | None = None,
+                     prompt_ids: list[int] | None = None) -> dict:
+    """One server-sent event's object; a usage-only chunk (text None) has no choices."""
+    choices = [] if text is None else [_choice(text, finish_reason, token_ids, logprobs)]
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+def chat_logprobs(tokens_text: list[str], logprobs: list[float]) -> dict:
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                         "top_logprobs": []} for t, lp in zip(tokens_text, logprobs)]}
+
+
+def chat_object(*, rid: str, model: str, created: int, text: str, finish_reason: str,
+                usage_: dict, token_ids: list[int] | None = None,
+                prompt_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": logprobs, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+           "choices": [choice], "usage": usage_}
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+def chat_chunk(*, rid: str, model: str, created: int, text: str | None = None,
+               finish_reason: str | None = None, token_ids: list[int] | None = None,
+               logprobs: dict | None = None, usage_: dict | None = None,
+               prompt_ids: list[int] | None = None, role: bool = False) -> dict:
+    """One streamed chat event: the first carries the role, then content deltas."""
+    choices = []
+    if text is not None:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        choices.append(choice)
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+def error_body(code: str, message: str) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for an error code of the session protocol."""
+    status, kind = ERROR_STATUS.get(code, ERROR_STATUS["internal"])
+    return status, {"error": {"message": message, "type": kind, "code": code,
+                              "param": None}}
+
+
+def now() -> int:
+    return int(time.time())
