@@ -187,15 +187,23 @@ def logprobs_object(tokens_text: list[str], logprobs: list[float], offset: int) 
             "text_offset": offsets}
 
 
+def _envelope(kind: str, rid: str, model: str, created: int, choices: list[dict],
+              usage_: dict | None, prompt_ids: list[int] | None) -> dict:
+    """What every answer object and chunk carries around its choices."""
+    out = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
 def completion_object(*, rid: str, model: str, created: int, text: str, finish_reason: str,
                       usage_: dict, token_ids: list[int] | None = None,
                       prompt_ids: list[int] | None = None, logprobs: dict | None = None
                       ) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [_choice(text, finish_reason, token_ids, logprobs)], "usage": usage_}
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = prompt_ids
-    return out
+    return _envelope("text_completion", rid, model, created,
+                     [_choice(text, finish_reason, token_ids, logprobs)], usage_, prompt_ids)
 
 
 def completion_chunk(*, rid: str, model: str, created: int, text: str | None = None,
@@ -204,13 +212,7 @@ def completion_chunk(*, rid: str, model: str, created: int, text: str | None = N
                      prompt_ids: list[int] | None = None) -> dict:
     """One server-sent event's object; a usage-only chunk (text None) has no choices."""
     choices = [] if text is None else [_choice(text, finish_reason, token_ids, logprobs)]
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = prompt_ids
-    return out
+    return _envelope("text_completion", rid, model, created, choices, usage_, prompt_ids)
 
 
 def chat_logprobs(tokens_text: list[str], logprobs: list[float]) -> dict:
@@ -225,11 +227,7 @@ def chat_object(*, rid: str, model: str, created: int, text: str, finish_reason:
               "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-           "choices": [choice], "usage": usage_}
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = prompt_ids
-    return out
+    return _envelope("chat.completion", rid, model, created, [choice], usage_, prompt_ids)
 
 
 def chat_chunk(*, rid: str, model: str, created: int, text: str | None = None,
@@ -245,13 +243,7 @@ def chat_chunk(*, rid: str, model: str, created: int, text: str | None = None,
         if token_ids is not None:
             choice["token_ids"] = token_ids
         choices.append(choice)
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    if prompt_ids is not None:
-        out["prompt_token_ids"] = prompt_ids
-    return out
+    return _envelope("chat.completion.chunk", rid, model, created, choices, usage_, prompt_ids)
 
 
 def error_body(code: str, message: str) -> tuple[int, dict]:
