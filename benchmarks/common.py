@@ -89,7 +89,8 @@ def _fmt(v) -> str:
 class ServeProcess:
     """`cp-runtime serve FLAGS --port 0` as a subprocess (no auth token from the environment;
     `env` adds variables to it); `address` is the HOST:PORT of its `listening on` line, `proc`
-    the process."""
+    the process. `http_address` is the HOST:PORT of its `http listening on` line when FLAGS
+    hold `--http-port`, else None."""
 
     def __init__(self, flags: list[str], timeout_s: float = 600.0,
                  env: dict[str, str] | None = None):
@@ -98,9 +99,12 @@ class ServeProcess:
         env = {**{k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"}, **(env or {})}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env)
+        self.http_address: str | None = None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
+            if line.startswith("http listening on "):      # printed before `listening on`
+                self.http_address = line.split()[-1]
             if line.startswith("listening on "):
                 self.address = line.split()[-1]
                 return

@@ -46,7 +46,7 @@ __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
-              "decode", "collectives", "overload",
+              "decode", "collectives", "overload", "prefix_reuse",
               "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
@@ -77,6 +77,11 @@ def _add_serve(sub) -> None:
                         "(docs/performance.md); k/m suffixes allowed; 0: no bound (default: "
                         "what the engine prefills in 10 s at its measured rate, at least 16 "
                         "chunks)")
+    g.add_argument("--prefix-cache-entries", type=nonnegative_length, default=64, metavar="N",
+                   help="sessions kept after stateless HTTP completions so that later prompts "
+                        "starting the same way reuse their cached pages (docs/http.md); the "
+                        "least recently used is closed when the pool is short or there are "
+                        "more; 0: none kept")
     _add_serve_server(p.add_argument_group("server and limits"))
     _add_serve_state(p.add_argument_group("state"))
     _add_serve_executor(p.add_argument_group("executor"))
@@ -197,7 +202,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "shards": "num_shards", "pages_per_shard": "pages_per_shard",
                  "chunk_size": "chunk_size", "max_batch": "max_batch", "backend": "backend",
                  "weights": "weights", "weight_dtype": "weight_dtype", "merge": "merge",
-                 "gathers": "gathers", "max_queued_tokens": "max_queued_tokens"}
+                 "gathers": "gathers", "max_queued_tokens": "max_queued_tokens",
+                 "prefix_cache_entries": "prefix_cache_entries"}
 
 
 def _flag_of(field: str) -> str:

@@ -293,6 +293,10 @@ class RuntimeConfig:
     # engine prefills in 10 s at its rate measured over the last minute, and at least 16 chunks
     # (cp_runtime.engine.core).
     max_queued_tokens: int | None = None
+    # Sessions kept after stateless HTTP requests so later prompts reuse their cached prefix
+    # (cp_runtime.engine.prefix_cache); the least recently used goes first when the pool is
+    # short or there are more; 0: none kept.
+    prefix_cache_entries: int = 64
 
     @property
     def admission_bound(self) -> int:
@@ -310,6 +314,9 @@ class RuntimeConfig:
                 not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens < 0):
             raise ConfigError(f"max_queued_tokens={self.max_queued_tokens!r} must be an "
                               "integer >= 0 (0: no bound)")
+        if not isinstance(self.prefix_cache_entries, int) or self.prefix_cache_entries < 0:
+            raise ConfigError(f"prefix_cache_entries={self.prefix_cache_entries!r} must be an "
+                              "integer >= 0 (0: none kept)")
         if self.page_size % 16:
             raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
         if self.backend not in BACKENDS:

@@ -14,8 +14,8 @@ from cp_runtime import cli_args
 from cp_runtime.config import model_names
 
 KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
-         "million", "niah", "overload", "profile", "recovery", "report", "roofline", "selection",
-         "serving", "throughput", "tpu_model")
+         "million", "niah", "overload", "prefix_reuse", "profile", "recovery", "report",
+         "roofline", "selection", "serving", "throughput", "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
 # Shared flags' common defaults (cp_runtime.cli_args): a benchmark whose default differs says

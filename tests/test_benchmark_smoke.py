@@ -18,7 +18,8 @@ import jax
 import pytest
 
 from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kernel_error, kernels,
-                                   merge, million, niah, overload, profile, recovery, report,
+                                   merge, million, niah, overload, prefix_reuse, profile,
+                                   recovery, report,
                                    roofline, selection, serving, throughput, tpu_model)
 from cp_runtime.capacity import deployment_report
 from cp_runtime.config import load_model_config
@@ -120,6 +121,16 @@ def test_niah(tmp_path):
     d = _json(tmp_path, "niah.json")
     assert [r["variant"] for r in d["summary"]] == ["single"]
     assert (tmp_path / "niah_heatmap.png").exists()
+
+
+def test_prefix_reuse(tmp_path):
+    _run(prefix_reuse, tmp_path, "--doc-tokens", "256", "--questions", "2",
+         "--question-tokens", "8", "--answer-tokens", "2", "--shards", "1", "--chunk-size",
+         "256")
+    d = _json(tmp_path, "prefix_reuse.json")
+    without, with_ = d["rows"]
+    assert d["answers_equal"] == 2 and without["cached tokens"] == 0
+    assert with_["cached tokens"] == 256 and with_["prefill tokens"] < without["prefill tokens"]
 
 
 def test_overload(tmp_path):

@@ -1,6 +1,7 @@
 """configs/cluster/: the `ray up` YAML (local provider over a tpu7x-16 slice's two hosts) and the
-KubeRay RayCluster for GKE TPU v7x parse, have the keys a deployment needs, and every value a
-user must fill in is a <PLACEHOLDER> that docs/deploy.md documents."""
+KubeRay RayCluster for GKE TPU v7x parse, have the keys a deployment needs (the KubeRay head's
+probes on the serve line's --http-port among them), and every value a user must fill in is a
+<PLACEHOLDER> that docs/deploy.md documents."""
 
 import pathlib
 import re
@@ -40,7 +41,7 @@ def test_ray_up_uses_the_local_provider_over_two_hosts():
 def test_ray_up_installs_the_tpu_extra_and_starts_the_server_with_a_token_from_env():
     (cfg,) = _load(RAY_UP)
     setup = " ".join(cfg["setup_commands"])
-    assert re.search(r"pip install \S*\[tpu,ray\]", setup)
+    assert re.search(r"pip install \S*\[tpu,ray,http\]", setup)     # http: --http-port
     head = [_words(c) for c in cfg["head_start_ray_commands"]]
     assert any("ray start --head" in c for c in head)
     serve = [c for c in head if SERVE in c]
@@ -102,12 +103,46 @@ def _serve_args(command: str):
     return build_parser().parse_args(["serve", *line.rstrip(" '").split()])
 
 
+def _kuberay_head() -> dict:
+    cluster, _ = _load(KUBERAY)
+    return cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
 def _serve_commands() -> list[str]:
     (ray_up,) = _load(RAY_UP)
-    cluster, _ = _load(KUBERAY)
-    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    kube = " ".join(head["lifecycle"]["postStart"]["exec"]["command"])
+    kube = " ".join(_kuberay_head()["lifecycle"]["postStart"]["exec"]["command"])
     return [c for c in ray_up["head_start_ray_commands"] if "cp-runtime serve" in c] + [kube]
+
+
+def test_both_serve_lines_serve_http():
+    ports = {_serve_args(c).http_port for c in _serve_commands()}
+    assert ports == {8000}
+
+
+def test_kuberay_head_probes_the_servers_http_port():
+    head = _kuberay_head()
+    port = _serve_args(_serve_commands()[-1]).http_port
+    assert {"containerPort": port, "name": "http"} in head["ports"]
+    _, service = _load(KUBERAY)
+    assert {"name": "http", "port": port, "targetPort": port} in service["spec"]["ports"]
+    # Ready: /health says 200 (503 while sessions are restored takes the pod out of the Service).
+    ready = head["readinessProbe"]
+    assert ready["httpGet"] == {"path": "/health", "port": port}
+    # Alive: the port listens. Not /health, which is 503 for as long as a restore takes (and
+    # waits for a compiling step): a liveness probe on it would restart a recovering server.
+    live = head["livenessProbe"]
+    assert live["tcpSocket"] == {"port": port} and "httpGet" not in live and "exec" not in live
+    # The weights load before the server listens: the startup probe waits an hour for it, and
+    # holds liveness off until then.
+    start = head["startupProbe"]
+    assert start["tcpSocket"] == {"port": port}
+    assert start["periodSeconds"] * start["failureThreshold"] >= 3600
+
+
+def test_ray_up_says_how_to_check_health():
+    port = _serve_args(_serve_commands()[0]).http_port
+    for text in (RAY_UP.read_text(), DEPLOY.read_text()):
+        assert f"http://127.0.0.1:{port}/health" in text
 
 
 @pytest.mark.parametrize("model_name", ["glm-5.2", "deepseek-v3.2"])

@@ -3,6 +3,7 @@ the `openai` SDK and by raw sockets: the same engine as the session protocol, ex
 tokens, streaming, errors in OpenAI's shape, a client leaving mid-stream, health, metrics, and
 chat through a checkpoint's template."""
 
+import asyncio
 import json
 import signal
 import socket
@@ -106,7 +107,8 @@ def test_completions_equal_the_session_protocol_and_the_oracle(served_http, tiny
         kept = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
                                          temperature=0, extra_body={"session": True})
         assert c.session(kept.session).info()["length"] == 41
-        assert c.stats()["sessions"] == sessions + 2    # each other completion closed its own
+        # Only the two kept: a stateless completion's session is a prefix-cache entry.
+        assert c.stats()["sessions"] == sessions + 2
 
 
 def test_errors_have_openai_shape_and_change_nothing(served_http, tiny):
@@ -141,6 +143,69 @@ def test_errors_have_openai_shape_and_change_nothing(served_http, tiny):
         after = c.stats()
     for key in ("sessions", "requests", "pages_used_per_shard", "prefill_tokens_total"):
         assert after[key] == before[key], key
+
+
+def _ids(response) -> list[int]:
+    return response.output[0].content[0].token_ids
+
+
+def test_responses_continue_their_session_and_fork_where_two_continue(served_http, tiny,
+                                                                      tiny_params):
+    address, http, _ = served_http
+    sdk = openai.OpenAI(base_url=f"http://{http}/v1", api_key=TOKEN, max_retries=0)
+    prompt = random_tokens(tiny, 30, 21)
+    ask = dict(model="tiny", max_output_tokens=3, temperature=0,
+               extra_body={"return_token_ids": True})
+    first = sdk.responses.create(input=prompt, **ask)
+    a = _ids(first)
+    assert a == greedy_continuation(tiny_params, tiny, prompt, 3)
+    assert first.status == "incomplete" and first.incomplete_details.reason == \
+        "max_output_tokens"
+    # Continued in place: only the new input is sent and prefilled.
+    second = sdk.responses.create(input=[7, 8], previous_response_id=first.id, **ask)
+    b = _ids(second)
+    assert b == greedy_continuation(tiny_params, tiny, prompt + a + [7, 8], 3)
+    assert second.usage.input_tokens == 2 and second.session == first.session
+    # A second continuation of `first` forks at its end, beside `second`'s.
+    third = sdk.responses.create(input=[9], previous_response_id=first.id, **ask)
+    assert _ids(third) == greedy_continuation(tiny_params, tiny, prompt + a + [9], 3)
+    assert third.session != first.session and third.previous_response_id == first.id
+
+    async def stream_on():                          # the async SDK, streamed
+        client = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key=TOKEN, max_retries=0)
+        events = [e async for e in await client.responses.create(
+            input=[4], previous_response_id=second.id, stream=True, **ask)]
+        await client.close()
+        return events
+    events = asyncio.run(stream_on())
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.token_ids]
+    assert deltas == greedy_continuation(tiny_params, tiny, prompt + a + [7, 8] + b + [4], 3)
+    assert events[-1].type == "response.incomplete" and events[-1].response.id.startswith(
+        f"resp_{first.session}_")
+    with cp_runtime.Client(address, token=TOKEN) as c:        # the session protocol sees it
+        assert c.session(first.session).info()["length"] == 30 + 3 + 2 + 3 + 1 + 3
+    # Unknown, malformed and deleted ids are 404 in OpenAI's shape.
+    sdk.responses.delete(third.id)
+    for rid in (third.id, "resp_" + "0" * 32 + "_3", "resp_nope", first.id[:-2] + "99999"):
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.create(input=[1], previous_response_id=rid, **ask)
+
+
+def test_stateless_prompts_reuse_cached_prefixes_exactly(served_http, tiny, tiny_params):
+    _, http, _ = served_http
+    sdk = openai.OpenAI(base_url=f"http://{http}/v1", api_key=TOKEN, max_retries=0)
+    doc = random_tokens(tiny, 100, 31)
+    questions = [[3, 1, 4], [3, 2, 7]]
+    done = [sdk.completions.create(model="tiny", prompt=doc + q, max_tokens=3, temperature=0,
+                                   extra_body={"return_token_ids": True}) for q in questions]
+    for q, d in zip(questions, done):
+        assert d.choices[0].token_ids == greedy_continuation(tiny_params, tiny, doc + q, 3)
+    # The second reuses the first's document and the question's first token, no more.
+    assert done[1].usage.prompt_tokens_details.cached_tokens == 101
+    text = request(http, "GET", "/metrics", token=None)[2]
+    assert "cp_runtime_cached_prompt_tokens_total" in text and "cp_runtime_prefix_cache_hits"\
+        in text
 
 
 def test_a_client_leaving_mid_stream_gives_its_pages_back(served_http):

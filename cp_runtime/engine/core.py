@@ -46,9 +46,11 @@ import time
 import numpy as np
 
 from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
+from cp_runtime.engine.direct import DirectPath
 from cp_runtime.engine.executor import Executor
-from cp_runtime.engine.journal import Journal
+from cp_runtime.engine.journal import DurableOnly, Journal
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
+from cp_runtime.engine.prefix_cache import PrefixCache, PrefixReuse
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
                                         Progress, StorageFailed, Token, Unavailable,
                                         check_token_ids)
@@ -75,6 +77,7 @@ class Session:
     tokens: list[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0
     busy: object = None            # the id of the request working on it, if any
+    durable: bool = True           # journaled (False: a stateless request's, cache entry)
 
     @property
     def length(self) -> int:
@@ -99,14 +102,15 @@ class StepTiming:
     first_of_shape: bool = False
 
 
-class Engine:
+class Engine(DirectPath, PrefixReuse):
     """Owns sessions, the allocator and the scheduler; drives an executor with step plans."""
 
     def __init__(self, model: ModelConfig, runtime: RuntimeConfig, executor: Executor,
                  *, seed: int | None = None, journal: Journal | None = None):
         check_runtime_for_model(model, runtime)
         self.model, self.runtime, self.executor = model, runtime, executor
-        self.journal = journal or Journal()
+        self._journal = DurableOnly(journal or Journal())
+        self.prefix = PrefixCache(runtime.page_size, runtime.prefix_cache_entries)
         self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard)
         self.scheduler = Scheduler(chunk_size=runtime.chunk_size, max_batch=runtime.max_batch,
                                    token_budget=runtime.step_token_budget
@@ -120,12 +124,25 @@ class Engine:
         self._shapes_seen: set[tuple] = set()         # step shapes run (compiled) so far
         self.totals = collections.Counter()          # steps, tokens, host and device seconds
 
+    @property
+    def journal(self) -> Journal:
+        """Where durable sessions' logs go (a store, or nothing)."""
+        return self._journal.store
+
+    @journal.setter
+    def journal(self, store: Journal) -> None:
+        self._journal.store = store
+
     # -- sessions -------------------------------------------------------------------------
-    def create_session(self) -> Session:
-        """A new empty session with an unguessable id (128 random bits)."""
+    def create_session(self, durable: bool = True) -> Session:
+        """A new empty session with an unguessable id (128 random bits); an ephemeral one
+        (not `durable`) is never journaled."""
         session_id = secrets.token_hex(16)
-        self.journal.create(session_id)
-        session = Session(id=session_id, table=self.allocator.new_table())
+        if durable:
+            self._journal.create(session_id)
+        else:
+            self._journal.ephemeral.add(session_id)
+        session = Session(id=session_id, table=self.allocator.new_table(), durable=durable)
         self.sessions[session.id] = session
         return session
 
@@ -193,6 +210,11 @@ class Engine:
         self._work[request.id] = work
         self.scheduler.add(work)
 
+    @property
+    def open_sessions(self) -> int:
+        """Sessions but the prefix cache's entries (which make way for others)."""
+        return len(self.sessions) - len(self.prefix.entries)
+
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None:
@@ -217,7 +239,8 @@ class Engine:
         """Free a session's pages. Its queued or running request, if any, ends: the returned
         events say so."""
         session = self.get(session_id)
-        self.journal.close(session_id)
+        self._journal.close(session_id)
+        self.prefix.forget(session_id)
         events = []
         if session.busy is not None:
             events.append(Failed(request=session.busy, code="not_found",
@@ -227,20 +250,37 @@ class Engine:
         del self.sessions[session_id]
         return events
 
-    def fork(self, session_id: str) -> Session:
-        """A new session with the same log, sharing the parent's full pages."""
-        parent = self._idle(session_id)
-        table, copy = self.allocator.fork(parent.table, parent.length, self.runtime.page_size)
+    def fork(self, session_id: str, length: int | None = None,
+             durable: bool = True) -> Session:
+        """A new session with the parent's log (its first `length` tokens), sharing the
+        parent's full pages. Without `length` the parent must be idle; with it, it may be
+        busy, as long as `length` is at most one past its cached tokens (the pages shared are
+        written and stay as they are; the child writes its own last page)."""
+        if length is None:
+            parent = self._idle(session_id)
+            length = parent.length
+        else:
+            parent = self.get(session_id)
+            if self._restoring(parent):
+                self._idle(session_id)                  # raises Unavailable
+            if not 0 < length <= min(parent.length, parent.kv_len + 1):
+                raise BadRequest(f"cannot fork session {session_id} at {length}: it holds "
+                                 f"{parent.length} tokens, {parent.kv_len} cached")
+        table, copy = self._making_room(
+            lambda: self.allocator.fork(parent.table, length, self.runtime.page_size),
+            keep=parent.id)
         child_id = secrets.token_hex(16)
+        if not durable:
+            self._journal.ephemeral.add(child_id)
         try:
-            self.journal.fork(parent.id, child_id, list(parent.tokens))
+            self._journal.fork(parent.id, child_id, parent.tokens[:length])
         except StorageFailed:
             self.allocator.free(table)
             raise
         if copy is not None:
             self.executor.copy_page(copy.shard, copy.src, copy.dst)
-        child = Session(id=child_id, table=table, tokens=list(parent.tokens),
-                        kv_len=parent.kv_len)
+        child = Session(id=child_id, table=table, tokens=parent.tokens[:length],
+                        kv_len=min(parent.kv_len, length), durable=durable)
         self.sessions[child.id] = child
         return child
 
@@ -296,7 +336,7 @@ class Engine:
         table = session.table
         self._reserve(session, session.length + len(ids))
         try:
-            self.journal.append({session.id: ids})
+            self._journal.append({session.id: ids})
         except StorageFailed:
             self._unreserve(session, table)
             raise
@@ -315,7 +355,20 @@ class Engine:
             # A session's start shard is picked when it first takes pages, so sessions created
             # together still spread out.
             table = session.table if len(session.table) else self.allocator.new_table()
-            session.table = self.allocator.grow(table, want)
+            session.table = self._making_room(lambda: self.allocator.grow(table, want),
+                                              keep=session.id)
+
+    def _making_room(self, allocate, keep: str):
+        """allocate(), closing idle prefix-cache entries but `keep` (least recently used
+        first) while the pool is short of pages."""
+        while True:
+            try:
+                return allocate()
+            except CapacityError:
+                victim = self.prefix.evictable(self.sessions, keep=keep)
+                if victim is None:
+                    raise
+                self.close_session(victim)
 
     def cancel(self, request_id: object) -> None:
         """Stop a queued or running request (its client went away); no event follows."""
@@ -386,7 +439,7 @@ class Engine:
         if batch.decodes:
             tokens, logprobs = outputs[0]
             try:                        # stored before any of them is acknowledged
-                self.journal.append({w.session.id: [int(tokens[i])]
+                self._journal.append({w.session.id: [int(tokens[i])]
                                      for i, w in enumerate(batch.decodes)})
             except StorageFailed as e:
                 events += self._end_unstored(batch.decodes, e)
@@ -490,7 +543,8 @@ class Engine:
         span = (now - recent[0].end + recent[0].host_s + recent[0].device_s) if recent else 0.0
         tokens = sum(t.prefill_tokens + t.decode_tokens for t in recent)
         return {
-            "sessions": len(self.sessions),
+            "sessions": self.open_sessions,
+            "prefix_cache": self.prefix.stats(),
             "requests": len(self._work),
             "queued_prefill_tokens": self.scheduler.queued_tokens,
             "max_queued_tokens": self.scheduler.max_queued_tokens,     # 0: no bound
@@ -505,78 +559,3 @@ class Engine:
             "device_s_last_minute": sum(t.device_s for t in recent),
             **{f"{name}_total": value for name, value in self.totals.items()},
         }
-
-    # -- direct path (scoring) -------------------------------------------------------------
-    def extend(self, session_id: str, tokens, *, all_logits: bool = False,
-               progress=None) -> np.ndarray:
-        """Prefill `tokens` into an idle session now, in chunks. Returns the logits of the last
-        token f32[V] (or of every new token, f32[N, V], with all_logits)."""
-        session = self._idle(session_id)
-        ids = check_token_ids(tokens, self.model.vocab_size).tolist()
-        self._append(session, ids)
-        pending = session.length - session.kv_len      # includes an unwritten last token
-        chunk, outs = self.runtime.chunk_size, []
-        while session.kv_len < session.length:
-            start = session.kv_len
-            piece = session.tokens[start: start + chunk]
-            final = start + len(piece) == session.length
-            kind = "all_logits" if all_logits else ("logits" if final else "fill")
-            out = self._run_now(self._segment(kind, [Row(session.table, piece, start)],
-                                              width=chunk))
-            session.kv_len += len(piece)
-            if all_logits:
-                outs.append(out[0, : len(piece)])
-            if progress is not None:
-                progress(len(piece))
-        if all_logits:
-            return np.concatenate(outs)[pending - len(ids):]
-        return out[0]
-
-    def decode(self, session_ids: list[str], tokens: list[int]) -> np.ndarray:
-        """Append one token to each of several idle, fully written sessions in one step;
-        returns logits f32[B, V]."""
-        if len(session_ids) != len(tokens) or len(set(session_ids)) != len(session_ids):
-            raise BadRequest("decode needs one token per distinct session")
-        if len(session_ids) > self.runtime.max_batch:
-            raise BadRequest(f"batch of {len(session_ids)} exceeds "
-                             f"max_batch={self.runtime.max_batch}")
-        ids = check_token_ids(list(tokens), self.model.vocab_size).tolist()
-        sessions = [self._idle(i) for i in session_ids]
-        if any(s.kv_len != s.length for s in sessions):
-            raise BadRequest("decode needs sessions whose every token is in the cache")
-        tables = [s.table for s in sessions]
-        self._reserve_all(sessions)
-        rows = [Row(s.table, [t], s.length) for s, t in zip(sessions, ids)]
-        out = self._run_now(self._segment("logits", rows))
-        try:
-            self.journal.append({s.id: [t] for s, t in zip(sessions, ids)})
-        except StorageFailed:
-            for s, table in zip(sessions, tables):
-                self._unreserve(s, table)
-            raise
-        for s, t in zip(sessions, ids):
-            s.tokens.append(t)
-            s.kv_len += 1
-        return out[: len(sessions)]
-
-    def _run_now(self, segment: Segment):
-        """Run one segment of the direct path; a failed step is recovered from as in `step`
-        (the caches come back through queued prefills) and raised as Unavailable."""
-        try:
-            return self.executor.run((segment,))[0]
-        except Exception as e:          # noqa: BLE001 - the pool may be gone: recover first
-            log.exception("step failed")
-            self._recover(e)
-            raise Unavailable(f"a device step failed ({type(e).__name__}: {e}); the cache is "
-                              "being rebuilt: step the engine, then retry") from e
-
-    def _reserve_all(self, sessions: list[Session]) -> None:
-        """Reserve one more token for each session, all or nothing."""
-        before = [s.table for s in sessions]
-        try:
-            for s in sessions:
-                self._reserve(s, s.length + 1)
-        except CapacityError:
-            for s, table in zip(sessions, before):
-                self._unreserve(s, table)
-            raise

@@ -26,3 +26,31 @@ class Journal:
 
     def close(self, session_id: str) -> None:
         """The session is gone."""
+
+
+class DurableOnly(Journal):
+    """Passes the calls of durable sessions on to `store`; ephemeral sessions (prefix-cache
+    entries, cp_runtime.engine.prefix_cache) live in memory only and are gone after a
+    restart. A durable fork of an ephemeral session starts a log of its own."""
+
+    def __init__(self, store: Journal):
+        self.store = store
+        self.ephemeral: set[str] = set()
+
+    def create(self, session_id: str) -> None:
+        self.store.create(session_id)
+
+    def append(self, tokens_by_session: dict[str, list[int]]) -> None:
+        durable = {s: t for s, t in tokens_by_session.items() if s not in self.ephemeral}
+        if durable:
+            self.store.append(durable)
+
+    def fork(self, parent_id: str, child_id: str, tokens: list[int]) -> None:
+        if child_id not in self.ephemeral:
+            self.store.fork(parent_id, child_id, tokens)
+
+    def close(self, session_id: str) -> None:
+        if session_id in self.ephemeral:
+            self.ephemeral.discard(session_id)
+        else:
+            self.store.close(session_id)

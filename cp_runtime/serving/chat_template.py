@@ -36,9 +36,26 @@ class ChatTemplate:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     def __call__(self, messages: list[dict]) -> str:
+        return self._render(messages, add_generation_prompt=True)
+
+    def continuation(self, messages: list[dict]) -> str:
+        """The text of new turns that follow a conversation already in a session (ending
+        with the assistant's reply as generated), up to where the next reply begins: the
+        render of a stand-in history plus `messages`, less the stand-in's own render."""
+        from cp_runtime.engine.requests import BadRequest
+        history = [{"role": "user", "content": "\x00"}, {"role": "assistant", "content": "\x01"}]
+        whole = self._render(history + messages, add_generation_prompt=True)
+        base = self._render(history, add_generation_prompt=False)
+        if not whole.startswith(base):
+            raise BadRequest("this chat template does not render a conversation turn by turn: "
+                             "send the whole conversation instead of continuing a response")
+        return whole[len(base):]
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         from cp_runtime.engine.requests import BadRequest
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
+            return self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except self._error as e:
             raise BadRequest(f"the chat template refused these messages: {e}") from None

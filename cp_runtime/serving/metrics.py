@@ -4,7 +4,7 @@ state: two servers in one process keep separate figures).
 Counted as requests go: HTTP requests by endpoint and status code, prompt, generated and
 cached prompt tokens, time to first token and time between tokens. Read from the engine at each
 scrape: step host and device seconds, steps, queued requests and prefill tokens, pages used per
-shard, sessions, sessions restoring.
+shard, sessions, sessions restoring, prefix-cache entries and hits.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class Metrics:
         self.pages_total = gauge("pages_per_shard", "pool pages of each shard")
         self.sessions = gauge("sessions", "sessions open")
         self.restoring = gauge("sessions_restoring", "sessions whose cache is being rebuilt")
+        self.cache_entries = gauge("prefix_cache_entries",
+                                   "sessions kept after stateless requests for prefix reuse")
+        self.cache_hits = gauge("prefix_cache_hits", "requests that reused a cached prefix")
 
     def render(self, stats: dict) -> bytes:
         """Exposition text, the engine gauges set from `stats` (engine.stats() plus
@@ -64,4 +67,6 @@ class Metrics:
         self.pages_total.set(stats["pages_per_shard"])
         self.sessions.set(stats["sessions"])
         self.restoring.set(stats["restoring"])
+        self.cache_entries.set(stats["prefix_cache"]["entries"])
+        self.cache_hits.set(stats["prefix_cache"]["hits"])
         return prom.generate_latest(self.registry)

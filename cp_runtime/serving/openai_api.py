@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate
 from cp_runtime.serving import openai_format as fmt
+from cp_runtime.serving import openai_responses as resp
 from cp_runtime.serving.metrics import Metrics
 from cp_runtime.serving.protocol import RETRYABLE_CODES
 from cp_runtime.serving.server import Refused, Server, error_code
@@ -84,6 +85,8 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", self.delete_response, methods=["DELETE"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -119,7 +122,7 @@ class OpenAIApp:
     def _error_response(self, e: Exception) -> Response:
         if isinstance(e, _HttpError):
             code, status = e.code, e.status
-        elif isinstance(e, LookupError) and not isinstance(e, Refused):
+        elif isinstance(e, LookupError):
             code, status = "not_found", None
         elif isinstance(e, ClientDisconnect):
             code, status = "bad_request", None
@@ -204,20 +207,84 @@ class OpenAIApp:
                              template=self.server.chat_template)
         return await self._respond(req, received, CHAT)
 
-    async def _respond(self, req: fmt.CompletionRequest, received: float,
-                       shape: "_Shape") -> Response:
+    @_endpoint("responses")
+    async def responses(self, request: Request) -> Response:
+        received = time.perf_counter()
+        req = resp.parse_response(await self._json(request), model=self.server.model_name,
+                                  tokenizer=self.server.tokenizer,
+                                  vocab_size=self.server.engine.model.vocab_size,
+                                  template=self.server.chat_template)
+        self._check_prompt(req.completion)
+        run = _Completion(self, req.completion, received)
+        first = await run.start()
+        head = {"model": self.server.model_name, "created": fmt.now(), "req": req}
+        item_id = fmt.new_id("msg")
+        if req.completion.stream:
+            return _Stream(self._response_events(run, first, head, item_id))
+        text, ids, finish = "", [], None
+        async with contextlib.aclosing(run.pieces(first)) as pieces:
+            async for piece in pieces:
+                text, ids = text + piece.text, ids + piece.ids
+                finish = piece.finish_reason or finish
+        return JSONResponse(self._response(run, head, item_id, text, ids, finish))
+
+    def _response(self, run: "_Completion", head: dict, item_id: str, text: str,
+                  ids: list[int], finish: str | None) -> dict:
+        """The finished response object: stored, its id names its session's end."""
+        stored = run.kept is not None and run.length is not None
+        rid = resp.response_id(run.kept, run.length) if stored else fmt.new_id("resp")
+        return resp.response_object(
+            rid=rid, **head, text=text, finish_reason=finish, usage_=run.usage(),
+            item_id=item_id, token_ids=ids if run.req.return_token_ids else None,
+            session=run.kept if stored else None)
+
+    async def _response_events(self, run: "_Completion", first, head: dict, item_id: str):
+        """Server-sent events of a streamed response (`event:` lines name each type)."""
+        stream = resp.ResponseStream(item_id)
+        start = resp.response_object(rid=fmt.new_id("resp"), **head, status="in_progress")
+        for event in stream.opening(start):
+            yield _sse_event(event)
+        ids, finish = [], None
+        async with contextlib.aclosing(run.pieces(first)) as pieces:
+            async for piece in pieces:
+                ids += piece.ids
+                finish = piece.finish_reason or finish
+                if piece.text or piece.ids:
+                    yield _sse_event(stream.delta(
+                        piece.text, piece.ids if run.req.return_token_ids else None))
+        final = self._response(run, head, item_id, stream.text, ids, finish)
+        for event in stream.closing(final):
+            yield _sse_event(event)
+
+    @_endpoint("responses")
+    async def delete_response(self, request: Request) -> Response:
+        """Close the session a stored response lives in (and so every response continued
+        in place from it)."""
+        rid = request.path_params["rid"]
+        session, length = resp.parse_id(rid)
+
+        def close(engine):
+            if engine.get(session).length < length:
+                raise LookupError(f"no response {rid!r}")
+            return engine.close_session(session)
+        self.server.route(await self.server.on_engine(close))
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    def _check_prompt(self, req: fmt.CompletionRequest) -> None:
         limit = self.server.limits.max_tokens_per_request
         if len(req.prompt_ids) > limit:
             raise BadRequest(f"a prompt of {len(req.prompt_ids)} tokens exceeds "
                              f"max_tokens_per_request={limit}")
+
+    async def _respond(self, req: fmt.CompletionRequest, received: float,
+                       shape: "_Shape") -> Response:
+        self._check_prompt(req)
         head = {"rid": fmt.new_id(shape.prefix), "model": self.server.model_name,
                 "created": fmt.now()}
         run = _Completion(self, req, received)
         first = await run.start()                # errors before any token are plain HTTP
         if req.stream:
-            return StreamingResponse(self._events(run, first, head, shape),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _Stream(self._events(run, first, head, shape))
         text, ids, logprobs, finish = "", [], [], None
         async with contextlib.aclosing(run.pieces(first)) as pieces:
             async for piece in pieces:
@@ -271,8 +338,30 @@ CHAT = _Shape("chatcmpl", fmt.chat_object, fmt.chat_chunk,
               lambda first: {"role": first})
 
 
+class _Stream(StreamingResponse):
+    """Server-sent events whose generator is closed when the response ends, however it ends.
+    Starlette ends the stream of a client that left by cancelling it (ASGI 2.3's disconnect
+    message) or, under ASGI 2.4, at a failed send, after which it drops the generator
+    unclosed; closing it here ends the generation and returns its pages at once, not
+    whenever the generator is collected."""
+
+    def __init__(self, events):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _sse_event(obj: dict) -> bytes:
+    return b"event: " + obj["type"].encode() + b"\n" + _sse(obj)
 
 
 class _Piece:
@@ -293,8 +382,11 @@ class _Completion:
         self.front, self.server, self.req = front, front.server, req
         self.received = received
         self.key = ("http", next(front._ids))
-        self.session: str | None = None         # a temporary session, closed at the end
+        self.session: str | None = None         # an ephemeral session (prefix cache)
         self.kept: str | None = None            # a session that lives on
+        self.cached = 0                         # prompt tokens it held already
+        self.finished = False                   # ran to its end (its session may stay)
+        self.length: int | None = None          # the kept session's length at the end
         self.generated: list[int] = []
         self.released = 0                       # characters of the text sent so far
         self.tokenizer = self.server.tokenizer
@@ -302,44 +394,58 @@ class _Completion:
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     async def start(self):
-        """Create the session (or take the one named), prefill the prompt, and wait for the
-        first generated token (or the end); errors up to here are raised, not streamed."""
-        limit = self.server.limits.max_sessions
-        tokens = len(self.req.prompt_ids) + self.req.sampling.max_tokens
-
-        def create(engine):
-            if len(engine.sessions) >= limit:
-                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
-            # Refused before any prefill: the prompt and every token it may generate.
-            pages = -(-tokens // engine.runtime.page_size)
-            if not engine.allocator.can_grow(engine.allocator.new_table(), pages):
-                raise Refused("capacity", f"no room for {tokens} tokens (the prompt plus "
-                                          f"max_tokens) in the pool: "
-                                          f"{engine.allocator.free_per_shard()} pages free "
-                                          "per shard")
-            return engine.create_session().id
-
-        named = self.req.session
-        if isinstance(named, str):
-            self.kept = named
-        else:
-            self.session = await self.server.on_engine(create)
-            self.kept = self.session if named is True else None
-            if named is True:
-                self.session = None               # lives on: close() leaves it
+        """Open the session (below), prefill what of the prompt it does not hold, and wait
+        for the first generated token (or the end); errors up to here are raised, not
+        streamed."""
+        target = await self.server.on_engine(self._open)
         try:
-            prompt = np.asarray(self.req.prompt_ids, np.int32)
-            target = self.kept or self.session
-            async for _ in self.server.request_events(
-                    Extend(id=self.key + ("prompt",), session=target, tokens=prompt)):
-                pass
-            self.front.metrics.prompt_tokens.inc(len(prompt))
+            rest = np.asarray(self.req.prompt_ids[self.cached:], np.int32)
+            if len(rest):
+                async for _ in self.server.request_events(
+                        Extend(id=self.key + ("prompt",), session=target, tokens=rest)):
+                    pass
+            self.front.metrics.prompt_tokens.inc(len(self.req.prompt_ids))
+            self.front.metrics.cached_tokens.inc(self.cached)
             self.events = self.server.request_events(Generate(
                 id=self.key + ("generate",), session=target, sampling=self.req.sampling))
             return await self.events.__anext__()
         except BaseException:
             await self.close()
             raise
+
+    def _open(self, engine) -> str:
+        """On the engine's thread: the session to run in. A new one forks the live session
+        holding the longest cached prefix of its prompt (or starts empty): a stateless
+        request's is ephemeral and kept afterwards as a prefix-cache entry, `session: true`'s
+        lives on. A session id continues that session, from `continue_at` in a fork when it
+        has moved on since."""
+        named, at = self.req.session, self.req.continue_at
+        if isinstance(named, str) and at is None:
+            self.kept = named
+            return named
+        limit = self.server.limits.max_sessions
+        if engine.open_sessions >= limit:
+            raise Refused("capacity", f"session limit reached (max_sessions={limit})")
+        if isinstance(named, str):
+            self.kept = self._continue(engine, named, at)
+            return self.kept
+        tokens = len(self.req.prompt_ids) + self.req.sampling.max_tokens
+        session, self.cached = engine.open_cached(np.asarray(self.req.prompt_ids, np.int32),
+                                                  tokens, durable=named is True)
+        if named is True:
+            self.kept = session.id
+        else:
+            self.session = session.id
+        return session.id
+
+    @staticmethod
+    def _continue(engine, session_id: str, length: int) -> str:
+        session = engine.get(session_id)
+        if length > session.length:
+            raise LookupError(f"no response at {length} tokens of session {session_id}")
+        if length == session.length and session.busy is None:
+            return session_id                       # nothing moved it on: go on in place
+        return engine.fork(session_id, length).id
 
     async def pieces(self, first):
         """The generation as _Pieces of released text, from its first event."""
@@ -348,6 +454,7 @@ class _Completion:
             while True:
                 if isinstance(event, Done):
                     tail, stopped = self._release(final=True)
+                    self.finished = True
                     yield _Piece(tail, [], [], "stop" if stopped else
                                  event.info["finish_reason"])
                     return
@@ -360,6 +467,7 @@ class _Completion:
                 self.generated.append(event.token)
                 self.front.metrics.generated_tokens.inc()
                 text, stopped = self._release()
+                self.finished = stopped
                 yield _Piece(text, [event.token], [event.logprob], "stop" if stopped else None)
                 if stopped:
                     return
@@ -401,19 +509,31 @@ class _Completion:
         return {**answer, "session": self.kept} if self.kept is not None else answer
 
     def usage(self) -> dict:
-        return fmt.usage(len(self.req.prompt_ids), len(self.generated))
+        return fmt.usage(len(self.req.prompt_ids), len(self.generated), self.cached)
 
     async def close(self) -> None:
-        """End the generation if it still runs, and close a temporary session (its queued
-        work ends, its pages go back); a kept session stays, idle."""
+        """End the generation if it still runs; keep the ephemeral session of a request that
+        ran to its end as a prefix-cache entry, or close it (a client that left: its queued
+        work ends, its pages go back); a kept session stays, idle, and its length is read.
+        The engine's part is handed over before anything is awaited, and shielded: a client
+        that left cancels every await here (Starlette's cancel scope), and cancelling a
+        wrapped future would cancel the call itself."""
         events, self.events = getattr(self, "events", None), None
+        session, self.session = self.session, None
+        keep, generation, kept = self.finished, self.key + ("generate",), self.kept
+
+        def end(engine):
+            engine.cancel(generation)                  # nothing when it is done
+            if session is not None and session in engine.sessions:
+                if keep:
+                    engine.retain(session)
+                else:
+                    engine.close_session(session)
+            if kept is not None and kept in engine.sessions:
+                return engine.sessions[kept].length
+        ended = asyncio.shield(asyncio.wrap_future(self.server.engine_loop.call(end)))
         if events is not None:
-            self.server._sinks.pop(self.key + ("generate",), None)
             with contextlib.suppress(RuntimeError):     # already running: it ends with us
                 await events.aclose()
-            if self.kept is not None:
-                await self.server.cancel(self.key + ("generate",))
-        session, self.session = self.session, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.server.on_engine(lambda e: e.close_session(session)))
+        with contextlib.suppress(Exception):
+            self.length = await ended

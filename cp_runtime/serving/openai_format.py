@@ -54,91 +54,93 @@ class CompletionRequest:
     # The extension field `session`: None, a temporary session closed at the end; True, a new
     # session that lives on; a session id, that session (its log continues with the prompt).
     session: str | bool | None = None
+    # With a session id: continue it from this length (a fork when it has moved on since).
+    continue_at: int | None = None
 
 
-def _need(ok: bool, message: str) -> None:
+def need(ok: bool, message: str) -> None:
     if not ok:
         raise BadRequest(message)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _prompt_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
-        _need(tokenizer is not None, "this model has no tokenizer: send 'prompt' as a list of "
+        need(tokenizer is not None, "this model has no tokenizer: send 'prompt' as a list of "
                                      "token ids (and read 'token_ids' with return_token_ids)")
         ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         ids = [int(t) for t in prompt]
     elif isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt_ids(prompt[0], tokenizer, vocab_size)
+        return encode_prompt(prompt[0], tokenizer, vocab_size)
     else:
         raise BadRequest("'prompt' must be a string or a non-empty list of token ids (one "
                          f"prompt per request), got {type(prompt).__name__}")
-    _need(len(ids) > 0, "'prompt' is empty")
+    need(len(ids) > 0, "'prompt' is empty")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    _need(bad is None, f"token {bad} is outside the vocabulary [0, {vocab_size})")
+    need(bad is None, f"token {bad} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
-def _check_fields(body, allowed: set[str], model: str) -> None:
-    _need(isinstance(body, dict), f"the body must be a JSON object, got {type(body).__name__}")
+def check_fields(body, allowed: set[str], model: str) -> None:
+    need(isinstance(body, dict), f"the body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - allowed)
-    _need(not unknown, f"unsupported field(s) {unknown}; supported: {sorted(allowed)}")
+    need(not unknown, f"unsupported field(s) {unknown}; supported: {sorted(allowed)}")
     if body.get("model") not in (None, model):
         raise LookupError(f"the model {body['model']!r} does not exist; this server serves "
                           f"{model!r}")
-    _need(body.get("n", 1) == 1, "only n=1 is supported")
+    need(body.get("n", 1) == 1, "only n=1 is supported")
 
 
 def parse_completion(body, *, model: str, tokenizer, vocab_size: int) -> CompletionRequest:
     """Check a /v1/completions body; raises BadRequest (400) or LookupError (404: another
     model) naming the field."""
-    _check_fields(body, COMPLETION_FIELDS, model)
-    _need(body.get("echo", False) is False, "echo is not supported")
-    ids = _prompt_ids(body.get("prompt"), tokenizer, vocab_size)
+    check_fields(body, COMPLETION_FIELDS, model)
+    need(body.get("echo", False) is False, "echo is not supported")
+    ids = encode_prompt(body.get("prompt"), tokenizer, vocab_size)
     logprobs = body.get("logprobs")
-    _need(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS),
+    need(logprobs is None or (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS),
           f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
           "log-probability; alternatives are not returned)")
-    return _sampled(body, ids, tokenizer, logprobs is not None)
+    return sampled(body, ids, tokenizer, logprobs is not None)
 
 
 def parse_chat(body, *, model: str, tokenizer, vocab_size: int, template) -> CompletionRequest:
     """Check a /v1/chat/completions body and render its messages with the model's chat
     template (`template(messages) -> str`, None: the model has none)."""
-    _check_fields(body, CHAT_FIELDS, model)
-    _need(tokenizer is not None and template is not None,
+    check_fields(body, CHAT_FIELDS, model)
+    need(tokenizer is not None and template is not None,
           "this model has no chat template (tokenizer_config.json's chat_template): use "
           "/v1/completions")
     messages = body.get("messages")
-    _need(isinstance(messages, list) and messages and all(
+    need(isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str)
         and isinstance(m.get("content"), str) for m in messages),
         "'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
-    _need(isinstance(body.get("logprobs", False), bool), "'logprobs' must be a boolean")
+    need(isinstance(body.get("logprobs", False), bool), "'logprobs' must be a boolean")
     if "max_completion_tokens" in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    ids = _prompt_ids(template(messages), tokenizer, vocab_size)
-    return _sampled(body, ids, tokenizer, bool(body.get("logprobs", False)))
+    ids = encode_prompt(template(messages), tokenizer, vocab_size)
+    return sampled(body, ids, tokenizer, bool(body.get("logprobs", False)))
 
 
-def _sampled(body: dict, ids: list[int], tokenizer, logprobs: bool) -> CompletionRequest:
+def sampled(body: dict, ids: list[int], tokenizer, logprobs: bool) -> CompletionRequest:
     """The sampling and streaming fields both endpoints share."""
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    _need(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+    need(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
           "'stop' must be a string or a list of non-empty strings")
-    _need(not stop or tokenizer is not None, "'stop' strings need a tokenizer: this model has "
+    need(not stop or tokenizer is not None, "'stop' strings need a tokenizer: this model has "
                                              "none; give 'stop_token_ids'")
     options = body.get("stream_options") or {}
-    _need(isinstance(options, dict), "'stream_options' must be an object")
+    need(isinstance(options, dict), "'stream_options' must be an object")
     for flag in ("stream", "return_token_ids"):
-        _need(isinstance(body.get(flag, False), bool), f"'{flag}' must be a boolean")
+        need(isinstance(body.get(flag, False), bool), f"'{flag}' must be a boolean")
     session = body.get("session")
-    _need(session is None or session is True or isinstance(session, str),
+    need(session is None or session is True or isinstance(session, str),
           "'session' must be true (a new session that lives on) or a session id")
     sampling = SamplingParams(
         max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 1.0),

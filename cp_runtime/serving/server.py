@@ -168,9 +168,10 @@ class Server:
 
     # -- device thread -> event loop ---------------------------------------------------------
     def _events_from_device(self, events: list) -> None:
-        self._loop.call_soon_threadsafe(self._route, events)
+        self._loop.call_soon_threadsafe(self.route, events)
 
-    def _route(self, events: list) -> None:
+    def route(self, events: list) -> None:
+        """Hand engine events to the requests waiting for them (on the event loop)."""
         for event in events:
             sink = self._sinks.get(event.request)
             if sink is not None:
@@ -425,7 +426,7 @@ class _Handlers:
         limit = conn.server.limits.max_sessions
 
         def create(engine: Engine):
-            if len(engine.sessions) >= limit:
+            if engine.open_sessions >= limit:
                 raise Refused("capacity", f"session limit reached (max_sessions={limit})")
             return engine.create_session().id
 
@@ -469,7 +470,7 @@ class _Handlers:
         limit = conn.server.limits.max_sessions
 
         def fork(engine: Engine):
-            if len(engine.sessions) >= limit:
+            if engine.open_sessions >= limit:
                 raise Refused("capacity", f"session limit reached (max_sessions={limit})")
             return engine.fork(session).id
 
@@ -484,7 +485,7 @@ class _Handlers:
     async def close(conn: _Connection, rid, message: dict) -> None:
         session = _session_field(message)
         events = await conn.server.on_engine(lambda e: e.close_session(session))
-        conn.server._route(events)
+        conn.server.route(events)
         conn.done(rid)
 
     @staticmethod
@@ -509,7 +510,7 @@ class _Handlers:
         def listing(engine: Engine):
             return [{"session": s.id, "length": s.length, "restoring": engine._restoring(s),
                      **({"damaged": damaged[s.id]["reason"]} if s.id in damaged else {})}
-                    for s in engine.sessions.values()]
+                    for s in engine.sessions.values() if s.durable]
 
         conn.done(rid, sessions=await conn.server.on_engine(listing),
                   unrestored=list(store.unrestored) if store is not None else [])
