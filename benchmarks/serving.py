@@ -88,13 +88,12 @@ measured run 53 s); 377 tokens/s; TTFT p50 1.3 s, p99 2.5 s (12 samples); ITL p5
 prompt p99 31 s; uploads 539 and 272 tokens/s; host share 0.2% (0.6 ms engine host + 0.4 ms
 server CPU against 559 ms device per step).
 
-`--api both --quick` on the same machine (2 x86 cores, load average 4.5 at the start and 8.7
-at the end, the benchmark's own threads included): 1 min 55 s in all (server start 17 s;
-warm-ups 63 s over the session protocol, 17 s over HTTP; measured runs 5.6 s and 5.5 s).
-Session protocol vs HTTP, 3 TTFT and 45 ITL samples each, so a rough comparison: TTFT p50
-2.1 s vs 3.9 s (HTTP's includes the prompt, which waits behind the upload); turn to first token
-p50 3.3 s vs 3.9 s; ITL p50 26 vs 23 ms, p99 1.1 s vs 0.77 s; host CPU 0.76 vs 0.89 ms per
-generated token (server event-loop CPU 0.58 vs 0.77 ms, engine host 0.18 vs 0.12 ms).
+`--api both --quick` on the same machine with nothing else running: 45 s in all. Session
+protocol vs HTTP, 3 TTFT and 45 ITL samples each, so a rough comparison: TTFT p50 760 ms vs
+1,374 ms (HTTP's includes the turn's 128-token prompt); turn to first token p50 1,146 vs
+1,374 ms, p99 1,545 vs 1,720 ms; ITL p50 18.9 vs 16.7 ms, p99 414 vs 417 ms; host CPU 0.48 vs
+0.59 ms per generated token (server event-loop CPU 0.36 vs 0.49 ms, engine host 0.12 vs
+0.10 ms).
 """
 
 from __future__ import annotations

@@ -128,8 +128,8 @@ def test_kuberay_head_probes_the_servers_http_port():
     # Ready: /health says 200 (503 while sessions are restored takes the pod out of the Service).
     ready = head["readinessProbe"]
     assert ready["httpGet"] == {"path": "/health", "port": port}
-    # Alive: the port listens. Not /health, which is 503 for as long as a restore takes (and
-    # waits for a compiling step): a liveness probe on it would restart a recovering server.
+    # Alive: the port listens. Not /health, which is 503 for as long as a restore takes: a
+    # liveness probe on it would restart a recovering server.
     live = head["livenessProbe"]
     assert live["tcpSocket"] == {"port": port} and "httpGet" not in live and "exec" not in live
     # The weights load before the server listens: the startup probe waits an hour for it, and

@@ -206,6 +206,24 @@ def test_stateless_prompts_reuse_cached_prefixes_exactly(served_http, tiny, tiny
     text = request(http, "GET", "/metrics", token=None)[2]
     assert "cp_runtime_cached_prompt_tokens_total" in text and "cp_runtime_prefix_cache_hits"\
         in text
+    # The raw framing of both streams: `data: {json}` events ending in `data: [DONE]`; the
+    # responses' with an `event:` line naming each type, and no [DONE].
+    for path, body in (("/v1/completions", {"prompt": doc, "max_tokens": 2, "stream": True}),
+                       ("/v1/responses", {"input": doc, "max_output_tokens": 2,
+                                          "stream": True, "store": False})):
+        status, head, raw = request(http, "POST", path, body)
+        head = {k.lower(): v for k, v in head.items()}
+        assert status == 200 and head["content-type"].startswith("text/event-stream")
+        events = raw.split("\n\n")
+        assert events[-1] == "" and all(e.startswith(("data: ", "event: ")) for e in events[:-1])
+        if path == "/v1/completions":
+            assert events[-2] == "data: [DONE]" and len(events) == 2 + 3   # 2 tokens, the end
+            assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-2])
+        else:
+            kinds = [e.split("\n")[0][7:] for e in events[:-1]]
+            assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+            assert all(json.loads(e.split("\n")[1][6:])["type"] == k
+                       for e, k in zip(events, kinds))
 
 
 def test_a_client_leaving_mid_stream_gives_its_pages_back(served_http):

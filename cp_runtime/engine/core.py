@@ -31,8 +31,13 @@ and queue as they were (the generations of a step whose tokens could not be stor
 fresh pool and rebuilds every session's cache from its log (docs/state.md); `restore_session`
 does the same for sessions read back after a restart.
 
-`extend` and `decode` are the direct path for scoring (benchmarks, tests): they run at once,
-synchronously, and return logits; they refuse sessions that have queued work.
+Prefix reuse (cp_runtime.engine.prefix_cache): `open_cached` gives a stateless request a
+fork of the live session holding the longest cached prefix of its prompt; such sessions are
+ephemeral (never journaled) and kept afterwards as entries that `_making_room` closes, least
+recently used first, whenever an allocation is short of pages.
+
+`extend` and `decode` are the direct path for scoring (benchmarks, tests; engine/direct.py):
+they run at once, synchronously, and return logits; they refuse sessions that have queued work.
 """
 
 from __future__ import annotations
@@ -230,6 +235,11 @@ class Engine(DirectPath, PrefixReuse):
             raise BadRequest(f"session {session_id} is busy with request {session.busy!r}; "
                              "one request per session at a time")
         return session
+
+    @property
+    def restoring_sessions(self) -> int:
+        """Sessions whose cache is being rebuilt from their logs (their queued restores)."""
+        return sum(isinstance(k, tuple) and k[:1] == ("restore",) for k in self._work)
 
     @staticmethod
     def _restoring(session: Session) -> bool:
@@ -507,6 +517,8 @@ class Engine(DirectPath, PrefixReuse):
         self.executor.rebuild()
         events = self.fail_all("unavailable", f"a device step failed ({type(error).__name__}: "
                                               f"{error}); the cache is being rebuilt, retry")
+        for session_id in list(self.prefix.entries):     # a cache, not worth rebuilding
+            self.close_session(session_id)
         for session in self.sessions.values():
             self._queue_restore(session)
         return events

@@ -5,6 +5,8 @@ answering other clients.
 The engine is not thread-safe: everything touching it runs on this thread. Other threads hand
 it work with `call(fn)`, which runs `fn(engine)` between two steps and returns a
 `concurrent.futures.Future`; events from steps go to `on_events`, called on this thread.
+`restoring`, the number of sessions whose cache is being rebuilt, is published after every
+step for readers on other threads that must not wait for one (a health probe).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="cp-runtime-device", daemon=True)
+        self.restoring = engine.restoring_sessions
 
     def start(self) -> None:
+        self.restoring = self.engine.restoring_sessions
         self._thread.start()
 
     def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
@@ -75,6 +79,7 @@ class EngineLoop:
                 return
             if self.engine.has_work:
                 self._step()
+            self.restoring = self.engine.restoring_sessions
 
     def _step(self) -> None:
         try:

@@ -174,8 +174,9 @@ class OpenAIApp:
 
     @_endpoint("health", auth=False)
     async def health(self, request: Request) -> Response:
-        restoring = await self.server.on_engine(
-            lambda e: sum(e._restoring(s) for s in e.sessions.values()))
+        """Read from what the device loop publishes after each step: a probe never waits for a
+        step (seconds for a long prefill chunk, minutes for a first compile)."""
+        restoring = self.server.engine_loop.restoring
         if restoring:
             return JSONResponse({"status": "restoring", "sessions_restoring": restoring},
                                 status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -184,8 +185,7 @@ class OpenAIApp:
     @_endpoint("metrics", auth=False)
     async def metrics_text(self, request: Request) -> Response:
         def stats(engine):
-            return {**engine.stats(),
-                    "restoring": sum(engine._restoring(s) for s in engine.sessions.values())}
+            return {**engine.stats(), "restoring": engine.restoring_sessions}
 
         text = self.metrics.render(await self.server.on_engine(stats))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
