@@ -70,7 +70,7 @@ def is_int(x) -> bool:
 def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         need(tokenizer is not None, "this model has no tokenizer: send 'prompt' as a list of "
-                                     "token ids (and read 'token_ids' with return_token_ids)")
+                                    "token ids (and read 'token_ids' with return_token_ids)")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         ids = [int(t) for t in prompt]
@@ -103,8 +103,8 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int) -> Complet
     ids = encode_prompt(body.get("prompt"), tokenizer, vocab_size)
     logprobs = body.get("logprobs")
     need(logprobs is None or (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS),
-          f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
-          "log-probability; alternatives are not returned)")
+         f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] (the sampled token's "
+         "log-probability; alternatives are not returned)")
     return sampled(body, ids, tokenizer, logprobs is not None)
 
 
@@ -113,8 +113,8 @@ def parse_chat(body, *, model: str, tokenizer, vocab_size: int, template) -> Com
     template (`template(messages) -> str`, None: the model has none)."""
     check_fields(body, CHAT_FIELDS, model)
     need(tokenizer is not None and template is not None,
-          "this model has no chat template (tokenizer_config.json's chat_template): use "
-          "/v1/completions")
+         "this model has no chat template (tokenizer_config.json's chat_template): use "
+         "/v1/completions")
     messages = body.get("messages")
     need(isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -132,16 +132,16 @@ def sampled(body: dict, ids: list[int], tokenizer, logprobs: bool) -> Completion
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     need(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
-          "'stop' must be a string or a list of non-empty strings")
+         "'stop' must be a string or a list of non-empty strings")
     need(not stop or tokenizer is not None, "'stop' strings need a tokenizer: this model has "
-                                             "none; give 'stop_token_ids'")
+                                            "none; give 'stop_token_ids'")
     options = body.get("stream_options") or {}
     need(isinstance(options, dict), "'stream_options' must be an object")
     for flag in ("stream", "return_token_ids"):
         need(isinstance(body.get(flag, False), bool), f"'{flag}' must be a boolean")
     session = body.get("session")
     need(session is None or session is True or isinstance(session, str),
-          "'session' must be true (a new session that lives on) or a session id")
+         "'session' must be true (a new session that lives on) or a session id")
     sampling = SamplingParams(
         max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 1.0),
         top_p=body.get("top_p", 1.0), top_k=_top_k(body.get("top_k", 0)),

@@ -79,13 +79,13 @@ def _input_ids(body: dict, tokenizer, vocab_size: int, template, continuing: boo
     string as it is."""
     value, instructions = body.get("input"), body.get("instructions")
     fmt.need(instructions is None or isinstance(instructions, str),
-              "'instructions' must be a string")
+             "'instructions' must be a string")
     if isinstance(value, list) and value and all(fmt.is_int(t) for t in value):
         return fmt.encode_prompt(value, tokenizer, vocab_size)
     if template is None:
         fmt.need(isinstance(value, str) and not instructions,
-                  "this model has no chat template: send 'input' as a string or token ids, "
-                  "without 'instructions'")
+                 "this model has no chat template: send 'input' as a string or token ids, "
+                 "without 'instructions'")
         return fmt.encode_prompt(value, tokenizer, vocab_size)
     fmt.need(tokenizer is not None, "this model has no tokenizer: send token ids")
     messages = _messages(value, instructions)
@@ -99,19 +99,19 @@ def parse_response(body, *, model: str, tokenizer, vocab_size: int, template
     fmt.check_fields(body, RESPONSE_FIELDS, model)
     text = body.get("text")
     fmt.need(text is None or (isinstance(text, dict) and text.get("format", {"type": "text"})
-                               == {"type": "text"}), "only text output is supported")
+                              == {"type": "text"}), "only text output is supported")
     store = body.get("store", True)
     fmt.need(isinstance(store, bool), "'store' must be a boolean")
     previous, session = body.get("previous_response_id"), body.get("session")
     fmt.need(previous is None or session is None,
-              "give 'previous_response_id' or 'session', not both")
+             "give 'previous_response_id' or 'session', not both")
     continue_at = None
     if previous is not None:
         session, continue_at = parse_id(previous)
     fmt.need(session is None or isinstance(session, str),
-              "'session' must be the id of a session to continue")
+             "'session' must be the id of a session to continue")
     fmt.need(store or session is None, "a response that continues a session is stored: "
-                                        "drop 'store': false")
+                                       "drop 'store': false")
     ids = _input_ids(body, tokenizer, vocab_size, template, session is not None)
     sampling = {k: v for k, v in body.items() if k in fmt.SAMPLING_FIELDS - {"session"}}
     if "max_output_tokens" in body:
