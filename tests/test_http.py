@@ -298,6 +298,18 @@ def test_chat_through_a_checkpoints_template(tmp_path):
         assert text == done.choices[0].message.content
         assert request(http, "POST", "/detokenize",
                        {"tokens": done.choices[0].token_ids})[2]["prompt"] == text
+        # A response continued renders only the new turn, after the tokens its session holds.
+        first = sdk.responses.create(model=str(d), input="what is the registered code?",
+                                     max_output_tokens=3, temperature=0)
+        assert first.usage.input_tokens == len(rendered["tokens"])
+        more = sdk.responses.create(model=str(d), input="and the other?", max_output_tokens=3,
+                                    temperature=0, previous_response_id=first.id)
+        turn = request(http, "POST", "/tokenize",
+                       {"prompt": "<|user|>and the other?<|assistant|>"})[2]["tokens"]
+        assert more.usage.input_tokens == len(turn) and more.session == first.session
+        with cp_runtime.Client(address) as c:
+            assert c.session(first.session).info()["length"] == \
+                len(rendered["tokens"]) + 3 + len(turn) + 3
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.text()[-4000:]
