@@ -6,13 +6,18 @@ protocol (docs/http.md).
     POST /v1/completions       prompt (text or token ids) -> completion; `stream` as
                                server-sent events ending in `data: [DONE]`
     POST /v1/chat/completions  messages, rendered with the checkpoint's chat template
+    POST /v1/responses         a stored response that lives on as a session;
+                               `previous_response_id` continues it (openai_responses)
+    DELETE /v1/responses/{id}  closes the session a stored response lives in
     POST /tokenize             text -> token ids
     POST /detokenize           token ids -> text
     GET  /health               200 while serving, 503 while sessions are being restored
     GET  /metrics              Prometheus exposition (cp_runtime.serving.metrics)
 
-A completion runs in a session of its own (created, extended with the prompt, generated from,
-closed); a client that goes away mid-request cancels it and its pages go back at once.
+A stateless completion runs in an ephemeral session of its own: a fork of the live session
+holding the longest cached prefix of its prompt (cp_runtime.engine.prefix_cache), extended with
+the rest, generated from, and kept afterwards as a prefix-cache entry; a client that goes away
+mid-request cancels it, and its session is closed, its pages back at once.
 Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the session
 protocol's codes mapped to HTTP statuses (openai_format.ERROR_STATUS); a retryable one
 carries `Retry-After`. With an auth token, every endpoint but /health and /metrics needs
@@ -375,8 +380,9 @@ class _Piece:
 
 
 class _Completion:
-    """One completion in a session of its own: prefill the prompt, stream the generation,
-    release text up to stop strings, close the session whatever happens."""
+    """One completion (or response): open its session, prefill what of the prompt it does not
+    hold, stream the generation, release text up to stop strings, and at the end keep or close
+    its session (`close`), whatever happens."""
 
     def __init__(self, front: OpenAIApp, req: fmt.CompletionRequest, received: float):
         self.front, self.server, self.req = front, front.server, req

@@ -4,6 +4,8 @@ body checked into what the engine runs, and the engine's results shaped into Ope
     parse_completion(body, model, tokenizer, vocab_size) -> CompletionRequest
     parse_chat(body, model, tokenizer, vocab_size, template) -> CompletionRequest
     completion_object / completion_chunk / chat_object / chat_chunk / usage / error_body
+    need / is_int / check_fields / encode_prompt / sampled: the checks the /v1/responses
+    shapes (openai_responses) share
 
 Field names and meanings follow OpenAI's `/v1/completions` and vLLM's extensions
 (`return_token_ids`, `stop_token_ids`, `top_k`); docs/http.md lists what is supported.
@@ -18,8 +20,9 @@ import time
 
 from cp_runtime.engine.requests import BadRequest, SamplingParams
 
-__all__ = ["CompletionRequest", "ERROR_STATUS", "chat_chunk", "chat_object", "completion_chunk",
-           "completion_object", "error_body", "parse_chat", "parse_completion", "usage"]
+__all__ = ["CompletionRequest", "ERROR_STATUS", "chat_chunk", "chat_object", "check_fields",
+           "completion_chunk", "completion_object", "encode_prompt", "error_body", "is_int",
+           "need", "new_id", "now", "parse_chat", "parse_completion", "sampled", "usage"]
 
 # code -> (HTTP status, OpenAI error type); the retryable ones carry Retry-After.
 ERROR_STATUS = {
@@ -51,8 +54,9 @@ class CompletionRequest:
     include_usage: bool
     return_token_ids: bool
     logprobs: bool
-    # The extension field `session`: None, a temporary session closed at the end; True, a new
-    # session that lives on; a session id, that session (its log continues with the prompt).
+    # The extension field `session`: None, a stateless request (an ephemeral session, kept as a
+    # prefix-cache entry); True, a new session that lives on; a session id, that session (its
+    # log continues with the prompt).
     session: str | bool | None = None
     # With a session id: continue it from this length (a fork when it has moved on since).
     continue_at: int | None = None
