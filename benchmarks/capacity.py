@@ -7,8 +7,8 @@ glm-5.2's fp8 row is the fp8 figure of `cp-runtime capacity --model glm-5.2`.
     cp-runtime bench capacity --topology tpu7x-32 --models glm-5.2,deepseek-v3.2
     cp-runtime bench capacity --devices 16 --hbm-gib 96 --weights-gib 48   # a fixed weight share
 
-Every figure comes from `cp_runtime.capacity` (the single source the scheduler and the pool also
-use): `bytes_per_token` = latent rows of every layer + indexer keys of every `full` layer, and
+Every figure comes from `cp_runtime.cache.capacity` (the single source the scheduler and the pool
+also use): `bytes_per_token` = latent rows of every layer + indexer keys of every `full` layer, and
 `slice_report` for what fits: per device, HBM minus the model's weight shard (from its config's
 tensors and `--weight-dtype`, split as `--weights` says, `auto` as the runtime resolves it) minus
 the reserve (10% of HBM unless `--reserve-gib`), over every device of the slice. `--weights-gib`
@@ -29,8 +29,9 @@ import pathlib
 
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.plots import bar_chart
-from cp_runtime.capacity import DEFAULT_TOPOLOGY, GIB, TOPOLOGIES, bytes_per_token, slice_report
-from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtypes, add_no_progress, add_out,
+from cp_runtime.cache.capacity import (DEFAULT_TOPOLOGY, GIB, TOPOLOGIES, bytes_per_token,
+                                       slice_report)
+from cp_runtime.cli.args import (HelpFormatter, add_kv_cache_dtypes, add_no_progress, add_out,
                                  add_weight_dtype, add_weights, check_out_dir, comma_list,
                                  finite_positive_float, positive_int)
 from cp_runtime.config import ModelConfig, load_model_config, model_names
@@ -47,7 +48,7 @@ GROUPS = {True: "full-size models (1B+ parameters)", False: "toy test models (un
 def is_full_size(model: ModelConfig) -> bool:
     """A billion parameters or more (glm-5.2, deepseek-v3.2), as opposed to the toy test
     configs (tiny, small, recall, ...)."""
-    from cp_runtime.weights import param_shapes       # imports jax; keep the module light
+    from cp_runtime.weights.params import param_shapes       # imports jax; keep the module light
 
     return sum(math.prod(s) for s in param_shapes(model).values()) >= FULL_SIZE_PARAMS
 

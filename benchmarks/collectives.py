@@ -1,6 +1,6 @@
 """What one all-gather costs as the shards grow: XLA's, flat and in stages, and the native
-in-process gather (cp_runtime.collectives), all in one run. A decode step's collectives carry a
-few hundred bytes, so this times latency, not bytes.
+in-process gather (cp_runtime.parallel.collectives), all in one run. A decode step's collectives
+carry a few hundred bytes, so this times latency, not bytes.
 
     cp-runtime bench collectives                    # S = 2, 4, 8, 16; writes out/collectives.json
     cp-runtime bench collectives --shards 16 --depth 16
@@ -26,7 +26,7 @@ import time
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shard_counts,
+from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shard_counts,
                                  check_out_dir, positive_int)
 
 __all__ = ["build_parser", "parse_args", "main"]
@@ -77,7 +77,7 @@ def _program(shards: int, mode: str, calls: int, values: int):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cp_runtime.collectives import gather_reduce
+    from cp_runtime.parallel.collectives import gather_reduce
 
     mesh = jax.make_mesh((shards,), ("cp",), devices=jax.devices()[:shards])
 
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from cp_runtime.collectives import tree_stages
     from cp_runtime.kernels.native_gather import native_status
+    from cp_runtime.parallel.collectives import tree_stages
 
     def applies(shards: int, mode: str) -> bool:
         if mode == "staged":

@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: the machine description, JSON output, table printing. Command-line
-flags and their types (`parse_length` included) live in cp_runtime.cli_args."""
+flags and their types (`parse_length` included) live in cp_runtime.cli.args."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 
 import jax
 
-from cp_runtime.cli_args import parse_length  # re-exported; the one copy is in cli_args
-from cp_runtime.devices import init_cpu_devices  # re-exported
+from cp_runtime.cli.args import parse_length  # re-exported; the one copy is in cli.args
+from cp_runtime.parallel.devices import init_cpu_devices  # re-exported
 
 __all__ = ["ServeProcess", "apply_quick", "init_cpu_devices", "init_shard_devices", "machine",
            "parse_length", "print_table", "quick_help", "write_json"]
@@ -94,7 +94,7 @@ class ServeProcess:
 
     def __init__(self, flags: list[str], timeout_s: float = 600.0,
                  env: dict[str, str] | None = None):
-        self.command = [sys.executable, "-m", "cp_runtime.cli", "serve", *flags, "--port", "0"]
+        self.command = [sys.executable, "-m", "cp_runtime.cli.main", "serve", *flags, "--port", "0"]
         self._log = tempfile.TemporaryFile(mode="w+t")
         env = {**{k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"}, **(env or {})}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,

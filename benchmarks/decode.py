@@ -23,7 +23,7 @@ median / max over the rounds of each round's median step.
             reported as the median over the rounds with its min and max
   gathers   the short step with XLA's all-gathers, flat (one collective over every shard) and
             staged, beside the engine's (`auto`: on CPU the in-process gather where it can run,
-            cp_runtime.collectives)
+            cp_runtime.parallel.collectives)
 
 The pool is synthetic (random values in every page; sessions whose page tables cover their
 length), as in `bench profile`: a million-token context costs seconds, not a prefill.
@@ -40,7 +40,7 @@ import statistics
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_kv_cache_dtype, add_model, add_no_progress,
+from cp_runtime.cli.args import (HelpFormatter, add_kv_cache_dtype, add_model, add_no_progress,
                                  add_out, add_page_size, add_shards, add_weight_dtype,
                                  check_not_below_page, check_out_dir, check_page_size,
                                  check_page_size_for_model, length, positive_int)
@@ -104,9 +104,9 @@ class Bench:
 
     def __init__(self, model, params, args, contexts: list[int], pool_factor: int = 1):
         from cp_runtime.benchmarks.profile import fill_pool, synthetic_session
+        from cp_runtime.cache.layout import cdiv
         from cp_runtime.config import RuntimeConfig
         from cp_runtime.engine import Engine, LocalExecutor
-        from cp_runtime.layout import cdiv
 
         ps = args.page_size
         pages = pool_factor * sum(cdiv(n + 2 * ps, ps) for n in contexts)
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     from cp_runtime.benchmarks.profile import phase_work, step_shape
     from cp_runtime.benchmarks.roofline import measure_roofline
     from cp_runtime.config import load_model_config
-    from cp_runtime.step import make_step
-    from cp_runtime.weights import init_params
+    from cp_runtime.engine.step import make_step
+    from cp_runtime.weights.params import init_params
 
     model = load_model_config(args.model)
     params = init_params(model, seed=0)

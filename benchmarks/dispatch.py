@@ -24,7 +24,7 @@ import time
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
+from cp_runtime.cli.args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_shards,
                                  add_weight_dtype, check_out_dir, length, positive_int)
 from cp_runtime.optional import require
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from cp_runtime.config import RuntimeConfig
     from cp_runtime.engine import Engine
     from cp_runtime.engine.executor import LocalExecutor
-    from cp_runtime.weights_source import WeightsSource
+    from cp_runtime.model.source import WeightsSource
 
     source = WeightsSource(model=args.model, seed=0)
     loaded = source.load()

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_model, add_no_progress, add_out,
+from cp_runtime.cli.args import (HelpFormatter, add_backend, add_model, add_no_progress, add_out,
                                  check_out_dir, positive_int)
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
-from cp_runtime.kernels_dispatch import select_kernels
+from cp_runtime.kernels.dispatch import select_kernels
 
 __all__ = ["cache_error", "CACHE_ERROR_BOUNDS", "main", "build_parser", "parse_args"]
 

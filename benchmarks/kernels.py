@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.cli_args import HelpFormatter, add_no_progress, add_out, check_out_dir, comma_list
+from cp_runtime.cli.args import HelpFormatter, add_no_progress, add_out, check_out_dir, comma_list
 from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
 __all__ = ["Shapes", "SIZES", "run", "build_parser", "parse_args", "main"]

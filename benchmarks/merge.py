@@ -1,5 +1,5 @@
-"""Where the shards' attention partials meet: every merge variant of cp_runtime/merge.py, its
-bytes moved per token and device (from the collectives it issues, for a model's real head
+"""Where the shards' attention partials meet: every merge variant of cp_runtime/parallel/merge.py,
+its bytes moved per token and device (from the collectives it issues, for a model's real head
 count and widths) and its collectives timed on S devices in one run (ratios are what matter on
 a noisy machine).
 
@@ -37,7 +37,7 @@ import time
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_model, add_no_progress, add_out, add_shards,
+from cp_runtime.cli.args import (HelpFormatter, add_model, add_no_progress, add_out, add_shards,
                                  check_out_dir, finite_positive_float, length, positive_int)
 
 __all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
@@ -134,8 +134,8 @@ def _combine_program(mesh, merge: str, weights: str, hidden: int):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from cp_runtime.merge import combine
-    from cp_runtime.weight_shards import WeightShards
+    from cp_runtime.parallel.merge import combine
+    from cp_runtime.weights.shards import WeightShards
 
     ws = WeightShards("cp" if weights == "sharded" else None)
 

@@ -15,7 +15,7 @@ import time
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_shards,
                                  add_weight_dtype, check_not_below_page, check_out_dir,
                                  check_page_size, check_page_size_for_model, length, positive_int)
@@ -68,11 +68,11 @@ def run(args) -> dict:
     import numpy as np
     from tqdm import tqdm
 
+    from cp_runtime.cache.layout import cdiv
     from cp_runtime.config import RuntimeConfig, load_model_config
     from cp_runtime.engine import Engine
     from cp_runtime.engine.executor import LocalExecutor
-    from cp_runtime.layout import cdiv
-    from cp_runtime.weights import init_params
+    from cp_runtime.weights.params import init_params
 
     model = load_model_config(args.model)
     pages = cdiv(cdiv(args.tokens + args.decode_steps, args.page_size), args.shards) + 1

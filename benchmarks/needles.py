@@ -1,7 +1,7 @@
 """Needle contexts: a haystack, needles hidden at depths, and the questions that ask for them.
 
 Two sources, one shape (`Context`): `recall_context` builds token contexts for the hand-built
-retrieval model (cp_runtime/recall_model.py: fact tokens with clustered keys, a query token per
+retrieval model (cp_runtime/model/recall.py: fact tokens with clustered keys, a query token per
 key); `text_context` builds RULER-style text for a real checkpoint's tokenizer (filler sentences,
 a key-value sentence per needle, then "Question: ... Answer: ..."). benchmarks/niah.py runs them.
 
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cp_runtime.checkpoint import HFTokenizer
 from cp_runtime.config import ModelConfig
-from cp_runtime.recall_model import RecallModel, build_recall_model
+from cp_runtime.model.recall import RecallModel, build_recall_model
+from cp_runtime.weights.checkpoint import HFTokenizer
 
 __all__ = ["KEY_WORDS", "OBJECTS", "SUBJECTS", "VARIANTS", "VERBS", "Case", "Context",
            "ContextFn", "Probe", "Variant", "recall_context", "shared_recall_model", "text_context"]

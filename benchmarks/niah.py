@@ -2,7 +2,7 @@
 needle variant, latent cache dtype and shard count, through the serving path (Engine ->
 LocalExecutor -> paged, sharded, quantized cache).
 
-By default the model is the hand-built retrieval model (cp_runtime/recall_model.py): it measures
+By default the model is the hand-built retrieval model (cp_runtime/model/recall.py): it measures
 whether the runtime's retrieval path (indexer page selection, context-parallel top-K, sparse
 attention over the cache) finds a fact, not language ability. With `--checkpoint DIR` it runs a
 real checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
@@ -49,8 +49,8 @@ from tqdm import tqdm
 from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
                                            recall_context, shared_recall_model, text_context)
-from cp_runtime.recall_model import RecallLayout
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+from cp_runtime.cache.layout import cdiv
+from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_kv_cache_dtypes, add_model, add_no_progress, add_out,
                                  add_page_size, add_shard_counts, add_weight_dtype,
                                  check_checkpoint_dir, check_not_below_page, check_out_dir,
@@ -59,11 +59,11 @@ from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
-from cp_runtime.layout import cdiv
+from cp_runtime.model.recall import RecallLayout
+from cp_runtime.model.source import WeightsSource
 from cp_runtime.optional import require
-from cp_runtime.weight_placement import BlockSource
-from cp_runtime.weights import Params
-from cp_runtime.weights_source import WeightsSource
+from cp_runtime.weights.params import Params
+from cp_runtime.weights.placement import BlockSource
 
 __all__ = ["Score", "Workload", "build_parser", "parse_args", "main", "run_context",
            "run_sweep", "score_probes", "write_heatmap"]

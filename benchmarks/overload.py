@@ -78,11 +78,10 @@ import numpy as np
 
 from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, machine, print_table,
                                           quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype,
-                                 add_no_progress, add_out, add_page_size, add_shards,
-                                 check_out_dir, check_page_size, check_page_size_for_model,
-                                 comma_list, finite_positive_float, length, nonnegative_length,
-                                 positive_int, positive_int_list)
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
+                                 add_out, add_page_size, add_shards, check_out_dir, check_page_size,
+                                 check_page_size_for_model, comma_list, finite_positive_float,
+                                 length, nonnegative_length, positive_int, positive_int_list)
 from cp_runtime.config import model_names
 from cp_runtime.engine.core import AUTO_QUEUE_S
 

@@ -37,9 +37,9 @@ import numpy as np
 
 from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, machine, print_table,
                                           quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype,
-                                 add_no_progress, add_out, add_page_size, add_shards,
-                                 check_out_dir, check_page_size, length, positive_int)
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
+                                 add_out, add_page_size, add_shards, check_out_dir, check_page_size,
+                                 length, positive_int)
 from cp_runtime.config import model_names
 
 __all__ = ["build_parser", "main", "parse_args", "summarize"]

@@ -15,7 +15,7 @@ activations of the step's shapes. A phase runs for every layer it runs in (a Pyt
 the step) and returns what it computes, so XLA keeps all of it. Time = median of `--repeats`
 calls after a warm-up call that compiles, each waited for with `block_until_ready`.
 
-Phases, as the step delimits them (cp_runtime/attention.py, model.py, step.py):
+Phases, as the step delimits them (cp_runtime/model/attention.py, model.py, step.py):
 
     host planning and dispatch   the engine's planning and applying of results (its `host_s`)
                                  + the executor's transfer of the plan to the devices + launching
@@ -27,7 +27,7 @@ Phases, as the step delimits them (cp_runtime/attention.py, model.py, step.py):
     local top-K and all-gather   local_candidates, then global_top_pages (full layers), its
                                  gather flat or staged as --gathers says
     sparse attention             attended_pages, owned slots, sparse_attention (every layer)
-    merge                        cp_runtime.merge.combine with --merge and --gathers (every
+    merge                        cp_runtime.parallel.merge.combine with --merge and --gathers (every
                                  layer), the output projection left to the dense phase; the
                                  engine runs the same variant
     dense and MoE layers         model.forward with attention replaced by a stub that only adds
@@ -93,7 +93,9 @@ from cp_runtime.benchmarks.plots import stacked_bar_chart, token_label
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.benchmarks.throughput import (Work, attention_work, cache_write_work,
                                               indexer_work, projection_work)
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_gathers,
+from cp_runtime.cache.layout import cdiv, local_page_jnp, owner_shard_jnp
+from cp_runtime.cache.pool import CP_AXIS, KVPool
+from cp_runtime.cli.args import (HelpFormatter, add_backend, add_chunk_size, add_gathers,
                                  add_kv_cache_dtype, add_model, add_no_progress, add_out,
                                  add_page_size, add_shard_counts, add_weight_dtype,
                                  check_not_below_page, check_out_dir, check_page_size,
@@ -102,16 +104,14 @@ from cp_runtime.config import MERGE_VARIANTS, ModelConfig, RuntimeConfig, load_m
 from cp_runtime.engine import Engine, LocalExecutor
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams
+from cp_runtime.kernels.dispatch import resolve_backend, select_kernels
 from cp_runtime.kernels.storage import to_storage
-from cp_runtime.kernels_dispatch import resolve_backend, select_kernels
-from cp_runtime.layout import cdiv, local_page_jnp, owner_shard_jnp
-from cp_runtime.merge import combine
-from cp_runtime.weight_shards import WeightShards
-from cp_runtime.model import forward, logits
-from cp_runtime.pool import CP_AXIS, KVPool
-from cp_runtime.sampler import sample_tokens
-from cp_runtime.selection import attended_pages, global_top_pages, local_candidates
-from cp_runtime.weights import init_params
+from cp_runtime.model.forward import forward, logits
+from cp_runtime.model.sampler import sample_tokens
+from cp_runtime.parallel.merge import combine
+from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
+from cp_runtime.weights.params import init_params
+from cp_runtime.weights.shards import WeightShards
 
 __all__ = ["PHASES", "StepShape", "phase_work", "build_parser", "parse_args", "main"]
 
@@ -730,8 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend(p, "auto")
     p.add_argument("--merge", choices=[m for m in MERGE_VARIANTS if m != "head_scatter"],
                    default="auto",
-                   help="merge of the partial attention results (cp_runtime.merge; weights are "
-                        "whole here, so not head_scatter)")
+                   help="merge of the partial attention results (cp_runtime.parallel.merge; "
+                        "weights are whole here, so not head_scatter)")
     add_gathers(p)
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed calls per phase and step (the median is reported)")

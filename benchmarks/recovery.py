@@ -26,11 +26,10 @@ import numpy as np
 import cp_runtime
 from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, print_table, quick_help,
                                          write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, add_shards,
-                                 check_out_dir, check_page_size_for_model, comma_list,
-                                 length_list)
-from cp_runtime.layout import cdiv
+from cp_runtime.cache.layout import cdiv
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+                                 add_no_progress, add_out, add_page_size, add_shards, check_out_dir,
+                                 check_page_size_for_model, comma_list, length_list)
 from cp_runtime.serving.protocol import UnavailableError
 
 __all__ = ["build_parser", "main", "measure"]

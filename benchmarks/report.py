@@ -40,8 +40,8 @@ import traceback
 from collections.abc import Callable
 
 from cp_runtime.benchmarks.common import init_shard_devices, machine
-from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shards,
-                                 check_out_dir, comma_list)
+from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shards, check_out_dir,
+                                 comma_list)
 
 __all__ = ["Section", "SECTIONS", "last_error_line", "markdown_table", "write_report",
            "build_parser", "parse_args", "main"]

@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
                                          quick_help, write_json)
-from cp_runtime.cli_args import (HelpFormatter, add_no_progress, add_out, add_shards,
-                                 check_out_dir, positive_int)
+from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shards, check_out_dir,
+                                 positive_int)
 
 __all__ = ["measure_roofline", "default_sizes", "build_parser", "parse_args", "main"]
 

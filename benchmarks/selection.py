@@ -19,7 +19,7 @@ fraction of the K selected pages swapped. Only queries with more than K earlier 
 
 Inputs: (1) the random-weight `tiny` model on random tokens, every query of every `full` layer
 (random weights give many near-ties: a worst case for flips); (2) the recall model
-(cp_runtime/recall_model.py) at the question of needle contexts whose needle has `siblings`
+(cp_runtime/model/recall.py) at the question of needle contexts whose needle has `siblings`
 near-key distractors (cosine 0.98) scattered in the haystack. For (2) the answer is also
 computed with each scheme's selection (latent cache bf16, so only the indexer differs), for
 several index_topk values: when K is smaller than the number of fact pages, a flip in the
@@ -47,17 +47,17 @@ import numpy as np
 
 from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
 from cp_runtime.benchmarks.needles import Variant, recall_context, shared_recall_model
-from cp_runtime.cli_args import (HelpFormatter, add_model, add_no_progress, add_out,
-                                 add_page_size, check_not_below_page, check_out_dir,
-                                 check_page_size, check_page_size_for_model, length, length_list,
-                                 positive_int)
+from cp_runtime.cli.args import (HelpFormatter, add_model, add_no_progress, add_out, add_page_size,
+                                 check_not_below_page, check_out_dir, check_page_size,
+                                 check_page_size_for_model, length, length_list, positive_int)
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
-from cp_runtime.model import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
-                              rms_norm)
-from cp_runtime.oracle import dense_sparse_attention, page_scores, selection_mask, token_scores
-from cp_runtime.selection import NO_PAGE, earlier_pages_mask, rank_pages
-from cp_runtime.weights import Params, init_params, layer_params, model_layout
+from cp_runtime.model.forward import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
+                                      rms_norm)
+from cp_runtime.model.oracle import (dense_sparse_attention, page_scores, selection_mask,
+                                     token_scores)
+from cp_runtime.parallel.selection import NO_PAGE, earlier_pages_mask, rank_pages
+from cp_runtime.weights.params import Params, init_params, layer_params, model_layout
 
 __all__ = ["SCHEMES", "round_keys", "top_pages", "SelectionChange", "selection_change",
            "indexer_inputs_of", "last_token_answers", "build_parser", "parse_args", "main"]

@@ -112,7 +112,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from cp_runtime.benchmarks.common import ServeProcess, machine, print_table, write_json
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, add_pages_per_shard,
                                  add_shards, check_out_dir, check_page_size,
                                  check_page_size_for_model, finite_nonnegative_float, length,

@@ -64,8 +64,9 @@ from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machi
                                          quick_help, write_json)
 from cp_runtime.benchmarks.plots import line_chart
 from cp_runtime.benchmarks.roofline import measure_roofline
-from cp_runtime.capacity import bytes_per_token
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtypes,
+from cp_runtime.cache.capacity import bytes_per_token
+from cp_runtime.cache.layout import cdiv
+from cp_runtime.cli.args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtypes,
                                  add_model, add_no_progress, add_out, add_page_size,
                                  add_shard_counts, add_weight_dtype, check_not_below_page,
                                  check_out_dir, check_page_size, check_page_size_for_model, length,
@@ -74,9 +75,8 @@ from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
-from cp_runtime.kernels_dispatch import resolve_backend
-from cp_runtime.layout import cdiv
-from cp_runtime.weights import init_params
+from cp_runtime.kernels.dispatch import resolve_backend
+from cp_runtime.weights.params import init_params
 
 __all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
            "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
@@ -177,7 +177,7 @@ def attention_work(model: ModelConfig, pairs: int, pages_read: int, *, page_size
 
 def cache_write_work(model: ModelConfig, tokens: int, *, kv_cache_dtype: str) -> Work:
     """bytes = tokens * bytes_per_token (latent rows of every layer, indexer keys of every full
-    layer: cp_runtime.capacity, the same figure the pool is sized by); no flops."""
+    layer: cp_runtime.cache.capacity, the same figure the pool is sized by); no flops."""
     return Work(0, tokens * bytes_per_token(model, kv_cache_dtype))
 
 

@@ -34,7 +34,7 @@ kernel reaches its peak rate; elementwise work - norms, RoPE, softmax, top-K - i
 
 Assumptions (each a flag or a constant below):
   * Weights are split evenly over the 16 devices as the runtime splits them with weights =
-    "sharded" (cp_runtime/weight_layout.py; GLM-5.2's ~743 B parameters cannot be replicated
+    "sharded" (cp_runtime/weights/layout.py; GLM-5.2's ~743 B parameters cannot be replicated
     on 96 GiB devices). Even split = no expert load imbalance (optimistic at batch 1, where 8
     experts per layer are active). The small feature-split gathers (q_a, kv_a, indexer k and
     weights, router logits) are not counted.
@@ -64,8 +64,8 @@ import jax.numpy as jnp
 
 from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help
 from cp_runtime.benchmarks.throughput import matmul_weights, projection_work
-from cp_runtime.capacity import bytes_per_token
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+from cp_runtime.cache.capacity import bytes_per_token
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_no_progress, add_out, add_page_size, check_out_dir,
                                  check_page_size, finite_nonnegative_float, finite_positive_float,
                                  length_list, positive_int, positive_int_list)
@@ -335,7 +335,7 @@ def chunk_terms(model: ModelConfig, hw: Hardware, setup: Setup, *, start: int, e
 
 def hbm_use(model: ModelConfig, hw: Hardware, setup: Setup, *, tokens: int) -> float:
     """Bytes per device: the weight share (all experts, embedding and lm_head) plus the cache of
-    `tokens` cached tokens in all (cp_runtime.capacity's bytes per token)."""
+    `tokens` cached tokens in all (cp_runtime.cache.capacity's bytes per token)."""
     weights = (matmul_weights(model, experts=model.n_routed_experts)
                + 2 * model.vocab_size * model.hidden_size) * setup.weight_bytes
     return (weights + tokens * bytes_per_token(model, setup.kv_cache_dtype)) / hw.devices

@@ -44,12 +44,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cp_runtime.cache.pool import CacheRows
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.executor import Executor, pool_spec_for
 from cp_runtime.engine.requests import Unavailable
-from cp_runtime.pool import CacheRows
-from cp_runtime.step import Segment
-from cp_runtime.weights_source import WeightsSource
+from cp_runtime.engine.step import Segment
+from cp_runtime.model.source import WeightsSource
 
 from cp_runtime.cluster import channel as channel_io
 from cp_runtime.cluster.worker import HostWorker

@@ -37,10 +37,11 @@ INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
                   "hidden_psum")
-GATHER_MODES = ("auto", "flat", "staged", "native")  # cp_runtime.collectives describes each
-# "auto" picks one by the model's size (cp_runtime.weight_format.resolve_weight_mode).
-WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weight_layout describes each
-# Dtypes a model's weights are published in (cp_runtime.weight_format describes each).
+# cp_runtime.parallel.collectives describes each.
+GATHER_MODES = ("auto", "flat", "staged", "native")
+# "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
+WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
+# Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
 MODEL_WEIGHT_DTYPES = ("fp8", "bf16", "f32")
 
 
@@ -81,7 +82,7 @@ class RopeScaling:
 
     Rotary dims that turn fewer than `beta_slow` times over `original_max_position_embeddings`
     tokens get their frequency divided by `factor`, dims turning more than `beta_fast` times
-    keep it, and a linear ramp blends the ones between (cp_runtime.model.rope_frequencies).
+    keep it, and a linear ramp blends the ones between (cp_runtime.model.forward.rope_frequencies).
     The softmax scale gains yarn_mscale(factor, mscale_all_dim)**2; cos and sin are multiplied
     by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), which is 1 whenever
     the two are equal (every public DeepSeek config).
@@ -275,13 +276,13 @@ class RuntimeConfig:
     # collective over every shard; "staged", groups of shards then the groups' results;
     # "native", on CPU the in-process gather (every shard in one process); "auto", on CPU
     # native where it can run for parts up to 8 KiB a shard, else staged with 8 or more
-    # shards, else flat; flat elsewhere (cp_runtime.collectives).
+    # shards, else flat; flat elsewhere (cp_runtime.parallel.collectives).
     gathers: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
-    # (cp_runtime.weight_layout), which a model bigger than one device needs; "auto": sharded
+    # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
     weights: str = "auto"
-    # "auto" (the model's own dtype), "fp8", "bf16" or "f32" (cp_runtime.weight_format).
+    # "auto" (the model's own dtype), "fp8", "bf16" or "f32" (cp_runtime.weights.format).
     weight_dtype: str = "auto"
     key_block_pages: int = 64
     query_block: int = 64

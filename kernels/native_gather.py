@@ -9,7 +9,7 @@ devices once, when the last part is in: 0.06 ms for the same gather on the same 
 (`cp-runtime bench collectives`).
 
 `all_gather(x, axis_name)` equals `lax.all_gather(x, axis_name)` (the same bytes). Use it only
-where `usable(axis_name)` holds, on the CPU (cp_runtime.collectives picks per platform):
+where `usable(axis_name)` holds, on the CPU (cp_runtime.parallel.collectives picks per platform):
   - every device of the program is in this process (`jax.process_count() == 1`);
   - the program's mesh is the gathered axis alone (one group: every device takes part);
   - the library built (a C++ compiler, Linux); if not, a warning says why, once per process.

@@ -77,7 +77,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
                                    (logical page j * num_shards + shard)
     q_pos:       i32[B, Q]         query positions (-1 = padding)
     shard:       i32[]             this shard's index on the cp axis
-    rotation:    i32[B]            each sequence's rotation (cp_runtime.layout): local page j
+    rotation:    i32[B]            each sequence's rotation (cp_runtime.cache.layout): local page j
                                    holds logical page j * num_shards + shard - rotation, none
                                    when that is negative (its keys are masked); None = zeros
     returns:     f32[B, Q, M]      page scores; memory is bounded by key_block_pages, never

@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 from cp_runtime.config import RuntimeConfig, load_model_config  # noqa: E402
 from cp_runtime.engine import Engine  # noqa: E402
 from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
-from cp_runtime.weights import init_params  # noqa: E402
+from cp_runtime.weights.params import init_params  # noqa: E402
 
 
 # The default run's heaviest files (seconds, measured on the 2-core development machine): they

@@ -1,4 +1,4 @@
-"""Every benchmark's command line: shared flag names (cp_runtime.cli_args), help text with
+"""Every benchmark's command line: shared flag names (cp_runtime.cli.args), help text with
 defaults, and bad input answered by an argparse usage error (exit 2, the flag named) before any
 work is done."""
 
@@ -10,7 +10,7 @@ import jax
 import pytest
 
 import cp_runtime.benchmarks
-from cp_runtime import cli_args
+from cp_runtime.cli import args as cli_args
 from cp_runtime.config import model_names
 
 KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
@@ -18,7 +18,7 @@ KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kerne
          "roofline", "selection", "serving", "throughput", "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
-# Shared flags' common defaults (cp_runtime.cli_args): a benchmark whose default differs says
+# Shared flags' common defaults (cp_runtime.cli.args): a benchmark whose default differs says
 # why in its help.
 COMMON = {"--chunk-size": (cli_args.add_chunk_size, 1024),
           "--page-size": (cli_args.add_page_size, 16),

@@ -21,7 +21,7 @@ from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kern
                                    merge, million, niah, overload, prefix_reuse, profile,
                                    recovery, report,
                                    roofline, selection, serving, throughput, tpu_model)
-from cp_runtime.capacity import deployment_report
+from cp_runtime.cache.capacity import deployment_report
 from cp_runtime.config import load_model_config
 
 COMMON = ["--quick", "--no-progress"]

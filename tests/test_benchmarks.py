@@ -6,12 +6,12 @@ import json
 import jax
 import pytest
 
-from cp_runtime import cli
 from cp_runtime.benchmarks import capacity, kernel_error, report, selection, throughput
 from cp_runtime.benchmarks.roofline import measure_roofline
-from cp_runtime.capacity import deployment_report, slice_report
+from cp_runtime.cache.capacity import deployment_report, slice_report
+from cp_runtime.cli import main as cli
 from cp_runtime.config import ModelConfig, load_model_config
-from cp_runtime.weights import param_shapes
+from cp_runtime.weights.params import param_shapes
 
 GIB = 1 << 30
 

@@ -1,5 +1,5 @@
-"""Hugging Face DeepSeek-V3.2-format checkpoints (cp_runtime.checkpoint), YaRN rope and
-group-limited routing (cp_runtime.model), and `benchmarks.niah --checkpoint DIR` end to end.
+"""Hugging Face DeepSeek-V3.2-format checkpoints (cp_runtime.weights.checkpoint), YaRN rope and
+group-limited routing (cp_runtime.model.forward), and `benchmarks.niah --checkpoint DIR` end to end.
 
 A tiny checkpoint is written once per module: config.json with YaRN, fp8 quantisation in 16x32
 blocks (non-square, so a swapped block axis shows; most weights have partial edge blocks), 4
@@ -28,16 +28,12 @@ from test_serving import start_server
 import cp_runtime
 
 from cp_runtime.benchmarks import needles, niah
-from cp_runtime.checkpoint import (
-    load_checkpoint,
-    load_hf_params,
-    load_tokenizer,
-    read_hf_config,
-)
 from cp_runtime.config import ConfigError, ModelConfig, RopeScaling, load_model_config
-from cp_runtime.model import mla_inputs, rope, rope_frequencies, route
-from cp_runtime.oracle import oracle_logits
-from cp_runtime.weights import init_params, layer_params, param_shapes
+from cp_runtime.model.forward import mla_inputs, rope, rope_frequencies, route
+from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.weights.checkpoint import (load_checkpoint, load_hf_params, load_tokenizer,
+                                           read_hf_config)
+from cp_runtime.weights.params import init_params, layer_params, param_shapes
 
 BLOCK = (16, 32)   # [out, in]
 E4M3_MAX = 448.0
@@ -416,7 +412,7 @@ def test_truncated_safetensors(glm_ckpt, tmp_path):
 
 def test_hand_written_file_reads(tmp_path):
     """The checked reader accepts a valid hand-written file (metadata, two dtypes)."""
-    from cp_runtime.checkpoint import _SafetensorsFile   # the reader the loader uses
+    from cp_runtime.weights.checkpoint import _SafetensorsFile   # the reader the loader uses
 
     a = np.arange(4, dtype=np.float32).reshape(2, 2)
     b = np.asarray([1, 2, 3], jnp.bfloat16)

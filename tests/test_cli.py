@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from cp_runtime.cli import build_parser, main, serve_runtime, typed_flags
-from cp_runtime.cli_args import HelpFormatter, format_length, length, length_list
+from cp_runtime.cli.args import HelpFormatter, format_length, length, length_list
+from cp_runtime.cli.main import build_parser, main, serve_runtime, typed_flags
 from cp_runtime.config import (CONFIG_DIR, ConfigError, check_runtime_for_model,
                                load_model_config, load_runtime_config)
 from cp_runtime.serving.activity import Activity, RequestRecord

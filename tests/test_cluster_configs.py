@@ -97,7 +97,7 @@ def test_configs_ship_as_package_data():
 
 def _serve_args(command: str):
     """The serve line's flags, parsed by the real `cp-runtime serve` parser."""
-    from cp_runtime.cli import build_parser
+    from cp_runtime.cli.main import build_parser
 
     line = re.split(r"\s>\s", _words(command).split("cp-runtime serve", 1)[1])[0]
     return build_parser().parse_args(["serve", *line.rstrip(" '").split()])
@@ -149,9 +149,9 @@ def test_ray_up_says_how_to_check_health():
 def test_serve_lines_fit_a_tpu7x_16_slice(model_name):
     """Each serve line, as its checkpoint's model would run it on 16 devices of 96 GiB: the
     weights split in the line's dtype, plus the line's pool, plus the reserve, fit a device."""
-    from cp_runtime.capacity import TOPOLOGIES, bytes_per_token, deployment_report
+    from cp_runtime.cache.capacity import TOPOLOGIES, bytes_per_token, deployment_report
     from cp_runtime.config import RuntimeConfig, load_model_config
-    from cp_runtime.weight_format import resolve_runtime_weights
+    from cp_runtime.weights.format import resolve_runtime_weights
 
     model, topo = load_model_config(model_name), TOPOLOGIES["tpu7x-16"]
     commands = _serve_commands()

@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.collectives import (NATIVE_MAX_BYTES, TREE_MIN_SHARDS, gather_reduce,
-                                    stage_groups, tree_stages)
 from cp_runtime.kernels import native_gather
+from cp_runtime.parallel.collectives import (NATIVE_MAX_BYTES, TREE_MIN_SHARDS, gather_reduce,
+                                             stage_groups, tree_stages)
 
 
 @pytest.mark.parametrize("shards, stages", [(16, (4, 4)), (8, (2, 4)), (12, (3, 4)),

@@ -9,7 +9,7 @@ import pytest
 
 from cp_runtime.aot import topology
 from cp_runtime.aot.deploy import CompilePlan, compile_plan
-from cp_runtime.cli import main
+from cp_runtime.cli.main import main
 
 JSON_FIELDS = ("name", "compiled", "error", "compile_s", "argument_bytes", "output_bytes",
                "alias_bytes", "temp_bytes", "peak_bytes", "flops", "bytes_accessed",

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime import cli
-from cp_runtime.capacity import GIB, bytes_per_token, capacity_report, weight_bytes_per_device
+from cp_runtime.cache.capacity import GIB, bytes_per_token, capacity_report, weight_bytes_per_device
+from cp_runtime.cli import main as cli
 from cp_runtime.config import (ConfigError, RuntimeConfig, check_runtime_for_model,
                                load_model_config, load_runtime_config, model_names)
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.weights import model_shapes
+from cp_runtime.weights.params import model_shapes
 
 
 def test_every_config_loads():
@@ -116,7 +116,7 @@ def test_capacity_figures():
 
 def test_capacity_cli_json():
     out = subprocess.run(
-        [sys.executable, "-m", "cp_runtime.cli", "capacity", "--model", "glm-5.2",
+        [sys.executable, "-m", "cp_runtime.cli.main", "capacity", "--model", "glm-5.2",
          "--kv-cache-dtype", "fp8_e4m3", "--json", "--devices", "16", "--hbm-gib", "192",
          "--weights-gib", "40"], capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
@@ -127,7 +127,7 @@ def test_capacity_cli_json():
 
 
 def test_capacity_cli_bad_dtype():
-    proc = subprocess.run([sys.executable, "-m", "cp_runtime.cli", "capacity",
+    proc = subprocess.run([sys.executable, "-m", "cp_runtime.cli.main", "capacity",
                            "--kv-cache-dtype", "fp4"], capture_output=True, text=True)
     assert proc.returncode == 2 and "fp8_e4m3" in proc.stderr
 

@@ -6,9 +6,9 @@ import sys
 
 import numpy as np
 
-from cp_runtime.cli import main
-from cp_runtime.demo import planted_fact_document
-from cp_runtime.recall_model import RecallLayout
+from cp_runtime.cli.demo import planted_fact_document
+from cp_runtime.cli.main import main
+from cp_runtime.model.recall import RecallLayout
 
 
 def test_the_demo_answers_its_planted_fact(capsys):
@@ -44,7 +44,7 @@ def run_without_extras(*argv: str, env=None) -> subprocess.CompletedProcess:
     code = ("import sys\n"
             f"for name in {WITHOUT_EXTRAS!r}:\n"
             "    sys.modules[name] = None\n"
-            "from cp_runtime.cli import main\n"
+            "from cp_runtime.cli.main import main\n"
             f"sys.exit(main({list(argv)!r}))\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=600)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, random_tokens
-from cp_runtime.pool import CacheRows
+from cp_runtime.cache.pool import CacheRows
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, StorageFailed, Token
 from cp_runtime.serving import snapshots, token_log
 from cp_runtime.serving.recovery import restore_sessions

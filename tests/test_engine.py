@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, random_tokens, rel_l2
+from cp_runtime.cache.pages import CapacityError
 from cp_runtime.config import load_model_config
 from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
                                         Progress, SamplingParams, Token)
-from cp_runtime.oracle import oracle_logits
-from cp_runtime.pages import CapacityError
-from cp_runtime.weights import init_params
+from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.weights.params import init_params
 
 
 def run(engine, max_steps=10_000):

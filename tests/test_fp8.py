@@ -9,9 +9,9 @@ import pytest
 
 from cp_runtime.benchmarks.kernel_error import CACHE_ERROR_BOUNDS, cache_error
 from conftest import make_engine, random_tokens
+from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.kernels import cache_write, reference
 from cp_runtime.kernels.storage import from_storage, storage_dtype
-from cp_runtime.pool import PoolSpec
 
 
 def test_prefill_and_decode_write_identical_bytes(tiny, tiny_params):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime.layout import cdiv
+from cp_runtime.cache.layout import cdiv
 from cp_runtime.kernels import reference
 from cp_runtime.kernels.cache_write import tiles_bound, write_kv, write_tile_rows
 from cp_runtime.kernels.indexer import indexer_page_scores

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.merge import MERGES, merge_all_gather, merge_stacked
+from cp_runtime.parallel.merge import MERGES, merge_all_gather, merge_stacked
 
 S = 16
 
@@ -29,7 +29,7 @@ def _partials(rng, lead=(3, 5, 4), dv=8, keys=12):
     return o.astype(np.float32), lse.astype(np.float32), exact, exact_lse
 
 
-# Every merge variant; all_gather both flat and staged (cp_runtime.collectives).
+# Every merge variant; all_gather both flat and staged (cp_runtime.parallel.collectives).
 VARIANTS = {**MERGES,
             "all_gather_staged": functools.partial(merge_all_gather, gathers="staged")}
 
@@ -98,8 +98,8 @@ def test_a_wrong_merge_is_caught():
 def test_combine_projects_the_exact_merge(merge, weights, gathers):
     """combine() = W (exact merge) for every variant, the projection's weights whole or split
     by head; 12 heads over 16 shards, so the head split is padded."""
-    from cp_runtime.merge import combine
-    from cp_runtime.weight_shards import WeightShards
+    from cp_runtime.parallel.merge import combine
+    from cp_runtime.weights.shards import WeightShards
 
     rng = np.random.default_rng(3)
     heads, dv, hidden = 12, 8, 6

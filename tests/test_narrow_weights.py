@@ -17,11 +17,11 @@ from safetensors.numpy import save_file
 from test_checkpoint import (GLM_BLOCK, GLM_CONFIG, HF_CONFIG, checkpoint_tensors,
                              glm_expected_config, write_checkpoint)
 
-from cp_runtime.checkpoint import CheckpointBlocks, load_hf_params, read_hf_config
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
-from cp_runtime.oracle import oracle_logits
+from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.weights.checkpoint import CheckpointBlocks, load_hf_params, read_hf_config
 
 PROMPT, DECODED = 40, 8
 # rel-L2 of the logits against the f32 oracle: measured 7.9e-3 to 9.6e-3 over both layouts,

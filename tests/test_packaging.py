@@ -74,7 +74,7 @@ def _docs_cited_by_help() -> set[str]:
     import io
     import re
 
-    from cp_runtime.cli import BENCHMARKS, main
+    from cp_runtime.cli.main import BENCHMARKS, main
 
     text = io.StringIO()
     commands = [[], ["serve"], ["demo"], ["capacity"], ["compile"],

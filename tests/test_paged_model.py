@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import make_engine, random_tokens, rel_l2
-from cp_runtime.oracle import oracle_logits
+from cp_runtime.model.oracle import oracle_logits
 
 PAGE = 16
 # Session lengths (prompt, then decode steps): chunks of 32 cross page and shard boundaries.
@@ -79,7 +79,7 @@ def test_rejected_request_changes_nothing(tiny, tiny_params):
     s = engine.create_session()
     engine.extend(s.id, random_tokens(tiny, 40, 0))
     free, tokens, pages = engine.allocator.num_free(), list(s.tokens), list(s.pages)
-    from cp_runtime.pages import CapacityError
+    from cp_runtime.cache.pages import CapacityError
     with pytest.raises(CapacityError):
         engine.extend(s.id, random_tokens(tiny, 100, 1))
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from cp_runtime.layout import (global_page, global_page_jnp, local_page, local_page_jnp,
-                               local_page_table, local_page_table_jnp, owner_shard,
-                               owner_shard_jnp, pages_on_shard, rotated_row, shard_demand)
-from cp_runtime.pages import CapacityError, PageAllocator, PageTable
+from cp_runtime.cache.layout import (global_page, global_page_jnp, local_page, local_page_jnp,
+                                     local_page_table, local_page_table_jnp, owner_shard,
+                                     owner_shard_jnp, pages_on_shard, rotated_row, shard_demand)
+from cp_runtime.cache.pages import CapacityError, PageAllocator, PageTable
 
 
 def table(rotation=0, *slots):

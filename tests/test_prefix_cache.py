@@ -5,8 +5,8 @@ what it would have without reuse; kept entries make way for pages others need.""
 import numpy as np
 import pytest
 
+from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate, SamplingParams, Token
-from cp_runtime.pages import CapacityError
 from conftest import make_engine, random_tokens
 
 

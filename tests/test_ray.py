@@ -23,7 +23,7 @@ from cp_runtime.engine import Engine  # noqa: E402
 from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
 from cp_runtime.engine.requests import (Done, Extend, Failed, Generate,  # noqa: E402
                                         SamplingParams, Token)
-from cp_runtime.weights_source import WeightsSource  # noqa: E402
+from cp_runtime.model.source import WeightsSource  # noqa: E402
 
 SOURCE = WeightsSource(model="tiny", seed=0)
 RUNTIME = RuntimeConfig(model="tiny", kv_cache_dtype="f32", pages_per_shard=24, chunk_size=64)
@@ -236,7 +236,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
     """`cp-runtime serve --checkpoint DIR --weights sharded --executor ray`: each worker reads
     only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
     executor's with whole weights; `stats` shows both workers, each device with its part."""
-    cmd = [sys.executable, "-m", "cp_runtime.cli", "serve", "--checkpoint", checkpoint["dir"],
+    cmd = [sys.executable, "-m", "cp_runtime.cli.main", "serve", "--checkpoint", checkpoint["dir"],
            "--shards", "16", "--weights", "sharded", "--weight-dtype", "f32",
            "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
            "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",

@@ -13,15 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime.benchmarks.needles import Probe, Variant, recall_context
 from cp_runtime.benchmarks.common import parse_length
+from cp_runtime.benchmarks.needles import Probe, Variant, recall_context
 from cp_runtime.benchmarks.niah import run_context, score_probes
-from cp_runtime.recall_model import build_recall_model
 from cp_runtime.benchmarks.selection import round_keys, selection_change, top_pages
+from cp_runtime.model.recall import build_recall_model
 from conftest import make_engine
-from cp_runtime.model import IndexerInputs
-from cp_runtime.oracle import oracle_logits
-from cp_runtime.weights import param_shapes
+from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.weights.params import param_shapes
 
 PAGE = 16
 

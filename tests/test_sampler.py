@@ -1,4 +1,4 @@
-"""On-device sampling (cp_runtime.sampler): greedy, temperature, top-k, top-p, seeds."""
+"""On-device sampling (cp_runtime.model.sampler): greedy, temperature, top-k, top-p, seeds."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cp_runtime.engine.requests import BadRequest, SamplingParams
-from cp_runtime.sampler import SamplingArrays, sample_tokens
+from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 
 sample = jax.jit(sample_tokens)
 

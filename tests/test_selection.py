@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.oracle import oracle_logits, selection_mask
-from cp_runtime.selection import (NO_PAGE, global_top_pages, local_candidates, rank_ascending_pages,
-                                  rank_distinct_pages, rank_pages)
+from cp_runtime.model.oracle import oracle_logits, selection_mask
+from cp_runtime.parallel.selection import (NO_PAGE, global_top_pages, local_candidates,
+                                           rank_ascending_pages, rank_distinct_pages, rank_pages)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -94,9 +94,9 @@ def test_sparse_equals_dense_when_k_covers_all_pages(tiny, tiny_params):
 
 
 def _dense_causal_logits(params, tokens, cfg):
-    from cp_runtime.model import forward, logits
-    from cp_runtime.oracle import dense_sparse_attention
-    from cp_runtime.weights import model_layout
+    from cp_runtime.model.forward import forward, logits
+    from cp_runtime.model.oracle import dense_sparse_attention
+    from cp_runtime.weights.params import model_layout
     t = tokens.shape[0]
     mask = jnp.tril(jnp.ones((t, t), bool))
 
@@ -109,9 +109,9 @@ def _dense_causal_logits(params, tokens, cfg):
 
 
 def test_shared_layers_reuse_last_full_selection(tiny, tiny_params):
-    from cp_runtime.oracle import make_oracle_attend
-    from cp_runtime.model import forward
-    from cp_runtime.weights import model_layout
+    from cp_runtime.model.forward import forward
+    from cp_runtime.model.oracle import make_oracle_attend
+    from cp_runtime.weights.params import model_layout
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, tiny.vocab_size, 96))
     attend = make_oracle_attend(tiny, page_size=16, kv_cache_dtype=None)
     masks = {}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cp_runtime
-from cp_runtime.cli import build_parser
+from cp_runtime.cli.main import build_parser
 from cp_runtime.serving import server as server_module
 from cp_runtime.serving.protocol import BadRequestError, CapacityError, UnauthorizedError
 from cp_runtime.serving.server import ServerLimits

@@ -17,11 +17,11 @@ import pytest
 
 import cp_runtime
 from conftest import random_tokens
-from cp_runtime.oracle import oracle_logits
+from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.serving.protocol import (BadRequestError, CapacityError, NotFoundError,
                                          ServerError, UnauthorizedError)
 
-SERVE = [sys.executable, "-m", "cp_runtime.cli", "serve", "--model", "tiny", "--shards", "16",
+SERVE = [sys.executable, "-m", "cp_runtime.cli.main", "serve", "--model", "tiny", "--shards", "16",
          "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
          "--port", "0"]
 STARTUP_S = 120

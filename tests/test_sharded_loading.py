@@ -10,12 +10,12 @@ import pytest
 from jax.sharding import NamedSharding
 
 from test_checkpoint import HF_CONFIG, write_checkpoint
-from cp_runtime.checkpoint import CheckpointBlocks
-from cp_runtime.pool import CP_AXIS
-from cp_runtime.weight_format import SCALE_SUFFIX, STORED_DTYPES, bytes_per_device, device_tensors
-from cp_runtime.weight_layout import padded_shape
-from cp_runtime.weight_placement import place_weights, weight_bytes_per_device
-from cp_runtime.weights import model_layout
+from cp_runtime.cache.pool import CP_AXIS
+from cp_runtime.weights.checkpoint import CheckpointBlocks
+from cp_runtime.weights.format import SCALE_SUFFIX, STORED_DTYPES, bytes_per_device, device_tensors
+from cp_runtime.weights.layout import padded_shape
+from cp_runtime.weights.params import model_layout
+from cp_runtime.weights.placement import place_weights, weight_bytes_per_device
 
 S = 16
 # Wider than test_checkpoint's model, so the blocks dwarf the loader's own small allocations.
@@ -41,7 +41,7 @@ def _tensors(blocks, cfg, dtype):
 
 def _dequantized(placed, name):
     """A placed weight in f32: fp8 values times their scales, run by run (the device's rule,
-    cp_runtime.model.weight, without the rounding to bf16)."""
+    cp_runtime.model.forward.weight, without the rounding to bf16)."""
     w = np.asarray(placed[name]).astype(np.float32)
     scale = placed.get(name + SCALE_SUFFIX)
     if scale is None:

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
-from cp_runtime.model import _swiglu, mlp, route
-from cp_runtime.weight_format import resolve_runtime_weights
-from cp_runtime.weight_layout import split_of
-from cp_runtime.weights import init_params, layer_params, model_layout, model_shapes
+from cp_runtime.model.forward import _swiglu, mlp, route
+from cp_runtime.weights.format import resolve_runtime_weights
+from cp_runtime.weights.layout import split_of
+from cp_runtime.weights.params import init_params, layer_params, model_layout, model_shapes
 
 DEEPSEEK_MINI = load_model_config("deepseek-mini")
 

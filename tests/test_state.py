@@ -13,7 +13,7 @@ import pytest
 import cp_runtime
 from conftest import make_engine, random_tokens
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, Token, Unavailable
-from cp_runtime.oracle import oracle_logits
+from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.serving.state import read_logs
 from test_serving import start_server
 

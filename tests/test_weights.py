@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime.oracle import oracle_logits
-from cp_runtime.weights import init_params, load_params, param_shapes, save_params
+from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.weights.params import init_params, load_params, param_shapes, save_params
 
 
 def test_hf_names(tiny):

@@ -18,11 +18,11 @@ from cp_runtime.aot.programs import (cut_model, executor_programs, param_structs
                                      weight_tensors)
 from cp_runtime.aot.report import compile_program, per_device_bytes
 from cp_runtime.aot.topology import compile_only_devices, topology
-from cp_runtime.capacity import GIB, deployment_report
+from cp_runtime.cache.capacity import GIB, deployment_report
+from cp_runtime.cache.pool import CP_AXIS
 from cp_runtime.config import RuntimeConfig, load_model_config
 from cp_runtime.engine.executor import pool_spec_for
-from cp_runtime.pool import CP_AXIS
-from cp_runtime.weight_format import resolve_runtime_weights
+from cp_runtime.weights.format import resolve_runtime_weights
 
 __all__ = ["CompilePlan", "compile_plan", "pool_pages_for"]
 

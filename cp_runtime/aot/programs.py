@@ -23,16 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.engine.executor import make_page_copy, make_row_io, pool_spec_for
+from cp_runtime.engine.step import StepInputs, make_step
+from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.storage import cdiv, storage_dtype
-from cp_runtime.kernels_dispatch import select_kernels
-from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
-from cp_runtime.sampler import SamplingArrays
-from cp_runtime.step import StepInputs, make_step
-from cp_runtime.weight_format import STORED_DTYPES, DeviceTensor, device_tensors
-from cp_runtime.weight_placement import param_specs
-from cp_runtime.weights import model_shapes
+from cp_runtime.model.sampler import SamplingArrays
+from cp_runtime.weights.format import STORED_DTYPES, DeviceTensor, device_tensors
+from cp_runtime.weights.params import model_shapes
+from cp_runtime.weights.placement import param_specs
 
 __all__ = ["Program", "cut_model", "executor_programs", "param_structs", "pool_structs",
            "weight_tensors"]

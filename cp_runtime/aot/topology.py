@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from cp_runtime.capacity import TOPOLOGIES, Topology
+from cp_runtime.cache.capacity import TOPOLOGIES, Topology
 
 __all__ = ["TPUCompilerMissing", "compile_only_devices", "has_libtpu", "topology"]
 

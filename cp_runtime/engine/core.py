@@ -50,6 +50,9 @@ import time
 
 import numpy as np
 
+from cp_runtime.cache.layout import cdiv, owner_shard
+from cp_runtime.cache.pages import CapacityError, PageAllocator, PageTable
+from cp_runtime.cache.pool import CacheRows
 from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
 from cp_runtime.engine.direct import DirectPath
 from cp_runtime.engine.executor import Executor
@@ -60,11 +63,8 @@ from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Genera
                                         Progress, StorageFailed, Token, Unavailable,
                                         check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
+from cp_runtime.engine.step import Segment
 from cp_runtime.kernels.storage import storage_dtype
-from cp_runtime.layout import cdiv, owner_shard
-from cp_runtime.pages import CapacityError, PageAllocator, PageTable
-from cp_runtime.pool import CacheRows
-from cp_runtime.step import Segment
 
 __all__ = ["Session", "Engine", "StepTiming"]
 

@@ -10,10 +10,10 @@ import logging
 
 import numpy as np
 
+from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.plans import Row
 from cp_runtime.engine.requests import BadRequest, StorageFailed, Unavailable, check_token_ids
-from cp_runtime.pages import CapacityError
-from cp_runtime.step import Segment
+from cp_runtime.engine.step import Segment
 
 __all__ = ["DirectPath"]
 

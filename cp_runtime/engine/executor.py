@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from cp_runtime.cache.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.kernels_dispatch import Kernels, select_kernels
+from cp_runtime.engine.step import Segment, make_step
+from cp_runtime.kernels.dispatch import Kernels, select_kernels
 from cp_runtime.kernels.storage import from_storage, storage_dtype
-from cp_runtime.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
-from cp_runtime.step import Segment, make_step
-from cp_runtime.weight_format import device_tensors, resolve_runtime_weights
-from cp_runtime.weight_placement import (ArrayBlocks, BlockSource, device_memory_bytes,
-                                         place_weights, weight_bytes_per_device)
-from cp_runtime.weights import Params, model_layout
+from cp_runtime.weights.format import device_tensors, resolve_runtime_weights
+from cp_runtime.weights.params import Params, model_layout
+from cp_runtime.weights.placement import (ArrayBlocks, BlockSource, device_memory_bytes,
+                                          place_weights, weight_bytes_per_device)
 
 log = logging.getLogger(__name__)
 

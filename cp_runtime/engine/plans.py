@@ -1,9 +1,9 @@
-"""Step plans from engine rows: the host arrays of one `Segment` (cp_runtime.step).
+"""Step plans from engine rows: the host arrays of one `Segment` (cp_runtime.engine.step).
 
 A row is `tokens` of one session written from position `start`; a segment pads its rows to a
 power-of-two count and a common width, and its page table to S * 2^k entries, so step shapes
-(and compiles) stay few. Page tables are in rotated coordinates (cp_runtime.layout) and stop at
-each row's last token: later pages hold no keys yet, and the indexer's work grows with the
+(and compiles) stay few. Page tables are in rotated coordinates (cp_runtime.cache.layout) and
+stop at each row's last token: later pages hold no keys yet, and the indexer's work grows with the
 table width.
 """
 
@@ -13,11 +13,11 @@ import dataclasses
 
 import numpy as np
 
+from cp_runtime.cache.layout import cdiv, rotated_row
+from cp_runtime.cache.pages import PageTable
 from cp_runtime.engine.requests import SamplingParams
-from cp_runtime.layout import cdiv, rotated_row
-from cp_runtime.pages import PageTable
-from cp_runtime.sampler import SamplingArrays
-from cp_runtime.step import Segment, StepInputs
+from cp_runtime.engine.step import Segment, StepInputs
+from cp_runtime.model.sampler import SamplingArrays
 
 __all__ = ["Row", "bucket", "build_segment", "sampling_arrays"]
 

@@ -25,8 +25,8 @@ import hashlib
 
 import numpy as np
 
-from cp_runtime.layout import cdiv, shard_demand
-from cp_runtime.pages import CapacityError
+from cp_runtime.cache.layout import cdiv, shard_demand
+from cp_runtime.cache.pages import CapacityError
 
 __all__ = ["PrefixCache", "PrefixReuse"]
 

@@ -106,7 +106,7 @@ def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How a generation draws its tokens (cp_runtime.sampler) and when it stops.
+    """How a generation draws its tokens (cp_runtime.model.sampler) and when it stops.
 
     temperature 0 is greedy; top_k 0 means no limit; seed None draws one; generation stops at
     `max_tokens` tokens or after any id in `stop` (which is returned)."""

@@ -16,15 +16,15 @@ import time
 
 import uvloop
 
-from cp_runtime.checkpoint import load_tokenizer
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
-from cp_runtime.serving.server import Server, ServerLimits
+from cp_runtime.model.source import WeightsSource
 from cp_runtime.serving.chat_template import load_chat_template
 from cp_runtime.serving.recovery import restore_sessions
+from cp_runtime.serving.server import Server, ServerLimits
 from cp_runtime.serving.state import TokenStore
-from cp_runtime.weights_source import WeightsSource
+from cp_runtime.weights.checkpoint import load_tokenizer
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "check_port_free", "is_loopback",
            "serve_forever"]

@@ -28,8 +28,8 @@ import shutil
 
 import numpy as np
 
+from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.requests import BadRequest
-from cp_runtime.pages import CapacityError
 from cp_runtime.serving import token_log
 from cp_runtime.serving.snapshots import SnapshotError
 from cp_runtime.serving.state import LOG_SUFFIX, SESSION_ID, TokenStore

@@ -22,15 +22,15 @@ import logging
 import socket
 import time
 
+from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.requests import (Done, EngineError, Extend, Failed, Generate, Progress,
                                         SamplingParams, Token)
-from cp_runtime.pages import CapacityError
 from cp_runtime.serving.activity import Activity, RequestRecord
 from cp_runtime.serving.engine_loop import EngineLoop
-from cp_runtime.serving.state import TokenStore
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
                                          decode_tokens, encode_frame, read_frame)
+from cp_runtime.serving.state import TokenStore
 
 __all__ = ["Refused", "Server", "ServerLimits", "error_code"]
 

@@ -24,7 +24,7 @@ import pathlib
 import crc32c
 import numpy as np
 
-from cp_runtime.pool import CacheRows
+from cp_runtime.cache.pool import CacheRows
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "read", "upgrade_format1", "write_files"]
 

@@ -36,9 +36,9 @@ import shutil
 import threading
 import time
 
+from cp_runtime.cache.pool import CacheRows
 from cp_runtime.engine.journal import Journal
 from cp_runtime.engine.requests import NotFound, StorageFailed
-from cp_runtime.pool import CacheRows
 from cp_runtime.serving import snapshots, token_log
 from cp_runtime.serving.snapshots import fsync_path
 

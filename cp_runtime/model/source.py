@@ -3,9 +3,9 @@ own (an executor is built from a source, never from another process's arrays).
 
     WeightsSource(model="tiny", seed=0)          random weights of a config (reproducible)
     WeightsSource(model="recall")                the hand-built retrieval model
-                                                 (cp_runtime.recall_model)
+                                                 (cp_runtime.model.recall)
     WeightsSource(checkpoint="DIR")              a Hugging Face checkpoint: config, weights,
-                                                 tokenizer (cp_runtime.checkpoint)
+                                                 tokenizer (cp_runtime.weights.checkpoint)
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cp_runtime.checkpoint import (CheckpointBlocks, check_tokenizer, load_tokenizer,
-                                   read_hf_config)
 from cp_runtime.config import ModelConfig, load_model_config
-from cp_runtime.recall_model import build_recall_model
-from cp_runtime.weight_placement import BlockSource
-from cp_runtime.weights import Params, init_params
+from cp_runtime.model.recall import build_recall_model
+from cp_runtime.weights.checkpoint import (CheckpointBlocks, check_tokenizer, load_tokenizer,
+                                           read_hf_config)
+from cp_runtime.weights.params import Params, init_params
+from cp_runtime.weights.placement import BlockSource
 
 __all__ = ["LoadedModel", "WeightsSource", "RECALL_MODEL"]
 
@@ -30,7 +30,7 @@ class LoadedModel:
     """A model ready to serve: its config, its weights and its tokenizer (None when the model
     has none: token ids only). The weights are arrays in memory (HF names), or for a checkpoint
     a block source that reads each device's part from the files only when it is placed
-    (cp_runtime.weight_placement), so a process never holds the whole checkpoint."""
+    (cp_runtime.weights.placement), so a process never holds the whole checkpoint."""
 
     config: ModelConfig
     weights: Params | BlockSource

@@ -1,9 +1,9 @@
 """Put the model's weights on the `cp` mesh, whole on every device or split
-(cp_runtime.weight_layout), in their stored dtype (cp_runtime.weight_format), reading one
+(cp_runtime.weights.layout), in their stored dtype (cp_runtime.weights.format), reading one
 device's block at a time.
 
 A block source reads a range of one tensor (model layout, unpadded) without the rest: in-memory
-weights (`ArrayBlocks`) or a checkpoint's memory-mapped files (cp_runtime.checkpoint's
+weights (`ArrayBlocks`) or a checkpoint's memory-mapped files (cp_runtime.weights.checkpoint's
 `CheckpointBlocks`). Placement asks it only for the blocks of this process's devices and copies
 each to its device before reading the next, so a process holds at most one block on the host
 beyond what its devices keep.
@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cp_runtime.fp8_blocks import HostBlock, to_stored
-from cp_runtime.weight_format import FP8_BLOCK, SCALE_SUFFIX, DeviceTensor, scale_runs
-from cp_runtime.weights import Params
+from cp_runtime.weights.format import FP8_BLOCK, SCALE_SUFFIX, DeviceTensor, scale_runs
+from cp_runtime.weights.fp8_blocks import HostBlock, to_stored
+from cp_runtime.weights.params import Params
 
 __all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "place_weights",
            "weight_bytes_per_device"]
@@ -30,7 +30,7 @@ __all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "
 class BlockSource(Protocol):
     """shapes: {name: unpadded model-layout shape}; block: the [out, in] values per fp8 scale
     of its fp8 tensors; read(name, axis, lo, hi): the tensor's elements lo..hi along `axis`
-    (the whole tensor when axis is None), as stored (cp_runtime.fp8_blocks.HostBlock)."""
+    (the whole tensor when axis is None), as stored (cp_runtime.weights.fp8_blocks.HostBlock)."""
 
     shapes: dict[str, tuple[int, ...]]
     block: tuple[int, int]
@@ -91,8 +91,8 @@ def _put(x: np.ndarray, device) -> jax.Array:
 def place_weights(source: BlockSource, tensors: dict[str, DeviceTensor], mesh: Mesh,
                   axis_name: str) -> Params:
     """Global arrays on `mesh` for every tensor of `source` as `tensors` (from
-    weight_format.device_tensors) hold it: split, dtype and scales. This process reads only
-    its devices' blocks, each once (a replicated tensor is read once and copied to each
+    cp_runtime.weights.format.device_tensors) hold it: split, dtype and scales. This process
+    reads only its devices' blocks, each once (a replicated tensor is read once and copied to each
     device), and turns each into its stored dtype as it is read (fp8 values stay as they
     are, their scales re-gridded)."""
     specs = param_specs(tensors, axis_name)

@@ -14,17 +14,17 @@ fp8 block quantisation (config `quantization_config` {"quant_method": "fp8", "fm
     W[o, i] = f32(X.weight[o, i]) * X.weight_scale_inv[o // bo, i // bi]
 
 (the last block of a row or column may be partial). The reader hands fp8 weights out as stored,
-with their scales (cp_runtime.fp8_blocks.HostBlock); whoever needs the values dequantises, each
-weight one f32 product rounded once, the same bit for bit however the blocks are walked. Scales
-stored in another float format (bf16, or e8m0 for the power-of-two `scale_fmt: ue8m0`) are
-widened to f32 where they are used.
+with their scales (cp_runtime.weights.fp8_blocks.HostBlock); whoever needs the values
+dequantises, each weight one f32 product rounded once, the same bit for bit however the blocks
+are walked. Scales stored in another float format (bf16, or e8m0 for the power-of-two
+`scale_fmt: ue8m0`) are widened to f32 where they are used.
 
 Files are read tensor by tensor from a memory map of each file, and only the tensors the config
-needs (`cp_runtime.weights.param_shapes`): the multi-token-prediction layers a checkpoint stores
-as `model.layers.{num_hidden_layers + i}` are never read. The safetensors layout is parsed here
-(8-byte little-endian header length, JSON header, data) because the `safetensors` package's numpy
-and flax loaders (0.8) look for `numpy.float8_e4m3fn`, which numpy lacks; JAX's numpy dtypes
-(ml_dtypes) stand in for fp8 and bf16.
+needs (`cp_runtime.weights.params.param_shapes`): the multi-token-prediction layers a checkpoint
+stores as `model.layers.{num_hidden_layers + i}` are never read. The safetensors layout is
+parsed here (8-byte little-endian header length, JSON header, data) because the `safetensors`
+package's numpy and flax loaders (0.8) look for `numpy.float8_e4m3fn`, which numpy lacks; JAX's
+numpy dtypes (ml_dtypes) stand in for fp8 and bf16.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ConfigError, ModelConfig, RopeScaling
-from cp_runtime.fp8_blocks import HostBlock, to_stored
-from cp_runtime.weights import Params, expert_sources, model_shapes, param_shapes
+from cp_runtime.weights.fp8_blocks import HostBlock, to_stored
+from cp_runtime.weights.params import Params, expert_sources, model_shapes, param_shapes
 
 __all__ = [
     "CheckpointBlocks",
@@ -411,7 +411,7 @@ class _Reader:
 
 
 class CheckpointBlocks:
-    """A checkpoint as a block source (cp_runtime.weight_placement): model-layout shapes, and
+    """A checkpoint as a block source (cp_runtime.weights.placement): model-layout shapes, and
     any range of one tensor read from the files alone. Construction checks every tensor's shape
     from the headers, reading no weight."""
 

@@ -1,5 +1,5 @@
 """The collectives the model needs when its weights are split over a mesh axis
-(cp_runtime.weight_layout), as one object the model's functions take.
+(cp_runtime.weights.layout), as one object the model's functions take.
 
 `WeightShards()` (no axis) is every device holding every weight, or no mesh at all (the dense
 oracle): each method is then the identity, so one model code path serves both modes.

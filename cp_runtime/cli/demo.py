@@ -1,6 +1,6 @@
 """`cp-runtime demo`: a served long-context session, end to end, on local CPU shards.
 
-It starts a server in this process (the hand-built retrieval model, cp_runtime.recall_model;
+It starts a server in this process (the hand-built retrieval model, cp_runtime.model.recall;
 16 CPU shards; fp8_e4m3 cache), connects a client over a real socket, uploads a synthetic
 document of `--tokens` tokens with one planted fact (key k holds value v) at `--depth`, asks for
 the value of k, and prints the answer, whether it is right, the prefill rate, the time to first
@@ -24,17 +24,16 @@ import time
 
 import numpy as np
 
-from cp_runtime.capacity import bytes_per_token
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype,
-                                 add_no_progress, add_page_size, add_shards, format_length,
-                                 length)
+from cp_runtime.cache.capacity import bytes_per_token
+from cp_runtime.cache.layout import cdiv
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
+                                 add_page_size, add_shards, format_length, length)
 from cp_runtime.config import RuntimeConfig
-from cp_runtime.devices import init_cpu_devices
-from cp_runtime.layout import cdiv
-from cp_runtime.recall_model import RecallLayout
+from cp_runtime.model.recall import RecallLayout
+from cp_runtime.model.source import RECALL_MODEL, WeightsSource
+from cp_runtime.parallel.devices import init_cpu_devices
 from cp_runtime.serving.app import EmbeddedServer, build_server
 from cp_runtime.serving.client import Client
-from cp_runtime.weights_source import RECALL_MODEL, WeightsSource
 
 __all__ = ["add_arguments", "run", "Document", "planted_fact_document", "MAX_TOKENS"]
 

@@ -5,7 +5,8 @@
 in the latent space (before W_uv). A shard that saw no key gives o_r = 0, lse_r = -inf and
 contributes nothing; a query no shard saw gets o = 0, lse = -inf (no NaN).
 
-The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model.mla_output).
+The merged output then goes through W_uv and o_proj (`project`,
+cp_runtime.model.forward.mla_output).
 `combine` chooses where the shards' partials meet, by runtime field `merge`:
   gather_psum:   all-gather the lse (small), rescale locally, psum the latent outputs; every
                  shard then holds every head merged.
@@ -20,7 +21,7 @@ The merged output then goes through W_uv and o_proj (`project`, cp_runtime.model
                  collective (then a hidden-space psum if the weights are split), the most bytes.
                  The gather runs as runtime field `gathers` says: flat, staged (groups of
                  shards gather and merge, then the groups' merges meet) or, on CPU with every
-                 shard in one process, the in-process gather (cp_runtime.collectives).
+                 shard in one process, the in-process gather (cp_runtime.parallel.collectives).
   auto:          all_gather while a shard's packed partials are at most GATHER_MAX_BYTES (a
                  decode step: a collective's latency costs more than its bytes), else
                  head_scatter with sharded weights and hidden_psum with replicated ones.
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cp_runtime.collectives import gather_reduce
+from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_gather",
            "merge_to_own_heads", "MERGES", "GATHER_MAX_BYTES", "combine", "resolve_merge"]
@@ -104,7 +105,8 @@ def merge_all_gather(o: jax.Array, lse: jax.Array, axis_name: str, gathers: str 
                      ) -> tuple[jax.Array, jax.Array]:
     """Same result as `merge_gather_psum` (up to rounding), by an all-gather of the packed
     [o | lse] and a merge: one collective (flat or in-process), or with `gathers` staged
-    (cp_runtime.collectives: S = 16, groups of 4, then the 4 groups' merges) one per stage."""
+    (cp_runtime.parallel.collectives: S = 16, groups of 4, then the 4 groups' merges) one per
+    stage."""
     merged = gather_reduce(_pack(o, lse), axis_name, _merge_packed, gathers)
     return merged[..., :-1], merged[..., -1]
 
@@ -145,7 +147,8 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
     """This shard's partials o f32[..., H, Dv], lse f32[..., H] -> the attention output
     f[..., hidden], complete on every shard. `project` maps latent outputs of the heads whose
     weights this shard holds to hidden space (a partial sum when the weights are split, `ws`).
-    gathers: how all_gather's gather runs (runtime field `gathers`, cp_runtime.collectives)."""
+    gathers: how all_gather's gather runs (runtime field `gathers`,
+    cp_runtime.parallel.collectives)."""
     merge = resolve_merge(merge, ws.split, (o.size + lse.size) * 4)
     if merge == "hidden_psum":
         if ws.split:

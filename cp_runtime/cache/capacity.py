@@ -13,9 +13,9 @@ Per device of a deployment (`deployment_report`):
 The KV cache is sharded by position over every device (context parallelism), so the tokens that
 fit are (sum over devices of the KV bytes) // bytes_per_token.
 
-The weights per device are the arrays the runtime places (cp_runtime.weight_format's
+The weights per device are the arrays the runtime places (cp_runtime.weights.format's
 `device_tensors`, the same function the executor and `cp-runtime compile` use): split over the
-same devices as the cache in `weights = "sharded"` mode (cp_runtime.weight_layout: attention
+same devices as the cache in `weights = "sharded"` mode (cp_runtime.weights.layout: attention
 projections by heads, dense MLPs column/row parallel, routed experts expert-parallel, embedding
 and lm head by vocabulary, the other projections by output features; norms and biases whole on
 every device; a split that does not divide is padded, as the runtime pads it), or whole on each
@@ -24,7 +24,7 @@ device in "replicated" mode; "auto" picks as the runtime does.
 Weight dtypes (`cp-runtime capacity --weight-dtype`; "auto" is the model's own, fp8 for
 GLM-5.2 and DeepSeek-V3.2): fp8 matmul weights 1 byte per value plus an f32 scale per block
 (embedding, lm head, router gate and indexer weights_proj bf16), or every matmul weight bf16;
-norms and biases f32 in both (cp_runtime.weight_format).
+norms and biases f32 in both (cp_runtime.weights.format).
 
 Reserve: ACTIVATION_RESERVE_FRACTION (10%) of each device's HBM is kept for activations, XLA
 scratch and the step's temporaries (a round figure, not a measurement); `reserve_gib` overrides.
@@ -41,8 +41,8 @@ import math
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.weight_format import (WEIGHT_DTYPES, bytes_per_device, device_tensors,
-                                      resolve_weight_dtype, resolve_weight_mode)
+from cp_runtime.weights.format import (WEIGHT_DTYPES, bytes_per_device, device_tensors,
+                                       resolve_weight_dtype, resolve_weight_mode)
 
 __all__ = ["ACTIVATION_RESERVE_FRACTION", "DEFAULT_TOPOLOGY", "GIB", "TOPOLOGIES", "WEIGHT_DTYPES",
            "CapacityReport", "Topology", "bytes_per_token", "capacity_report", "deployment_report",
@@ -87,9 +87,9 @@ def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
 def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "auto",
                             weights: str = "sharded") -> int:
     """Weight bytes on each of `devices` devices, block scales included, as the runtime holds
-    them (cp_runtime.weight_format: dtypes and scales; cp_runtime.weight_layout: the split,
+    them (cp_runtime.weights.format: dtypes and scales; cp_runtime.weights.layout: the split,
     padded where it does not divide) in mode `weights` ("replicated" or "sharded")."""
-    from cp_runtime.weights import model_shapes       # weights imports jax; keep this light
+    from cp_runtime.weights.params import model_shapes       # weights imports jax; keep this light
 
     if devices <= 0:
         raise ValueError(f"{devices=} must be positive")

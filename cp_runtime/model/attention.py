@@ -6,7 +6,8 @@ Per layer, for a batch of queries (DESIGN.md, "Context parallelism"):
   3. the candidates are all-gathered and every shard ranks the same global top-K;
   4. each shard attends the selected pages it owns and returns partials (o, lse);
   5. the partials are merged exactly over the axis and projected to hidden space
-     (cp_runtime.merge.combine: where they meet depends on the merge variant and weight split).
+     (cp_runtime.parallel.merge.combine: where they meet depends on the merge variant and
+     weight split).
 `shared` layers reuse step 2-3's selection from the last `full` layer.
 """
 
@@ -18,15 +19,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
+from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
-from cp_runtime.kernels_dispatch import Kernels
-from cp_runtime.layout import local_page_jnp, owner_shard_jnp
-from cp_runtime.merge import combine
-from cp_runtime.model import IndexerInputs
-from cp_runtime.pool import PoolSpec
-from cp_runtime.selection import attended_pages, global_top_pages, local_candidates
-from cp_runtime.weight_shards import WeightShards
+from cp_runtime.kernels.dispatch import Kernels
+from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.parallel.merge import combine
+from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
+from cp_runtime.weights.shards import WeightShards
 
 __all__ = ["ShardState", "ShardAttention"]
 
@@ -45,11 +46,11 @@ class ShardAttention:
     """Step-wide inputs of one shard; `__call__` is the `attend` callback of `model.forward`.
 
     local_table: i32[B, M] slot of this shard's local page j, which holds logical page
-                 j * S + shard - rotation (cp_runtime.layout; sentinel where unallocated)
+                 j * S + shard - rotation (cp_runtime.cache.layout; sentinel where unallocated)
     rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
-    merge:       the merge variant (cp_runtime.merge); ws: how the weights are split
-    combine:     cp_runtime.merge.combine, or a stand-in with its signature (a benchmark
+    merge:       the merge variant (cp_runtime.parallel.merge); ws: how the weights are split
+    combine:     cp_runtime.parallel.merge.combine, or a stand-in with its signature (a benchmark
                  timing a step without its merge)
     """
 

@@ -19,7 +19,7 @@ import heapq
 
 import numpy as np
 
-from cp_runtime.layout import cdiv, owner_shard, shard_demand
+from cp_runtime.cache.layout import cdiv, owner_shard, shard_demand
 
 __all__ = ["CapacityError", "PageCopy", "PageTable", "PageAllocator"]
 

@@ -7,7 +7,7 @@ Runtime field `weights` chooses the mode:
                 device holds about 1/S of the model (DESIGN: weights live where the cache does)
 
 The split of each tensor (model layout: HF names, routed experts stacked, see
-`cp_runtime.weights.model_layout`):
+`cp_runtime.weights.params.model_layout`):
 
     embed_tokens, lm_head                  rows, by vocabulary
     q_a_proj, kv_a_proj_with_mqa           rows (output features; gathered after the matmul)

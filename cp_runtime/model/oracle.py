@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from cp_runtime.cache.layout import cdiv
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.layout import cdiv
-from cp_runtime.model import IndexerInputs, forward, logits
-from cp_runtime.selection import earlier_pages_mask, rank_pages
-from cp_runtime.weights import Params, model_layout
+from cp_runtime.model.forward import IndexerInputs, forward, logits
+from cp_runtime.parallel.selection import earlier_pages_mask, rank_pages
+from cp_runtime.weights.params import Params, model_layout
 
 __all__ = ["token_scores", "page_scores", "selection_mask", "dense_sparse_attention",
            "make_oracle_attend", "oracle_logits"]

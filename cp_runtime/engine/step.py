@@ -14,7 +14,7 @@ segment its own (fewer compiles). Each segment is a `StepInputs` plus what it re
 `StepInputs` (one segment):
     tokens:      i32[B, Q]   (padding: any token at position -1)
     positions:   i32[B, Q]   (-1 = padding query; it writes to the sentinel and attends nothing)
-    page_table:  i32[B, M]   in rotated coordinates (cp_runtime.layout): entry `i + rotation`
+    page_table:  i32[B, M]   in rotated coordinates (cp_runtime.cache.layout): entry `i + rotation`
                              is the slot of logical page i, the sentinel elsewhere; M a
                              multiple of S; split per owner into local tables [S, B, M / S]
     rotation:    i32[B]      each row's rotation
@@ -36,18 +36,18 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cp_runtime.attention import ShardAttention, ShardState
+from cp_runtime.cache.layout import local_page_table
+from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.kernels_dispatch import Kernels
-from cp_runtime.layout import local_page_table
-from cp_runtime.merge import combine
-from cp_runtime.model import forward, logits
-from cp_runtime.pool import CP_AXIS, KVPool, PoolSpec
-from cp_runtime.sampler import SamplingArrays, sample_tokens
-from cp_runtime.weight_format import DeviceTensor
-from cp_runtime.weight_placement import param_specs
-from cp_runtime.weight_shards import WeightShards
-from cp_runtime.weights import Params
+from cp_runtime.kernels.dispatch import Kernels
+from cp_runtime.model.attention import ShardAttention, ShardState
+from cp_runtime.model.forward import forward, logits
+from cp_runtime.model.sampler import SamplingArrays, sample_tokens
+from cp_runtime.parallel.merge import combine
+from cp_runtime.weights.format import DeviceTensor
+from cp_runtime.weights.params import Params
+from cp_runtime.weights.placement import param_specs
+from cp_runtime.weights.shards import WeightShards
 
 __all__ = ["KINDS", "Segment", "StepInputs", "make_step"]
 
@@ -153,10 +153,10 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
               combine_fn=combine):
     """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
 
-    weight_tensors: the arrays the weights are held in (weight_format.device_tensors, for
-    runtime.weights and runtime.weight_dtype, both concrete).
-    combine_fn: how attention partials meet (cp_runtime.merge.combine; a benchmark may pass a
-    stand-in to time the step without its merge).
+    weight_tensors: the arrays the weights are held in (cp_runtime.weights.format.device_tensors,
+    for runtime.weights and runtime.weight_dtype, both concrete).
+    combine_fn: how attention partials meet (cp_runtime.parallel.merge.combine; a benchmark may
+    pass a stand-in to time the step without its merge).
     segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
     outputs: one entry per segment (see the module docstring). The pool argument is donated.
     """

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from cp_runtime.config import MODEL_WEIGHT_DTYPES, ModelConfig, RuntimeConfig
-from cp_runtime.weight_layout import EXPERT_STACKS, local_shape, padded_shape, split_of
+from cp_runtime.weights.layout import EXPERT_STACKS, local_shape, padded_shape, split_of
 
 __all__ = ["WEIGHT_DTYPES", "STORED_DTYPES", "FP8_BLOCK", "SCALE_SUFFIX",
            "REPLICATE_MAX_FRACTION", "DeviceTensor", "bytes_per_device", "device_tensors",
@@ -135,7 +135,7 @@ REPLICATE_MAX_FRACTION = 0.25
 def model_bytes(model: ModelConfig, weight_dtype: str) -> int:
     """Bytes of the whole model under a concrete `weight_dtype` (what one device holds when
     the weights are replicated)."""
-    from cp_runtime.weights import model_shapes       # weights imports jax; keep this light
+    from cp_runtime.weights.params import model_shapes       # weights imports jax; keep this light
     return bytes_per_device(device_tensors(model_shapes(model), model, "replicated",
                                            weight_dtype, shards=1))
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cp_runtime.capacity import bytes_per_token
+from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels.storage import pool_dtype

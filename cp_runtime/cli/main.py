@@ -7,7 +7,7 @@
     cp-runtime compile --model glm-5.2 --layers 4    every program compiled for a TPU slice
     cp-runtime bench NAME [...]                      a benchmark (niah, serving, throughput, ...)
 
-The same flag means the same thing in every subcommand and benchmark (cp_runtime.cli_args).
+The same flag means the same thing in every subcommand and benchmark (cp_runtime.cli.args).
 Benchmarks load on demand, by name: nothing else in cp_runtime imports them.
 """
 
@@ -24,23 +24,24 @@ import re
 import sys
 import time
 
-from cp_runtime import __version__, demo
-from cp_runtime.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
-from cp_runtime.cli_args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+from cp_runtime import __version__
+from cp_runtime.cache.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
+from cp_runtime.cli import demo
+from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_gathers, add_kv_cache_dtype, add_model, add_page_size,
-                                 add_pages_per_shard, add_shards, add_weight_dtype,
-                                 add_weights, finite_nonnegative_float, finite_positive_float,
+                                 add_pages_per_shard, add_shards, add_weight_dtype, add_weights,
+                                 finite_nonnegative_float, finite_positive_float,
                                  nonnegative_length, positive_int)
-from cp_runtime.compile_cmd import add_compile, run_compile
+from cp_runtime.cli.compile import add_compile, run_compile
 from cp_runtime.config import (MERGE_VARIANTS, ConfigError, RuntimeConfig,
                                check_runtime_for_model, load_model_config, load_runtime_config)
+from cp_runtime.model.source import WeightsSource
 from cp_runtime.optional import MissingDependency, require
-from cp_runtime.devices import init_cpu_devices
+from cp_runtime.parallel.devices import init_cpu_devices
 from cp_runtime.platform import keep_jax_off_absent_tpus
 from cp_runtime.serving.app import build_server, check_bind, check_port_free, serve_forever
 from cp_runtime.serving.server import ServerLimits
 from cp_runtime.serving.state import FSYNC_POLICIES, TokenStore
-from cp_runtime.weights_source import WeightsSource
 
 __all__ = ["main", "build_parser"]
 

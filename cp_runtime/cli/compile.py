@@ -11,10 +11,9 @@ import importlib
 import json
 import sys
 
-from cp_runtime.capacity import TOPOLOGIES
-from cp_runtime.cli_args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_page_size, add_weight_dtype, add_weights, length,
-                                 positive_int)
+from cp_runtime.cache.capacity import TOPOLOGIES
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
+                                 add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
 __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 

@@ -1,13 +1,13 @@
 """Block-scaled fp8 weights on the host: turn one block of a tensor, as a source holds it, into
-what a device stores (cp_runtime.weight_format).
+what a device stores (cp_runtime.weights.format).
 
 A weight W [..., a, b] in fp8 with block scales s holds
 
     W[..., i, j] = f32(q[..., i, j]) * s[..., i // ga, j // gb]
 
 for runs of (ga, gb) values; a checkpoint's runs are its block [bo, bi], a device's runs
-`weight_format.scale_runs`. Moving fp8 values between the two grids re-indexes the scales and
-leaves every value as it was, so an fp8 checkpoint reaches the device bit for bit.
+`cp_runtime.weights.format.scale_runs`. Moving fp8 values between the two grids re-indexes the
+scales and leaves every value as it was, so an fp8 checkpoint reaches the device bit for bit.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from cp_runtime.weight_format import STORED_DTYPES
+from cp_runtime.weights.format import STORED_DTYPES
 
 __all__ = ["HostBlock", "E4M3_MAX", "dequantize", "quantize", "regrid_scales", "to_stored"]
 

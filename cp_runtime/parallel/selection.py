@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cp_runtime.collectives import gather_reduce
-from cp_runtime.layout import global_page_jnp
+from cp_runtime.cache.layout import global_page_jnp
+from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
            "local_candidates", "global_top_pages", "attended_pages", "earlier_pages_mask"]
@@ -111,8 +111,8 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
 
     Scores and pages travel as one array (pages bit-cast to f32 and back, exactly): one
     collective, not two, since on small steps a collective's latency, not its bytes, is the
-    cost. The gather may run in stages (`gathers`, cp_runtime.collectives.gather_reduce), each
-    group's candidates ranked to its top k before the next: the same pages, since the top k of
+    cost. The gather may run in stages (`gathers`, cp_runtime.parallel.collectives.gather_reduce),
+    each group's candidates ranked to its top k before the next: the same pages, since the top k of
     the union is the top k of the groups' top ks. With axis_name None (S = 1) the candidates
     are already global.
     """

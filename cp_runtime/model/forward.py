@@ -16,8 +16,8 @@ Per layer (shapes for T tokens, any leading dims `...`):
 `forward` runs the layer stack with an attention callback, so the dense oracle and the paged,
 context-parallel path share every line except attention itself.
 
-Weights are in the model layout (cp_runtime.weights.model_layout), whole or split over a mesh
-axis (cp_runtime.weight_layout); a `WeightShards` says which, and each function gathers or sums
+Weights are in the model layout (cp_runtime.weights.params.model_layout), whole or split over a mesh
+axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
   projections to features (q_a, kv_a, indexer wk), q and indexer heads, router logits and the
   lm head's logits are computed on this device's rows and all-gathered; the embedding, the dense
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.weight_format import SCALE_SUFFIX
-from cp_runtime.weight_shards import WeightShards
-from cp_runtime.weights import Params, layer_params
+from cp_runtime.weights.format import SCALE_SUFFIX
+from cp_runtime.weights.params import Params, layer_params
+from cp_runtime.weights.shards import WeightShards
 
 __all__ = [
     "IndexerInputs",
@@ -163,7 +163,7 @@ def hadamard(x: jax.Array) -> jax.Array:
 
 def weight(p: Params, name: str) -> jax.Array:
     """Tensor `name` ready for a matmul: as held (bf16, f32), or an fp8 weight dequantised by
-    its block scales `name + SCALE_SUFFIX` (cp_runtime.weight_format) into bf16, here inside
+    its block scales `name + SCALE_SUFFIX` (cp_runtime.weights.format) into bf16, here inside
     the computation: the device only ever holds the fp8 values and the scales.
     w [..., a, b] f8, s [..., a / ga, b / gb] f32 -> bf16 [..., a, b]."""
     w, s = p[name], p.get(name + SCALE_SUFFIX)
@@ -377,7 +377,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
 
     `params` are in the model layout; `hidden` f[..., hidden] is after the final norm and
     `logits(params, hidden, ws)` projects it. The attention callback gets the output
-    projection so the merge can choose where the partial results meet (cp_runtime.merge).
+    projection so the merge can choose where the partial results meet (cp_runtime.parallel.merge).
     """
     x = embed(params, tokens, ws)
     for layer in range(cfg.num_hidden_layers):
