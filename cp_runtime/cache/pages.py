@@ -1,7 +1,7 @@
 """Page allocator: per-shard free lists with reference counts.
 
-A session's `PageTable` is its rotation (the shard its page 0 lives on, see `layout.py`) and the
-physical slot of each logical page; the shard of a page is implied by its index and the
+A session's `PageTable` is its rotation (the shard its page 0 lives on, see `cache/layout.py`)
+and the physical slot of each logical page; the shard of a page is implied by its index and the
 rotation. Slot `P` of every shard (one past the last allocatable slot) is the sentinel that
 absorbs no-op writes and is never handed out.
 

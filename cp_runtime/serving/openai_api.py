@@ -34,7 +34,7 @@ import itertools
 import json
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from starlette.applications import Starlette
@@ -45,9 +45,12 @@ from starlette.routing import Route
 from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate
 from cp_runtime.serving import openai_format as fmt
 from cp_runtime.serving import openai_responses as resp
+from cp_runtime.serving.errors import Refused, error_code
 from cp_runtime.serving.metrics import Metrics
 from cp_runtime.serving.protocol import RETRYABLE_CODES
-from cp_runtime.serving.server import Refused, Server, error_code
+
+if TYPE_CHECKING:                       # the server starts this app: a type, not an import
+    from cp_runtime.serving.server import Server
 
 __all__ = ["OpenAIApp"]
 
@@ -106,6 +109,12 @@ class OpenAIApp:
         if scheme.lower() != "bearer" or not self.server.authorized(token.strip()):
             raise _HttpError("unauthorized", "wrong or missing token: send "
                                              "'Authorization: Bearer TOKEN'")
+
+    def _served(self) -> dict:
+        """What every request parser checks a body against: the served model's name, its
+        tokenizer (None without a checkpoint) and vocabulary size."""
+        return {"model": self.server.model_name, "tokenizer": self.server.tokenizer,
+                "vocab_size": self.server.engine.model.vocab_size}
 
     async def _json(self, request: Request):
         limit = self.server.limits.max_frame_bytes
@@ -198,26 +207,20 @@ class OpenAIApp:
     @_endpoint("completions")
     async def completions(self, request: Request) -> Response:
         received = time.perf_counter()
-        req = fmt.parse_completion(await self._json(request), model=self.server.model_name,
-                                   tokenizer=self.server.tokenizer,
-                                   vocab_size=self.server.engine.model.vocab_size)
+        req = fmt.parse_completion(await self._json(request), **self._served())
         return await self._respond(req, received, COMPLETION)
 
     @_endpoint("chat")
     async def chat(self, request: Request) -> Response:
         received = time.perf_counter()
-        req = fmt.parse_chat(await self._json(request), model=self.server.model_name,
-                             tokenizer=self.server.tokenizer,
-                             vocab_size=self.server.engine.model.vocab_size,
+        req = fmt.parse_chat(await self._json(request), **self._served(),
                              template=self.server.chat_template)
         return await self._respond(req, received, CHAT)
 
     @_endpoint("responses")
     async def responses(self, request: Request) -> Response:
         received = time.perf_counter()
-        req = resp.parse_response(await self._json(request), model=self.server.model_name,
-                                  tokenizer=self.server.tokenizer,
-                                  vocab_size=self.server.engine.model.vocab_size,
+        req = resp.parse_response(await self._json(request), **self._served(),
                                   template=self.server.chat_template)
         self._check_prompt(req.completion)
         run = _Completion(self, req.completion, received)

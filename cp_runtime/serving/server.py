@@ -22,17 +22,17 @@ import logging
 import socket
 import time
 
-from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.core import Engine
-from cp_runtime.engine.requests import (Done, EngineError, Extend, Failed, Generate, Progress,
-                                        SamplingParams, Token)
+from cp_runtime.engine.requests import (Done, Extend, Failed, Generate, Progress, SamplingParams,
+                                        Token)
 from cp_runtime.serving.activity import Activity, RequestRecord
 from cp_runtime.serving.engine_loop import EngineLoop
+from cp_runtime.serving.errors import Refused, error_code
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
                                          decode_tokens, encode_frame, read_frame)
 from cp_runtime.serving.state import TokenStore
 
-__all__ = ["Refused", "Server", "ServerLimits", "error_code"]
+__all__ = ["Server", "ServerLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -72,27 +72,6 @@ class ServerLimits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{f.name}={value!r} must be a positive integer")
-
-
-class Refused(Exception):
-    """A request refused by the server itself; `code` is the error code."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def error_code(e: Exception) -> str:
-    """The protocol's error code for an exception a request raised."""
-    if isinstance(e, Refused):
-        return e.code
-    if isinstance(e, EngineError):
-        return e.code
-    if isinstance(e, CapacityError):
-        return "capacity"
-    if isinstance(e, ProtocolError):
-        return "bad_request"
-    return "internal"
 
 
 class Server:
