@@ -1,11 +1,11 @@
-"""Helpers for tests that talk to a real server process over raw sockets: frames, a connection
-that collects replies, and the `World` check that a hostile input changed nothing (free pages,
-requests in flight, sessions, and every other session's next greedy token)."""
+"""Helpers for tests that talk to a real server process: starting one on the test model, frames,
+a raw connection that collects replies, and the `World` check that a hostile input changed
+nothing (free pages, requests in flight, sessions, and every other session's next greedy
+token)."""
 
 from __future__ import annotations
 
 import dataclasses
-import signal
 import socket
 import struct
 import time
@@ -14,9 +14,15 @@ import msgpack
 import numpy as np
 
 import cp_runtime
-from test_serving import start_server
+from cp_runtime.serving.process import ServerProcess
 
-__all__ = ["RawConnection", "World", "frame", "pack", "server_process", "stop_server"]
+__all__ = ["STARTUP_S", "TINY_SERVER", "RawConnection", "World", "frame", "pack", "start_server",
+           "stop_server"]
+
+# The test model on 16 shards with exact (f32) caches and short chunks; a later flag wins.
+TINY_SERVER = ("--model", "tiny", "--shards", "16", "--kv-cache-dtype", "f32",
+               "--pages-per-shard", "24", "--chunk-size", "64")
+STARTUP_S = 120
 
 
 def pack(value) -> bytes:
@@ -30,18 +36,15 @@ def frame(body) -> bytes:
     return struct.pack(">I", len(body)) + bytes(body)
 
 
-def server_process(*extra: str, env=None):
-    """(process, "HOST:PORT") of a `cp-runtime serve` on the test model (tests/test_serving)."""
-    return start_server(*extra, env=env)
+def start_server(*extra: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """A listening `cp-runtime serve` on the test model, `extra` flags after TINY_SERVER's;
+    `env` adds variables to its environment."""
+    return ServerProcess([*TINY_SERVER, *extra], env=env, startup_s=STARTUP_S)
 
 
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def stop_server(server: ServerProcess) -> None:
+    """SIGTERM, and the clean exit it must bring (the log's tail says why not)."""
+    assert server.stop() == 0, server.log()[-4000:]
 
 
 class RawConnection:

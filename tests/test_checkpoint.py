@@ -13,7 +13,6 @@ import json
 import math
 import re
 import shutil
-import signal
 import struct
 import sys
 
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from safetensors.numpy import save_file
-from test_serving import start_server
+from serving_helpers import start_server, stop_server
 
 import cp_runtime
 
@@ -735,9 +734,9 @@ def test_niah_runs_checkpoint(ckpt, tmp_path):
 def test_a_served_checkpoint_takes_text_and_returns_text(ckpt):
     """`cp-runtime serve --checkpoint DIR`: extend takes text through the checkpoint's
     tokenizer and generate returns the generated tokens' text."""
-    proc, address = start_server("--checkpoint", str(ckpt.dir))
+    server = start_server("--checkpoint", str(ckpt.dir))
     try:
-        with cp_runtime.Client(address) as client:
+        with cp_runtime.Client(server.address) as client:
             assert client.server["text"] is True and client.server["model"] == str(ckpt.dir)
             session = client.create_session()
             text = "The river pilot walked past the grey harbour wall"
@@ -745,5 +744,4 @@ def test_a_served_checkpoint_takes_text_and_returns_text(ckpt):
             gen = session.generate(max_tokens=5)
             assert gen.text == load_tokenizer(ckpt.dir).decode(gen.tokens)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        stop_server(server)

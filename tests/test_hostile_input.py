@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cp_runtime
-from serving_helpers import RawConnection, World, frame, pack, server_process, stop_server
+from serving_helpers import RawConnection, World, frame, pack, start_server, stop_server
 
 VOCAB = 256
 PAGES_PER_SHARD = 24                      # 16 shards x 24 pages x 16 tokens = 6144 tokens
@@ -30,13 +30,13 @@ RESULTS: dict[str, str] = {}              # case -> what it returned, for the ta
 
 @pytest.fixture(scope="module")
 def server():
-    proc, address = server_process("--pages-per-shard", str(PAGES_PER_SHARD),
-                                   "--max-frame-bytes", str(MAX_FRAME),
-                                   "--max-pending-bytes", str(MAX_PENDING))
+    server = start_server("--pages-per-shard", str(PAGES_PER_SHARD),
+                          "--max-frame-bytes", str(MAX_FRAME),
+                          "--max-pending-bytes", str(MAX_PENDING))
     try:
-        yield proc, address
+        yield server.proc, server.address
     finally:
-        stop_server(proc)
+        stop_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,7 @@ chat through a checkpoint's template."""
 
 import asyncio
 import json
-import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -17,36 +15,23 @@ import pytest
 
 import cp_runtime
 from conftest import random_tokens
-from test_serving import SERVE, STARTUP_S, _Log
+from cp_runtime.serving.process import ServerProcess
+from serving_helpers import start_server, stop_server
 from test_state import greedy_continuation
 
 TOKEN = "s3cret-token"
 
 
-def start_http_server(*extra: str):
-    """(process, session protocol address, HTTP address, its log)."""
-    proc = subprocess.Popen([*SERVE, "--http-port", "0", *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline, http = time.monotonic() + STARTUP_S, None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("http listening on "):
-            http = line.split()[-1]
-        if line.startswith("listening on "):
-            return proc, line.split()[-1], http, _Log(proc.stderr)
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()}")
-    proc.kill()
-    raise TimeoutError("server did not start")
+def start_http_server(*extra: str) -> ServerProcess:
+    """The test model's server with its HTTP door on a free port."""
+    return start_server("--http-port", "0", *extra)
 
 
 @pytest.fixture(scope="module")
 def served_http():
-    proc, address, http, log = start_http_server("--auth-token", TOKEN,
-                                                 "--max-frame-bytes", "65536")
-    yield address, http, log
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.text()[-4000:]
+    server = start_http_server("--auth-token", TOKEN, "--max-frame-bytes", "65536")
+    yield server.address, server.http_address, server
+    stop_server(server)
 
 
 def request(http, method, path, body=None, *, token=TOKEN, raw: bytes | None = None,
@@ -281,7 +266,8 @@ def test_chat_through_a_checkpoints_template(tmp_path):
     config = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**config,
                                                          "chat_template": CHAT_TEMPLATE}))
-    proc, address, http, log = start_http_server("--checkpoint", str(d))
+    server = start_http_server("--checkpoint", str(d))
+    address, http = server.address, server.http_address
     try:
         messages = [{"role": "user", "content": "what is the registered code?"}]
         sdk = openai.OpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
@@ -311,5 +297,4 @@ def test_chat_through_a_checkpoints_template(tmp_path):
             assert c.session(first.session).info()["length"] == \
                 len(rendered["tokens"]) + 3 + len(turn) + 3
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.text()[-4000:]
+        stop_server(server)

@@ -7,7 +7,6 @@ says 503 "restoring" while sessions come back from --state-dir, then 200."""
 
 import json
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from cp_runtime.serving.state import TokenStore
+from serving_helpers import stop_server
 from test_http import request, start_http_server
 
 READ_TIMEOUT_S = 3              # --idle-timeout-s 3 caps http_front's read timeout at 3 s
@@ -62,14 +62,12 @@ class _HealthWatch:
 @pytest.fixture(scope="module")
 def limited_http(tmp_path_factory):
     state = _state_dir(tmp_path_factory.mktemp("state"))
-    proc, _, http, log = start_http_server(
-        "--state-dir", state, "--max-connections", str(MAX_CONNECTIONS),
-        "--idle-timeout-s", str(READ_TIMEOUT_S))
-    health = _HealthWatch(http)
-    yield http, health
+    server = start_http_server("--state-dir", state, "--max-connections", str(MAX_CONNECTIONS),
+                               "--idle-timeout-s", str(READ_TIMEOUT_S))
+    health = _HealthWatch(server.http_address)
+    yield server.http_address, health
     health.done()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.text()[-4000:]
+    stop_server(server)
 
 
 def _connect(http: str) -> socket.socket:

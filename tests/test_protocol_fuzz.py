@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import cp_runtime
 from cp_runtime.serving.protocol import ERROR_CODES, EVENTS, OPS
-from serving_helpers import RawConnection, World, frame, server_process, stop_server
+from serving_helpers import RawConnection, World, frame, start_server, stop_server
 
 VOCAB = 256
 MAX_FRAME = 1 << 16
@@ -220,16 +220,15 @@ class Fuzz:
 
 @pytest.fixture(scope="module")
 def fuzz():
-    proc, address = server_process("--pages-per-shard", "24", "--max-frame-bytes",
-                                   str(MAX_FRAME))
+    server = start_server("--pages-per-shard", "24", "--max-frame-bytes", str(MAX_FRAME))
     try:
-        f = Fuzz(address)
+        f = Fuzz(server.address)
         yield f
         f.check_probe()
         f.client.close()
-        assert proc.poll() is None
+        assert server.proc.poll() is None
     finally:
-        stop_server(proc)
+        stop_server(server)
 
 
 def _report(fuzz, started: float, n: int) -> None:

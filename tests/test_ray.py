@@ -6,8 +6,6 @@ never a token. One Ray start and one worker group for the module (faults replace
 import dataclasses
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +19,9 @@ from conftest import random_tokens  # noqa: E402
 from cp_runtime.config import RuntimeConfig  # noqa: E402
 from cp_runtime.engine import Engine  # noqa: E402
 from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
-from cp_runtime.engine.requests import (Done, Extend, Failed, Generate,  # noqa: E402
-                                        SamplingParams, Token)
+from cp_runtime.engine.requests import Done, Extend, Failed, Generate, SamplingParams  # noqa: E402
 from cp_runtime.model.source import WeightsSource  # noqa: E402
+from cp_runtime.serving.process import ServerProcess  # noqa: E402
 
 SOURCE = WeightsSource(model="tiny", seed=0)
 RUNTIME = RuntimeConfig(model="tiny", kv_cache_dtype="f32", pages_per_shard=24, chunk_size=64)
@@ -236,22 +234,14 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
     """`cp-runtime serve --checkpoint DIR --weights sharded --executor ray`: each worker reads
     only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
     executor's with whole weights; `stats` shows both workers, each device with its part."""
-    cmd = [sys.executable, "-m", "cp_runtime.cli.main", "serve", "--checkpoint", checkpoint["dir"],
-           "--shards", "16", "--weights", "sharded", "--weight-dtype", "f32",
-           "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
-           "--port", "0", "--executor", "ray", "--hosts", "2", "--devices-per-host", "8",
-           "--ray-address", ray_cluster, "--compilation-cache-dir", xla_cache]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = ServerProcess(["--checkpoint", checkpoint["dir"], "--shards", "16",
+                            "--weights", "sharded", "--weight-dtype", "f32",
+                            "--kv-cache-dtype", "f32", "--pages-per-shard", "24",
+                            "--chunk-size", "64", "--executor", "ray", "--hosts", "2",
+                            "--devices-per-host", "8", "--ray-address", ray_cluster,
+                            "--compilation-cache-dir", xla_cache], startup_s=180)
     try:
-        deadline, address = time.monotonic() + 180, None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("listening on "):
-                address = line.split()[-1]
-                break
-            assert proc.poll() is None, "server exited"
-        assert address, "server did not start"
-        with cp_runtime.Client(address) as client:
+        with cp_runtime.Client(server.address) as client:
             session = client.create_session()
             session.extend(checkpoint["prompt"])
             gen = session.generate(max_tokens=GENERATE)
@@ -264,5 +254,4 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
             assert len(per_device) == 16 and len(set(per_device)) == 1
             assert per_device[0] < checkpoint["whole_bytes"] / 8
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert server.stop() == 0, server.log()[-4000:]

@@ -19,7 +19,7 @@ from cp_runtime.cli.main import build_parser
 from cp_runtime.serving import server as server_module
 from cp_runtime.serving.protocol import BadRequestError, CapacityError, UnauthorizedError
 from cp_runtime.serving.server import ServerLimits
-from serving_helpers import RawConnection, frame, server_process, stop_server
+from serving_helpers import RawConnection, frame, start_server, stop_server
 
 TOKEN = "s3cret-token"
 LIMITS = ServerLimits(max_frame_bytes=4096, max_sessions=4, max_tokens_per_request=100,
@@ -31,11 +31,11 @@ def server():
     flags = []
     for f in dataclasses.fields(LIMITS):
         flags += ["--" + f.name.replace("_", "-"), str(getattr(LIMITS, f.name))]
-    proc, address = server_process("--pages-per-shard", "8", "--auth-token", TOKEN, *flags)
+    server = start_server("--pages-per-shard", "8", "--auth-token", TOKEN, *flags)
     try:
-        yield proc, address
+        yield server.proc, server.address
     finally:
-        stop_server(proc)
+        stop_server(server)
 
 
 def healthy(address: str) -> dict:
@@ -215,8 +215,9 @@ def test_the_token_is_compared_with_hmac_compare_digest(monkeypatch):
 
 
 def test_a_quiet_connection_is_closed_after_the_idle_timeout_and_frees_its_slot():
-    proc, address = server_process("--pages-per-shard", "4", "--max-connections", "1",
-                                   "--idle-timeout-s", "1")
+    server = start_server("--pages-per-shard", "4", "--max-connections", "1",
+                          "--idle-timeout-s", "1")
+    address = server.address
     try:
         host, port = address.rsplit(":", 1)
         quiet = socket.create_connection((host, int(port)), timeout=30)
@@ -228,4 +229,4 @@ def test_a_quiet_connection_is_closed_after_the_idle_timeout_and_frees_its_slot(
         with cp_runtime.Client(address) as c:        # the only slot is free again
             assert c.stats()["connections"] == 1
     finally:
-        stop_server(proc)
+        stop_server(server)

@@ -6,7 +6,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,50 +17,18 @@ import pytest
 import cp_runtime
 from conftest import random_tokens
 from cp_runtime.model.oracle import oracle_logits
+from cp_runtime.serving.process import SERVE_COMMAND
 from cp_runtime.serving.protocol import (BadRequestError, CapacityError, NotFoundError,
                                          ServerError, UnauthorizedError)
-
-SERVE = [sys.executable, "-m", "cp_runtime.cli.main", "serve", "--model", "tiny", "--shards", "16",
-         "--kv-cache-dtype", "f32", "--pages-per-shard", "24", "--chunk-size", "64",
-         "--port", "0"]
-STARTUP_S = 120
-
-
-def start_server(*extra: str, env=None) -> tuple[subprocess.Popen, str]:
-    """A server process and its "HOST:PORT", read from its 'listening on' line."""
-    proc = subprocess.Popen([*SERVE, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("listening on "):
-            return proc, line.split()[-1]
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()}")
-    proc.kill()
-    raise TimeoutError("server did not start")
-
-
-class _Log:
-    """A server's stderr lines as they come (read on a thread: a full pipe would stall it)."""
-
-    def __init__(self, stream):
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
-        self._thread.start()
-
-    def text(self) -> str:
-        return "".join(self.lines)
+from serving_helpers import TINY_SERVER, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def served():
-    """(address, its log): at debug level, with a summary every second."""
-    proc, address = start_server("--log-level", "debug", "--log-summary-s", "1")
-    log = _Log(proc.stderr)
-    yield address, log
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.text()[-4000:]   # SIGTERM ends it cleanly
+    """(address, the ServerProcess): at debug level, with a summary every second."""
+    server = start_server("--log-level", "debug", "--log-summary-s", "1")
+    yield server.address, server
+    stop_server(server)                                         # SIGTERM ends it cleanly
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +50,14 @@ def test_hello_reports_the_model_and_limits(client):
 
 
 def test_the_log_has_start_up_phases_requests_and_summaries(served, client):
-    address, log = served
+    address, server = served
     session = client.create_session()
     session.extend(list(range(40)))
     session.close()
     deadline = time.monotonic() + 10
-    while "last 1 s:" not in log.text() and time.monotonic() < deadline:
+    while "last 1 s:" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
-    text = log.text()
+    text = server.log()
     for phase in ("pool: 24 pages of 16 tokens a shard over 16 shards", "weights: replicated",
                   "compile: a ", "listening on", "request conn=",
                   " extend session=", "tokens=40 ", "last 1 s:"):
@@ -222,8 +189,8 @@ def test_bad_frames_get_errors_and_the_server_lives_on(server, client):
 
 
 def test_no_token_is_needed_on_loopback_and_a_token_is_checked(tiny):
-    env = {**os.environ, "CP_RUNTIME_TOKEN": "s3cret"}
-    proc, address = start_server("--pages-per-shard", "4", env=env)
+    server = start_server("--pages-per-shard", "4", env={"CP_RUNTIME_TOKEN": "s3cret"})
+    address = server.address
     try:
         with pytest.raises(UnauthorizedError):
             cp_runtime.Client(address)
@@ -232,14 +199,13 @@ def test_no_token_is_needed_on_loopback_and_a_token_is_checked(tiny):
         with cp_runtime.Client(address, token="s3cret") as c:
             assert c.stats()["sessions"] == 0
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert server.stop(signal.SIGINT) == 0
 
 
 def test_binding_beyond_loopback_without_a_token_is_refused():
-    out = subprocess.run([*SERVE[:-2], "--host", "0.0.0.0", "--port", "0"], capture_output=True,
-                         text=True, timeout=120, env={k: v for k, v in os.environ.items()
-                                                      if k != "CP_RUNTIME_TOKEN"})
+    out = subprocess.run([*SERVE_COMMAND, *TINY_SERVER, "--host", "0.0.0.0", "--port", "0"],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "CP_RUNTIME_TOKEN"})
     assert out.returncode == 2 and "--auth-token" in out.stderr
     assert "listening" not in out.stdout
 

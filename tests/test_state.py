@@ -3,7 +3,6 @@ after kill -9, every kind of damage to the directory, a full disk, recovery from
 step."""
 
 import asyncio
-import signal
 import time
 
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ from conftest import make_engine, random_tokens
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, Token, Unavailable
 from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.serving.state import read_logs
-from test_serving import start_server
+from serving_helpers import start_server, stop_server
 
 def greedy_continuation(params, cfg, tokens, n):
     """The oracle's greedy next n tokens after `tokens`."""
@@ -67,11 +66,6 @@ def test_a_failed_step_rebuilds_the_pool_and_every_session(tiny, tiny_params):
     engine.allocator.check_invariants()
 
 
-def _kill(proc):
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 # The client's own retry waits out `unavailable` while a restarted server rebuilds a session
 # (up to about two minutes).
 WHILE_RESTORING = cp_runtime.Retry(attempts=600, backoff_s=0.05, max_backoff_s=0.2)
@@ -85,7 +79,8 @@ def state_dir(tmp_path):
 def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_dir, tiny,
                                                                        tiny_params):
     args = ("--state-dir", state_dir, "--fsync", "never")
-    proc, address = start_server(*args)
+    server = start_server(*args)
+    address = server.address
     prompt = random_tokens(tiny, 200, 5)
     acked: dict[str, list[int]] = {}
 
@@ -97,7 +92,7 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
         async for event in client.events("extend", session=s.id,
                                          tokens=random_tokens(tiny, 3000, 6)):
             if event["event"] == "progress":
-                _kill(proc)
+                server.kill()
                 break
         return s.id
 
@@ -109,7 +104,7 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
             if event["event"] == "token":
                 got.append(event["token"])
             if len(got) == 5:
-                _kill(proc)
+                server.kill()
                 break
         acked["chat"] = list(prompt) + got
         return s.id
@@ -120,7 +115,8 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
         return chat
 
     chat_id = asyncio.run(main())
-    proc, address = start_server(*args)
+    server = start_server(*args)
+    address = server.address
     async def second():
         async with cp_runtime.AsyncClient(address) as c:
             return await upload_then_kill(c)
@@ -129,7 +125,8 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
     except (ConnectionError, OSError):
         pytest.fail("the upload's client lost the connection before the kill")
     t_restart = time.monotonic()
-    proc, address = start_server(*args)
+    server = start_server(*args)
+    address = server.address
     try:
         with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
             listed = {s["id"]: s["length"] for s in client.sessions()}
@@ -144,14 +141,14 @@ def test_kill_9_mid_extend_and_mid_generate_loses_no_acknowledged_token(state_di
             assert cont == greedy_continuation(tiny_params, tiny, logs[chat_id], 3)
             print(f"restart to first token of the restored session: {first_token_s:.1f} s")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        stop_server(server)
 
 
 @pytest.mark.slow             # kept out of the default suite for its time budget
 def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, tiny,
                                                                    tiny_params):
-    proc, address = start_server("--state-dir", state_dir)
+    server = start_server("--state-dir", state_dir)
+    address = server.address
     try:
         with cp_runtime.Client(address) as client:
             s = client.create_session()
@@ -161,9 +158,9 @@ def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, t
             s.extend(random_tokens(tiny, 20, 8))                    # after the snapshot
             sid, log = s.id, read_logs(state_dir)[s.id]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    proc, address = start_server("--state-dir", state_dir, "--shards", "4")
+        stop_server(server)
+    server = start_server("--state-dir", state_dir, "--shards", "4")
+    address = server.address
     try:
         with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
             assert client.server["shards"] == 4
@@ -173,8 +170,7 @@ def test_a_snapshot_restores_into_a_server_with_another_shard_count(state_dir, t
             # Only the 20 tokens past the snapshot were prefilled (then one decode per token).
             assert client.stats()["prefill_tokens_total"] == 20
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        stop_server(server)
 
 
 def test_a_failed_direct_step_is_recovered_and_raised_as_unavailable(tiny, tiny_params):

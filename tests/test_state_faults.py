@@ -7,7 +7,6 @@ import contextlib
 import errno
 import json
 import os
-import signal
 import subprocess
 
 import numpy as np
@@ -17,21 +16,17 @@ import cp_runtime
 from conftest import random_tokens
 from cp_runtime.serving import token_log
 from cp_runtime.serving.state import read_logs
-from test_serving import _Log, start_server
+from serving_helpers import start_server, stop_server
 from test_state import WHILE_RESTORING
 
 SNAPSHOT_FAULTS = ("flipped", "meta_empty", "meta_garbage", "npy_missing", "npy_zeroed",
                    "short_log")
 
 
-def _stop(proc, log=None):
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log.text()[-4000:] if log else ""
-
-
 def _serve(state_dir, *extra):
-    proc, address = start_server("--state-dir", state_dir, *extra)
-    return proc, address, _Log(proc.stderr)
+    """(the ServerProcess, its address) over `state_dir`."""
+    server = start_server("--state-dir", state_dir, *extra)
+    return server, server.address
 
 
 def fresh_greedy(client, tokens, n):
@@ -113,16 +108,16 @@ def _damage(state, made, tiny):
 def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_the_server(
         tmp_path, tiny):
     state = tmp_path / "state"
-    proc, address, log = _serve(str(state))
+    server, address = _serve(str(state))
     try:
         made = asyncio.run(_first_life(address, tiny))
     finally:
-        _stop(proc, log)
+        stop_server(server)
     assert sorted(p.name for p in (state / "snapshots").iterdir()) == sorted(
         made[name][0] for name in SNAPSHOT_FAULTS)                 # no orphan from the race
     extra = _damage(state, made, tiny)
 
-    proc, address, log = _serve(str(state))
+    server, address = _serve(str(state))
     try:
         with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
             listed = {s["id"]: s for s in client.sessions()}
@@ -149,8 +144,8 @@ def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_
             torn.extend(more)
             made["torn"] = (torn.id, made["torn"][1] + more)
     finally:
-        _stop(proc, log)
-    text = log.text()
+        stop_server(server)
+    text = server.log()
     for name in SNAPSHOT_FAULTS[:-1]:                    # each bad snapshot named in the log
         assert f"session {made[name][0]}: its snapshot fails a check" in text, name
     assert f"session {made['torn'][0]}: its token log ended in a record cut short" in text
@@ -162,7 +157,7 @@ def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_
     assert len(notes) == 3 + 5 + 1                       # 3 damaged logs, 5 bad snapshots, a dir
 
     # A third life: the repairs held, and the torn log's later appends read back exactly.
-    proc, address, log = _serve(str(state))
+    server, address = _serve(str(state))
     try:
         with cp_runtime.Client(address, retry=WHILE_RESTORING) as client:
             listed = {s["id"]: s for s in client.sessions()}
@@ -175,7 +170,7 @@ def test_every_kind_of_damage_is_repaired_reported_or_set_aside_and_never_stops_
             assert (client.session(sid).generate(max_tokens=2).tokens
                     == fresh_greedy(client, tokens, 2))
     finally:
-        _stop(proc, log)
+        stop_server(server)
 
 
 @contextlib.contextmanager
@@ -211,7 +206,7 @@ def _fill(directory):
 def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on(
         tmp_path, tiny):
     with small_tmpfs(tmp_path / "state") as state:
-        proc, address, log = _serve(str(state), "--fsync", "always")
+        server, address = _serve(str(state), "--fsync", "always")
         try:
             with cp_runtime.Client(address) as client:
                 s = client.create_session()
@@ -233,6 +228,6 @@ def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on
                 assert out == fresh_greedy(client, acked, 3)
                 acked += out
         finally:
-            _stop(proc, log)
+            stop_server(server)
         assert read_logs(state) == {s.id: acked}         # what a restart would restore
-        assert "No space left" in log.text()
+        assert "No space left" in server.log()
