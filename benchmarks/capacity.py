@@ -31,9 +31,8 @@ from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.plots import bar_chart
 from cp_runtime.cache.capacity import (DEFAULT_TOPOLOGY, GIB, TOPOLOGIES, bytes_per_token,
                                        slice_report)
-from cp_runtime.cli.args import (HelpFormatter, add_kv_cache_dtypes, add_no_progress, add_out,
-                                 add_weight_dtype, add_weights, check_out_dir, comma_list,
-                                 finite_positive_float, positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.cli.args import comma_list, finite_positive_float, positive_int
 from cp_runtime.config import ModelConfig, load_model_config, model_names
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 
@@ -83,16 +82,17 @@ def capacity_rows(models: list[str], dtypes: list[str], **slice_args) -> list[di
     return rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench capacity", formatter_class=HelpFormatter,
-                                description="Cache bytes per token, tokens per GiB and tokens "
-                                            "that fit on a slice after each model's weights "
-                                            "and a reserve (the device model of `cp-runtime "
-                                            "capacity`), per model config and dtype.")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("capacity", "Cache bytes per token, tokens per GiB and tokens that fit on "
+                                    "a slice after each model's weights and a reserve (the "
+                                    "device model of `cp-runtime capacity`), per model config "
+                                    "and dtype.",
+                        quick="accepted for `bench all --quick`; a no-op: this is arithmetic, "
+                              "well under a second",
+                        check=_check)
     p.add_argument("--models", type=comma_list(str, choices=model_names()),
                    default=",".join(model_names()), metavar="NAME[,NAME...]",
                    help="model configs (configs/models/NAME.toml) to compare")
-    add_kv_cache_dtypes(p, ",".join(DTYPES))
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="a known slice (TPU v7x: 96 GiB per device, 2 devices per chip); "
                         f"default {DEFAULT_TOPOLOGY} unless --devices and --hbm-gib are given")
@@ -100,27 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices holding weights and cache (with --hbm-gib, for any slice)")
     p.add_argument("--hbm-gib", type=finite_positive_float, default=None, metavar="GIB",
                    help="HBM per device in GiB (with --devices)")
-    add_weight_dtype(p)
-    add_weights(p)
     p.add_argument("--reserve-gib", type=finite_positive_float, default=None, metavar="GIB",
                    help="GiB per device kept for activations (default: 10%% of HBM)")
     p.add_argument("--weights-gib", type=finite_positive_float, default=None, metavar="GIB",
                    help="override: GiB per device taken by weights and activations together, "
                         "the same for every model (no weights computed, no reserve unless "
                         "--reserve-gib)")
-    p.add_argument("--quick", action="store_true",
-                   help="accepted for `bench all --quick`; a no-op: this is arithmetic, "
-                        "well under a second")
-    add_no_progress(p)
-    add_out(p, "out/capacity")
+    p.add_shared(kv_cache_dtypes=",".join(DTYPES), weight_dtype=True, weights=True,
+                 out="out/capacity", progress=True)
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), with the slice resolved (`args.devices`,
-    `args.hbm_gib`, `args.topology`: None for a custom slice), then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    """The slice resolved (`args.devices`, `args.hbm_gib`, `args.topology`: None for a custom
+    slice), with room left on a device."""
     if (args.devices is None) != (args.hbm_gib is None):
         parser.error("--devices and --hbm-gib go together")
     if args.topology is not None and args.devices is not None:
@@ -133,8 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--weights-gib {args.weights_gib or 0:g} with --reserve-gib "
                      f"{args.reserve_gib or 0:g}: leaves no room in the {args.hbm_gib:g} GiB "
                      "of a device (--hbm-gib)")
-    check_out_dir(parser, args.out)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with the slice resolved, then `--out`
+    created."""
+    return build_parser().parse_args(argv)
 
 
 def _where(args) -> str:

@@ -24,10 +24,9 @@ import random
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shard_counts,
-                                 check_out_dir, positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import positive_int
 
 __all__ = ["build_parser", "parse_args", "main"]
 
@@ -35,38 +34,33 @@ MODES = ("flat", "staged", "native")
 QUICK = {"rounds": ("30", "5")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench collectives", formatter_class=HelpFormatter,
-                                description="Latency of one small all-gather (XLA's flat and "
-                                            "staged, and the in-process one) as the shard "
-                                            "count grows, in one run.")
-    add_shard_counts(p, "2,4,8,16", why="the sweep: how latency grows with the shard count")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("collectives", "Latency of one small all-gather (XLA's flat and staged, "
+                                       "and the in-process one) as the shard count grows, in "
+                                       "one run.",
+                        quick="fewer timed rounds", quick_values=QUICK, check=_check)
     p.add_argument("--depth", type=positive_int, default=9,
                    help="chained collectives in the long program (at least 2)")
     p.add_argument("--values", type=positive_int, default=66,
                    help="f32 values each shard contributes (66: a decode merge's packed "
                         "partials of `small`)")
-    p.add_argument("--rounds", type=positive_int, default=None,
-                   help="timed rounds, each running every program once "
-                        f"({quick_help(QUICK, 'rounds')})")
-    p.add_argument("--quick", action="store_true", help="fewer timed rounds")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_argument("--rounds", type=positive_int,
+                   help="timed rounds, each running every program once")
+    p.add_shared(shard_counts="2,4,8,16", out="out", progress=True,
+                 why={"shard_counts": "the sweep: how latency grows with the shard count"})
     return p
+
+
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    if args.depth < 2:
+        parser.error(f"--depth {args.depth} must be at least 2")
+    args.shards = sorted(set(args.shards))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for the largest of `--shards`
     set up, then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    if args.depth < 2:
-        parser.error(f"--depth {args.depth} must be at least 2")
-    args.shards = sorted(set(args.shards))
-    init_shard_devices(parser, max(args.shards))
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _program(shards: int, mode: str, calls: int, values: int):

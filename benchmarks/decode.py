@@ -38,12 +38,9 @@ import pathlib
 import random
 import statistics
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_kv_cache_dtype, add_model, add_no_progress,
-                                 add_out, add_page_size, add_shards, add_weight_dtype,
-                                 check_not_below_page, check_out_dir, check_page_size,
-                                 check_page_size_for_model, length, positive_int)
+from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import check_not_below_page, length, positive_int
 
 __all__ = ["build_parser", "parse_args", "main"]
 
@@ -51,59 +48,46 @@ QUICK = {"long": ("1m", "128k"), "pool_context": ("128k", "32k"), "rounds": ("15
          "steps": ("8", "4")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench decode", formatter_class=HelpFormatter,
-                                description="Decode step vs context, pool size, batch host "
-                                            "time and merge share, interleaved in one run.")
-    add_model(p, "small")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p)
-    add_weight_dtype(p)
-    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("decode", "Decode step vs context, pool size, batch host time and merge "
+                                  "share, interleaved in one run.",
+                        quick="a shorter long context and pool context, fewer rounds and steps",
+                        quick_values=QUICK, check=_check)
     p.add_argument("--short", type=length, default=8 << 10, metavar="N",
                    help="short context (tokens)")
-    p.add_argument("--long", type=length, default=None, metavar="N",
-                   help=f"long context, tokens ({quick_help(QUICK, 'long')})")
-    p.add_argument("--pool-context", type=length, default=None, metavar="N",
-                   help="context of the 1x vs 4x pool comparison, tokens "
-                        f"({quick_help(QUICK, 'pool_context')})")
+    p.add_argument("--long", type=length, metavar="N", help="long context, tokens")
+    p.add_argument("--pool-context", type=length, metavar="N",
+                   help="context of the 1x vs 4x pool comparison, tokens")
     p.add_argument("--batch", type=positive_int, default=8,
                    help="sessions decoding together for the host-time measurement")
-    p.add_argument("--rounds", type=positive_int, default=None,
-                   help=f"interleaved rounds ({quick_help(QUICK, 'rounds')})")
+    p.add_argument("--rounds", type=positive_int, help="interleaved rounds")
     p.add_argument("--roofline-mib", type=positive_int, default=None,
                    help="read-bandwidth array size, all devices together (unset: by backend)")
-    p.add_argument("--steps", type=positive_int, default=None,
+    p.add_argument("--steps", type=positive_int,
                    help="decode steps per configuration and round, their median the round's "
-                        f"figure ({quick_help(QUICK, 'steps')})")
-    p.add_argument("--quick", action="store_true",
-                   help="a shorter long context and pool context, fewer rounds and steps")
-    add_no_progress(p)
-    add_out(p, "out")
+                        "figure")
+    p.add_shared(model="small", shards=16, kv_cache_dtype="fp8_e4m3", weight_dtype=True,
+                 page_size=64, out="out", progress=True, why={"page_size": TPU_PAGES})
     return p
+
+
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    check_not_below_page(parser, "--short", args.short, args.page_size)
+    if not args.short < args.long:
+        parser.error(f"--short {args.short} must be below --long {args.long}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
     `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    check_page_size_for_model(parser, args.model, args.page_size)
-    check_not_below_page(parser, "--short", args.short, args.page_size)
-    if not args.short < args.long:
-        parser.error(f"--short {args.short} must be below --long {args.long}")
-    init_shard_devices(parser, args.shards)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 class Bench:
     """An engine over a synthetic pool and its sessions, each decoding one token per step."""
 
     def __init__(self, model, params, args, contexts: list[int], pool_factor: int = 1):
-        from cp_runtime.benchmarks.profile import fill_pool, synthetic_session
+        from cp_runtime.benchmarks.profile_steps import fill_pool, synthetic_session
         from cp_runtime.cache.layout import cdiv
         from cp_runtime.config import RuntimeConfig
         from cp_runtime.engine import Engine, LocalExecutor
@@ -124,11 +108,11 @@ class Bench:
     def step(self, which: list[int]) -> tuple[float, float]:
         """One decode step of the sessions `which`: (host s, device s), the executor's host
         work (transfers, fetch) counted as host."""
-        from cp_runtime.benchmarks.profile import _rewind
+        from cp_runtime.benchmarks.profile_steps import rewind
         from cp_runtime.engine.requests import Generate, SamplingParams
 
         for i in which:
-            _rewind(self.sessions[i], self.contexts[i])
+            rewind(self.sessions[i], self.contexts[i])
             self.engine.submit(Generate(id=("decode", i), session=self.sessions[i].id,
                                         sampling=SamplingParams(max_tokens=1)))
         self.engine.step()

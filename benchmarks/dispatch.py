@@ -22,11 +22,9 @@ import argparse
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_gathers, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, add_shards,
-                                 add_weight_dtype, check_out_dir, length, positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.cli.args import length, positive_int
 from cp_runtime.optional import require
 
 __all__ = ["build_parser", "parse_args", "main"]
@@ -35,42 +33,33 @@ CHANNELS = ("actor", "socket")
 QUICK = {"steps": ("50", "10")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench dispatch", formatter_class=HelpFormatter,
-                                description="Per-step cost of lockstep dispatch: Ray executor "
-                                            "vs local, decode steps of a tiny model.")
-    add_model(p, "tiny")
-    add_shards(p, 16)
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("dispatch", "Per-step cost of lockstep dispatch: Ray executor vs local, "
+                                    "decode steps of a tiny model.",
+                        quick="fewer timed steps", quick_values=QUICK, check=_check)
     p.add_argument("--hosts", type=positive_int, default=2,
                    help="Ray worker processes (--shards / --hosts devices each)")
-    add_kv_cache_dtype(p, "f32", why="dispatch time does not depend on it; f32 is the tiny "
-                                      "model's own dtype")
-    add_weight_dtype(p)
-    add_page_size(p, 16)
-    add_gathers(p)
     p.add_argument("--context", type=length, default=256,
                    help="tokens in the session before the timed decode steps")
     p.add_argument("--batch", type=positive_int, default=1, help="sessions decoded per step")
-    p.add_argument("--steps", type=positive_int, default=None,
-                   help="timed decode steps per executor and channel, the median reported "
-                        f"({quick_help(QUICK, 'steps')})")
-    p.add_argument("--quick", action="store_true", help="fewer timed steps")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_argument("--steps", type=positive_int,
+                   help="timed decode steps per executor and channel, the median reported")
+    p.add_shared(model="tiny", shards=16, kv_cache_dtype="f32", weight_dtype=True, page_size=16,
+                 gathers=True, out="out", progress=True,
+                 why={"kv_cache_dtype": "dispatch time does not depend on it; f32 is the tiny "
+                                        "model's own dtype"})
     return p
+
+
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    if args.shards % args.hosts:
+        parser.error(f"--shards {args.shards} is not a multiple of --hosts {args.hosts}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
     `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    if args.shards % args.hosts:
-        parser.error(f"--shards {args.shards} is not a multiple of --hosts {args.hosts}")
-    init_shard_devices(parser, args.shards)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _sessions(engine, args) -> list[str]:

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
-from cp_runtime.cli.args import (HelpFormatter, add_backend, add_model, add_no_progress, add_out,
-                                 check_out_dir, positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.cli.args import positive_int
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.kernels.dispatch import select_kernels
@@ -97,30 +97,21 @@ def cache_error(kv_cache_dtype: str, path: str, *, seed: int = 0, model: str = "
             "peak": float(np.abs(test - ref).max() / np.abs(ref).max())}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench kernel_error",
-                                formatter_class=HelpFormatter,
-                                description="rel-L2 and peak error of fp8 latent caches against "
-                                            "an identical bf16 cache, prefill and decode paths.")
-    add_model(p, "glm-5.2")
-    add_backend(p, "reference", why="the error measured is the cache dtype's, on the plain "
-                                     "reference kernels")
-    p.add_argument("--seeds", type=positive_int, default=None,
-                   help=f"problems per (dtype, path), the worst reported "
-                        f"({quick_help(QUICK, 'seeds')})")
-    p.add_argument("--quick", action="store_true", help="one problem per (dtype, path)")
-    add_no_progress(p)
-    add_out(p, "out")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("kernel_error", "rel-L2 and peak error of fp8 latent caches against an "
+                                        "identical bf16 cache, prefill and decode paths.",
+                        quick="one problem per (dtype, path)", quick_values=QUICK)
+    p.add_argument("--seeds", type=positive_int,
+                   help="problems per (dtype, path), the worst reported")
+    p.add_shared(model="glm-5.2", backend="reference", out="out", progress=True,
+                 why={"backend": "the error measured is the cache dtype's, on the plain "
+                                 "reference kernels"})
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

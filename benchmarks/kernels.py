@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.cli.args import HelpFormatter, add_no_progress, add_out, check_out_dir, comma_list
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.cli.args import comma_list
 from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 
 __all__ = ["Shapes", "SIZES", "run", "build_parser", "parse_args", "main"]
@@ -228,9 +229,10 @@ def run(kernels, dtypes, s: Shapes, *, interpret: bool, seed: int,
     return rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench kernels", description=__doc__,
-                                formatter_class=HelpFormatter)
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("kernels", __doc__,
+                        quick="small shapes on any backend (on a CPU, what runs anyway)",
+                        check=_check)
     p.add_argument("--kernels", type=comma_list(str, choices=KERNELS), default=",".join(KERNELS),
                    metavar="K[,K...]", help=f"kernels to run, from: {', '.join(KERNELS)}")
     # The shared --kv-cache-dtypes flag, limited to the dtypes these kernels store.
@@ -243,27 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("interpret", "compiled"), default=None,
                    help="run the kernels in TPU interpret mode or compiled (TPU only); "
                         "unset: compiled on a TPU, interpret elsewhere")
-    p.add_argument("--seed", type=int, default=0, help="input seed")
-    p.add_argument("--quick", action="store_true",
-                   help="small shapes on any backend (on a CPU, what runs anyway)")
-    add_no_progress(p)                     # the [i/n] line per kernel on stderr
-    add_out(p, "out")
+    # --no-progress: the [i/n] line per kernel on stderr
+    p.add_shared(seed="the inputs", out="out", progress=True)
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), with `--out` created and `--mode` resolved
-    for this backend."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    """`--mode` and `--size` resolved for this backend."""
     on_tpu = jax.default_backend() == "tpu"
     args.mode = args.mode or ("compiled" if on_tpu else "interpret")
     if args.mode == "compiled" and not on_tpu:
         parser.error(f"--mode compiled: needs a TPU backend; this one is "
                      f"{jax.default_backend()!r}")
     args.size = args.size or ("full" if on_tpu and not args.quick else "small")
-    check_out_dir(parser, args.out)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--out` created and `--mode` resolved
+    for this backend."""
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,10 +35,9 @@ import pathlib
 import statistics
 import time
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_model, add_no_progress, add_out, add_shards,
-                                 check_out_dir, finite_positive_float, length, positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import finite_positive_float, length, positive_int
 
 __all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
 
@@ -85,36 +84,26 @@ def prefill_tokens(*, heads: int, value_dim: int, shards: int, budget_bytes: int
     return max(8, min(PREFILL_TOKENS, budget_bytes // per_token) // 8 * 8)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench merge", formatter_class=HelpFormatter,
-                                description="Every merge variant: bytes per token and its "
-                                            "collectives timed in one run.")
-    add_model(p, "glm-5.2")
-    add_shards(p, 16)
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed calls per variant and shape, the median reported "
-                        f"({quick_help(QUICK, 'repeats')})")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("merge", "Every merge variant: bytes per token and its collectives timed "
+                                 "in one run.",
+                        quick="fewer timed calls", quick_values=QUICK)
+    p.add_argument("--repeats", type=positive_int,
+                   help="timed calls per variant and shape, the median reported")
     p.add_argument("--prefill-tokens", type=length, default=None,
                    help=f"tokens of the timed prefill chunk (unset: up to {PREFILL_TOKENS}, as "
                         "many as fit --gather-gib)")
     p.add_argument("--gather-gib", type=finite_positive_float, default=1.0,
                    help="GiB the prefill chunk's gathered partials may take, all devices "
                         "together (sets the chunk unless --prefill-tokens)")
-    p.add_argument("--quick", action="store_true", help="fewer timed calls")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_shared(model="glm-5.2", shards=16, out="out", progress=True)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
     `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    init_shard_devices(parser, args.shards)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _time(fn, *args, repeats: int) -> float:

@@ -13,50 +13,37 @@ import pathlib
 import resource
 import time
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, add_shards,
-                                 add_weight_dtype, check_not_below_page, check_out_dir,
-                                 check_page_size, check_page_size_for_model, length, positive_int)
+from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import check_not_below_page, length, positive_int
 
 __all__ = ["build_parser", "parse_args", "main", "run"]
 
 QUICK = {"tokens": ("1m", "64k")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench million", formatter_class=HelpFormatter,
-                                description="One very long session: prefill time, decode ms/step "
-                                            "and peak RSS vs the pool's planned bytes.")
-    p.add_argument("--tokens", type=length, default=None,
-                   help=f"context length, k/m suffixes allowed ({quick_help(QUICK, 'tokens')})")
-    add_model(p, "small")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_weight_dtype(p)
-    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
-    add_chunk_size(p, 4096, why="a million tokens in 256 prefill steps instead of 1024")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("million", "One very long session: prefill time, decode ms/step and peak "
+                                   "RSS vs the pool's planned bytes.",
+                        quick="a shorter session", quick_values=QUICK, check=_check)
+    p.add_argument("--tokens", type=length, help="context length, k/m suffixes allowed")
     p.add_argument("--decode-steps", type=positive_int, default=8,
                    help="decode steps timed after the prefill")
-    p.add_argument("--quick", action="store_true", help="a shorter session")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_shared(model="small", shards=16, kv_cache_dtype="fp8_e4m3", weight_dtype=True,
+                 page_size=64, chunk_size=4096, out="out", progress=True,
+                 why={"page_size": TPU_PAGES,
+                      "chunk_size": "a million tokens in 256 prefill steps instead of 1024"})
     return p
+
+
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
     `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    check_page_size_for_model(parser, args.model, args.page_size)
-    check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
-    init_shard_devices(parser, args.shards)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _rss_bytes() -> int:

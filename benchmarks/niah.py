@@ -46,15 +46,12 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine, print_table, write_json
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
                                            recall_context, shared_recall_model, text_context)
 from cp_runtime.cache.layout import cdiv
-from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
-                                 add_kv_cache_dtypes, add_model, add_no_progress, add_out,
-                                 add_page_size, add_shard_counts, add_weight_dtype,
-                                 check_checkpoint_dir, check_not_below_page, check_out_dir,
-                                 check_page_size, check_page_size_for_model, comma_list,
+from cp_runtime.cli.args import (check_checkpoint_dir, check_not_below_page, comma_list,
                                  length_list, positive_int)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
@@ -73,6 +70,9 @@ DEFAULT_LENGTHS = "8k,16k,32k,64k,128k"
 QUICK_LENGTHS = "2k,4k"
 DEFAULT_DEPTHS = 5
 QUICK_DEPTHS = 3
+# Flags --quick changes: dest -> (default, --quick value), as typed; an explicit flag wins.
+QUICK = {"lengths": (DEFAULT_LENGTHS, QUICK_LENGTHS),
+         "depths": (str(DEFAULT_DEPTHS), str(QUICK_DEPTHS))}
 PROBE_SLACK = 1024  # tokens a context may hold beyond its length (needle sentences, question)
 
 
@@ -330,60 +330,47 @@ def print_report(report: dict, info: dict) -> None:
 
 
 # -- command line -------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench niah", formatter_class=HelpFormatter,
-        description="Needle-in-a-haystack recall and log-prob uplift over context lengths x "
-                    "depths, per needle variant, cache dtype and shard count.")
-    p.add_argument("--quick", action="store_true",
-                   help=f"small sweep for a few minutes on a CPU: lengths {QUICK_LENGTHS}, "
-                        f"{QUICK_DEPTHS} depths (explicit --lengths/--depths win)")
-    p.add_argument("--lengths", type=length_list, default=None, metavar="N[,N...]",
-                   help=f"context lengths, e.g. 8k,16k,1m (unset: {DEFAULT_LENGTHS})")
-    p.add_argument("--depths", type=_depths, default=None,
-                   help=f"a count of evenly spaced depths or a list like 0,0.5,1 "
-                        f"(unset: {DEFAULT_DEPTHS})")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("niah", "Needle-in-a-haystack recall and log-prob uplift over context "
+                                "lengths x depths, per needle variant, cache dtype and shard "
+                                "count.",
+                        quick=f"small sweep for a few minutes on a CPU: lengths {QUICK_LENGTHS}, "
+                              f"{QUICK_DEPTHS} depths (explicit --lengths/--depths win)",
+                        quick_values=QUICK, check=_check)
+    p.add_argument("--lengths", type=length_list, metavar="N[,N...]",
+                   help="context lengths, e.g. 8k,16k,1m")
+    p.add_argument("--depths", type=_depths,
+                   help="a count of evenly spaced depths or a list like 0,0.5,1")
     p.add_argument("--variants", type=comma_list(str, choices=list(VARIANTS)),
                    default=",".join(VARIANTS), metavar="V[,V...]",
                    help=f"needle variants, from: {', '.join(VARIANTS)}")
-    add_kv_cache_dtypes(p, ",".join(DTYPES))
-    add_weight_dtype(p)
-    add_shard_counts(p, "16")
-    add_model(p, "recall")
-    add_checkpoint(p)
-    add_page_size(p, 16)
-    add_chunk_size(p, 256, why="the recall figures of docs/recall.md were measured with it")
     p.add_argument("--query-block", type=positive_int, default=16,
                    help="sparse prefill query block")
     p.add_argument("--max-batch", type=positive_int, default=8, help="questions per decode step")
-    add_backend(p, "auto")
-    p.add_argument("--seed", type=int, default=0, help="context seed")
-    add_out(p, "out/niah")
-    add_no_progress(p)
+    p.add_shared(model="recall", checkpoint=True, shard_counts="16",
+                 kv_cache_dtypes=",".join(DTYPES), weight_dtype=True, page_size=16,
+                 chunk_size=256, backend="auto", seed="the contexts", out="out/niah",
+                 progress=True,
+                 why={"chunk_size": "the recall figures of docs/recall.md were measured with it"})
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), with `--quick`'s lengths and depths filled in,
-    the devices for the largest of `--shards` set up, then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quick = args.quick
-    args.lengths = sorted(set(args.lengths or length_list(QUICK_LENGTHS if quick
-                                                          else DEFAULT_LENGTHS)))
-    args.depths = args.depths or _depths(str(QUICK_DEPTHS if quick else DEFAULT_DEPTHS))
-    check_page_size(parser, args.page_size)
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    """The lengths cover a page; without --checkpoint, --model has the recall layout."""
+    args.lengths = sorted(set(args.lengths))
     check_not_below_page(parser, "--lengths", args.lengths, args.page_size)
     if args.checkpoint is None:
         try:
             RecallLayout().check(load_model_config(args.model))
         except ValueError as e:
             parser.error(f"--model {args.model}: {e} (other models run with --checkpoint)")
-        check_page_size_for_model(parser, args.model, args.page_size)
     check_checkpoint_dir(parser, args.checkpoint)
-    init_shard_devices(parser, max(args.shards))
-    check_out_dir(parser, args.out)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), with `--quick`'s lengths and depths filled in,
+    the devices for the largest of `--shards` set up, then `--out` created."""
+    return build_parser().parse_args(argv)
 
 
 def _workload(args) -> Workload:

@@ -76,28 +76,28 @@ import time
 
 import numpy as np
 
-from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, machine, print_table,
-                                          quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
-                                 add_out, add_page_size, add_shards, check_out_dir, check_page_size,
-                                 check_page_size_for_model, comma_list, finite_positive_float,
-                                 length, nonnegative_length, positive_int, positive_int_list)
-from cp_runtime.config import model_names
+from cp_runtime.benchmarks.args import BY_QUICK, BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import (comma_list, finite_positive_float, length, nonnegative_length,
+                                 positive_int, positive_int_list)
 from cp_runtime.engine.core import AUTO_QUEUE_S
+from cp_runtime.serving.process import ServerProcess
 
 __all__ = ["Client", "build_parser", "parse_args", "main", "pages_per_shard_for", "summarize"]
 
 STARTUP_S = 300.0
 DEFAULT = "default"                     # a --bounds entry: the server's default, the auto bound
-# Flags --quick changes: dest -> (default, --quick value), as typed; an explicit flag wins.
+# Flags --quick changes: dest -> (default, --quick value[, why]), as typed; an explicit flag
+# wins.
 QUICK = {
     "clients": ("32,64", "24"),
     "tokens": ("2000", "1k"),
     "deadline_s": ("30", "2"),
-    "model": ("tiny", "small"),
+    "model": ("tiny", "small", "two layers, quick to compile"),
     "shards": ("16", "1"),
-    "page_size": ("16", "64"),
-    "chunk_size": ("256", "128"),
+    "page_size": ("16", "64", "fewer page-table widths to compile"),
+    "chunk_size": ("256", "128", "with 1k chunks the 2-core development machine prefills "
+                                 "32 x 2000 tokens in about 30 s, barely overloaded"),
 }
 
 
@@ -106,70 +106,51 @@ def _bound(text: str) -> int | str:
     return DEFAULT if text.strip() == DEFAULT else nonnegative_length(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench overload", formatter_class=HelpFormatter,
-        description="More clients than a server can serve in time, each uploading a document "
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser(
+        "overload", "More clients than a server can serve in time, each uploading a document "
                     "under a deadline, against servers with and without an admission bound "
-                    "(serve --max-queued-tokens): completed, refused and timed-out clients, "
-                    "the refusals' latency and the completions' time.")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer clients and tokens, shorter deadlines, the small model on one "
-                        "shard: well under a minute on a CPU (explicit flags win)")
-    p.add_argument("--clients", type=positive_int_list, default=None, metavar="N[,N...]",
-                   help="concurrent clients per run, one run per count "
-                        f"({quick_help(QUICK, 'clients')})")
-    p.add_argument("--tokens", type=length, default=None, metavar="N",
-                   help="tokens each client uploads in one extend, k/m suffixes allowed "
-                        f"({quick_help(QUICK, 'tokens')})")
-    p.add_argument("--deadline-s", type=finite_positive_float, default=None, metavar="S",
-                   help="each client's deadline, from the moment they all start "
-                        f"({quick_help(QUICK, 'deadline_s')})")
+                    "(serve --max-queued-tokens): completed, refused and timed-out clients, the "
+                    "refusals' latency and the completions' time.",
+        quick="fewer clients and tokens, shorter deadlines, the small model on one shard: well "
+              "under a minute on a CPU (explicit flags win)",
+        quick_values=QUICK, check=_check)
+    p.add_argument("--clients", type=positive_int_list, metavar="N[,N...]",
+                   help="concurrent clients per run, one run per count")
+    p.add_argument("--tokens", type=length, metavar="N",
+                   help="tokens each client uploads in one extend, k/m suffixes allowed")
+    p.add_argument("--deadline-s", type=finite_positive_float, metavar="S",
+                   help="each client's deadline, from the moment they all start")
     p.add_argument("--bounds", type=comma_list(_bound), default=[0, DEFAULT],
                    metavar="B[,B...]",
                    help="the servers' --max-queued-tokens, one server each: a token count (0: "
                         "no bound) or 'default' (no flag: the server's auto bound, "
                         f"{AUTO_QUEUE_S:g} s of its measured prefill rate and at least 16 "
                         "chunks)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random document tokens")
-    p.add_argument("--model", default=None, choices=model_names(), metavar="NAME",
-                   help=f"model config name, one of: {', '.join(model_names())} "
-                        f"({quick_help(QUICK, 'model')}: two layers, quick to compile)")
-    add_shards(p, None, why=quick_help(QUICK, "shards"))
-    add_kv_cache_dtype(p)
-    add_page_size(p, None, why=quick_help(QUICK, "page_size") + ", fewer page-table widths to "
-                                                                "compile")
     p.add_argument("--pages-per-shard", type=positive_int, metavar="N", default=None,
                    help="KV pages per shard (default: enough for every client's session at "
                         "once, so no refusal is for want of pages)")
-    add_chunk_size(p, None, why=quick_help(QUICK, "chunk_size") + "; with 1k chunks the 2-core "
-                                "development machine prefills 32 x 2000 tokens in about 30 s, "
-                                "barely overloaded")
     p.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
                    help="the servers' persistent XLA compilation cache (JAX's), so the second "
                         "server, and a later run given the same DIR, starts without compiling "
                         "again (default: a temporary directory for the run)")
-    add_out(p, "out")
-    add_no_progress(p)
+    p.add_shared(model=BY_QUICK, shards=BY_QUICK, kv_cache_dtype="fp8_e4m3", page_size=BY_QUICK,
+                 chunk_size=BY_QUICK, seed="the random document tokens", out="out",
+                 progress=True, devices=False, whole_chunks=True)
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), `--quick` applied, then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    check_page_size_for_model(parser, args.model, args.page_size)
-    if args.chunk_size % args.page_size:
-        parser.error(f"--chunk-size {args.chunk_size}: not a multiple of --page-size "
-                     f"{args.page_size}")
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
     need = pages_per_shard_for(max(args.clients), args.tokens, args.shards, args.page_size)
     if args.pages_per_shard is not None and args.pages_per_shard < need:
         parser.error(f"--pages-per-shard {args.pages_per_shard}: {max(args.clients)} sessions "
                      f"of {args.tokens} tokens need {need}")
-    args.out = check_out_dir(parser, args.out)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), `--quick` applied, then `--out` created
+    (`args.out` a Path)."""
+    return build_parser().parse_args(argv)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -196,9 +177,9 @@ def bound_label(bound: int | str) -> str:
 
 # -- the servers ---------------------------------------------------------------------------
 def _server(args: argparse.Namespace, bound: int | str, pages: int,
-            cache_dir: str) -> ServeProcess:
+            cache_dir: str) -> ServerProcess:
     """`cp-runtime serve` with this bound, on a free port, compiling into `cache_dir`."""
-    return ServeProcess(_serve_flags(args, bound, pages), STARTUP_S, env={
+    return ServerProcess(_serve_flags(args, bound, pages), startup_s=STARTUP_S, env={
         "JAX_COMPILATION_CACHE_DIR": cache_dir,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
 

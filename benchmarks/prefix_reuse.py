@@ -35,12 +35,10 @@ import urllib.request
 
 import numpy as np
 
-from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, machine, print_table,
-                                          quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
-                                 add_out, add_page_size, add_shards, check_out_dir, check_page_size,
-                                 length, positive_int)
-from cp_runtime.config import model_names
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import length, positive_int
+from cp_runtime.serving.process import ServerProcess
 
 __all__ = ["build_parser", "main", "parse_args", "summarize"]
 
@@ -50,49 +48,33 @@ QUICK = {"doc_tokens": ("128k", "2k"), "questions": ("10", "3")}
 MODES = (("without reuse", "0"), ("with reuse", None))    # label, --prefix-cache-entries
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench prefix_reuse", formatter_class=HelpFormatter,
-        description="Questions about one long document as stateless HTTP completions, each "
-                    "resending the document, against a server without prefix-cache entries "
-                    "and one with them: prefill tokens, cached tokens and time, and whether "
-                    "the greedy answers are equal.")
-    p.add_argument("--quick", action="store_true",
-                   help="a short document and three questions: about a minute on a CPU "
-                        "(explicit flags win)")
-    p.add_argument("--doc-tokens", type=length, default=None, metavar="N",
-                   help=f"document tokens, k/m suffixes allowed "
-                        f"({quick_help(QUICK, 'doc_tokens')})")
-    p.add_argument("--questions", type=positive_int, default=None, metavar="N",
-                   help=f"questions asked, one after another ({quick_help(QUICK, 'questions')})")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser(
+        "prefix_reuse", "Questions about one long document as stateless HTTP completions, each "
+                        "resending the document, against a server without prefix-cache entries "
+                        "and one with them: prefill tokens, cached tokens and time, and whether "
+                        "the greedy answers are equal.",
+        quick="a short document and three questions: about a minute on a CPU (explicit flags "
+              "win)",
+        quick_values=QUICK)
+    p.add_argument("--doc-tokens", type=length, metavar="N",
+                   help="document tokens, k/m suffixes allowed")
+    p.add_argument("--questions", type=positive_int, metavar="N",
+                   help="questions asked, one after another")
     p.add_argument("--question-tokens", type=positive_int, default=32, metavar="N",
                    help="tokens of each question")
     p.add_argument("--answer-tokens", type=positive_int, default=8, metavar="N",
                    help="tokens generated for each answer (greedy)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random document and question tokens")
-    p.add_argument("--model", default="tiny", choices=model_names(), metavar="NAME",
-                   help=f"model config name, one of: {', '.join(model_names())}")
-    add_shards(p)
-    add_kv_cache_dtype(p)
-    add_page_size(p)
-    add_chunk_size(p)
-    add_out(p, "out")
-    add_no_progress(p)
+    p.add_shared(model="tiny", shards=16, kv_cache_dtype="fp8_e4m3", page_size=16,
+                 chunk_size=1024, seed="the random document and question tokens", out="out",
+                 progress=True, devices=False, whole_chunks=True)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), `--quick` applied, then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    if args.chunk_size % args.page_size:
-        parser.error(f"--chunk-size {args.chunk_size}: not a multiple of --page-size "
-                     f"{args.page_size}")
-    args.out = check_out_dir(parser, args.out)
-    return args
+    """The flags, checked (usage errors exit 2), `--quick` applied, then `--out` created
+    (`args.out` a Path)."""
+    return build_parser().parse_args(argv)
 
 
 def pages_per_shard_for(args: argparse.Namespace) -> int:
@@ -132,7 +114,7 @@ def _stats(address: str) -> dict:
         return client.stats()
 
 
-def _ask(server: ServeProcess, doc: list[int], questions: list[list[int]], answer_tokens: int,
+def _ask(server: ServerProcess, doc: list[int], questions: list[list[int]], answer_tokens: int,
          bar) -> dict:
     """Every question in turn; the answers, times and the server's prefill over them."""
     before = _stats(server.address)
@@ -170,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="prefix-xla-"))
         for label, entries in MODES:
-            server = ServeProcess(_serve_flags(args, entries, pages), STARTUP_S, env={
+            server = ServerProcess(_serve_flags(args, entries, pages), startup_s=STARTUP_S, env={
                 "JAX_COMPILATION_CACHE_DIR": cache_dir,
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
             try:

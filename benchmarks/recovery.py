@@ -24,15 +24,14 @@ import time
 import numpy as np
 
 import cp_runtime
-from cp_runtime.benchmarks.common import (ServeProcess, apply_quick, print_table, quick_help,
-                                         write_json)
+from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.cache.layout import cdiv
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, add_shards, check_out_dir,
-                                 check_page_size_for_model, comma_list, length_list)
+from cp_runtime.cli.args import comma_list, length_list
+from cp_runtime.serving.process import ServerProcess
 from cp_runtime.serving.protocol import UnavailableError
 
-__all__ = ["build_parser", "main", "measure"]
+__all__ = ["build_parser", "main", "measure", "parse_args"]
 
 MODES = ("log", "snapshot")
 QUICK = {"lengths": ("8k,128k", "8k")}
@@ -65,7 +64,7 @@ def _first_token(address: str, session_id: str, t_kill: float) -> tuple[float, f
 def measure(args, tokens: int, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as state:
         flags = _server_flags(args, tokens, state)
-        server = ServeProcess(flags)
+        server = ServerProcess(flags)
         with cp_runtime.Client(server.address) as client:
             session = client.create_session()
             vocab = client.server["vocab_size"]
@@ -74,7 +73,7 @@ def measure(args, tokens: int, mode: str) -> dict:
                 session.snapshot()
         server.kill()
         t_kill = time.monotonic()
-        server = ServeProcess(flags)
+        server = ServerProcess(flags)
         listening = time.monotonic() - t_kill
         try:
             restored, first = _first_token(server.address, session.id, t_kill)
@@ -84,36 +83,32 @@ def measure(args, tokens: int, mode: str) -> dict:
             "restored_s": round(restored, 2), "first_token_s": round(first, 2)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench recovery", description=__doc__,
-                                formatter_class=HelpFormatter)
-    add_model(p, "small")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
-    add_chunk_size(p, 4096, why="a restored log re-prefills in 4x fewer steps")
-    p.add_argument("--lengths", type=length_list, default=None,
-                   help=f"session lengths to recover, k/m suffixes "
-                        f"({quick_help(QUICK, 'lengths')})")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("recovery", __doc__, quick="the shortest session only",
+                        quick_values=QUICK)
+    p.add_argument("--lengths", type=length_list,
+                   help="session lengths to recover, k/m suffixes")
     p.add_argument("--modes", default=MODES, type=comma_list(str, choices=MODES),
                    help="how the cache comes back: log (re-prefill), snapshot")
-    p.add_argument("--quick", action="store_true", help="the shortest session only")
-    add_no_progress(p)
-    add_out(p, "out/recovery")
+    p.add_shared(model="small", shards=16, kv_cache_dtype="fp8_e4m3", page_size=64,
+                 chunk_size=4096, out="out/recovery", progress=True, devices=False,
+                 why={"page_size": TPU_PAGES,
+                      "chunk_size": "a restored log re-prefills in 4x fewer steps"})
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), `--quick` applied, then `--out` created."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size_for_model(parser, args.model, args.page_size)
-    out = check_out_dir(parser, args.out)
+    args = parse_args(argv)
     rows = [measure(args, n, mode) for n in args.lengths for mode in args.modes]
     print_table(rows, ["tokens", "mode", "listening_s", "restored_s", "first_token_s"],
                 title=f"kill -9 -> restart -> first token ({args.model}, S = {args.shards}, "
                       f"{args.kv_cache_dtype}, chunk {args.chunk_size})")
-    path = write_json(pathlib.Path(out) / "recovery.json",
+    path = write_json(pathlib.Path(args.out) / "recovery.json",
                       {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
     return 0

@@ -39,9 +39,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from cp_runtime.benchmarks.common import init_shard_devices, machine
-from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shards, check_out_dir,
-                                 comma_list)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine
+from cp_runtime.cli.args import comma_list
 
 __all__ = ["Section", "SECTIONS", "last_error_line", "markdown_table", "write_report",
            "build_parser", "parse_args", "main"]
@@ -294,24 +294,21 @@ def last_error_line(error: str) -> str:
     return lines[-1] if lines else error
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> BenchmarkParser:
     """The flags; `prog` names the command in usage and errors (`cp-runtime bench all` runs
     this same report)."""
     names = [s.name for s in SECTIONS]
-    p = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter,
-                                description="Run every benchmark and write DIR/report.md, "
-                                            "rewritten after each section.\nJAX gets --shards "
-                                            "virtual CPU devices, and niah, throughput and merge "
-                                            "run on that many shards;\n--quick and "
-                                            "--no-progress are passed on to every section.")
-    p.add_argument("--quick", action="store_true",
-                   help="every benchmark in its own quick mode (minutes on a CPU)")
-    add_out(p, "out/report")
+    p = BenchmarkParser("all", "Run every benchmark and write DIR/report.md, rewritten after "
+                               "each section.\nJAX gets --shards virtual CPU devices, and niah, "
+                               "throughput and merge run on that many shards;\n--quick and "
+                               "--no-progress are passed on to every section.",
+                        quick="every benchmark in its own quick mode (minutes on a CPU)",
+                        prog=prog)
     p.add_argument("--only", type=comma_list(str, choices=names), default=None,
                    metavar="NAME[,NAME...]",
                    help=f"run only these sections, from: {', '.join(names)} (unset: all)")
-    add_shards(p, 16)
-    add_no_progress(p)                      # passed on to every section
+    # --no-progress: passed on to every section
+    p.add_shared(shards=16, out="out/report", progress=True)
     return p
 
 
@@ -319,11 +316,7 @@ def parse_args(argv: list[str] | None = None,
                prog: str = PROG) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the `--shards` devices set up, then `--out`
     created (`args.out` a Path)."""
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    init_shard_devices(parser, args.shards)
-    args.out = check_out_dir(parser, args.out)
-    return args
+    return build_parser(prog).parse_args(argv)
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:

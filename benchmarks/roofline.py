@@ -28,10 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
-from cp_runtime.cli.args import (HelpFormatter, add_no_progress, add_out, add_shards, check_out_dir,
-                                 positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import positive_int
 
 __all__ = ["measure_roofline", "default_sizes", "build_parser", "parse_args", "main"]
 
@@ -90,32 +89,22 @@ def measure_roofline(devices: list | None = None, *, mem_mib: int | None = None,
             "matmul_gflop_per_s": 2 * matmul_n ** 3 * s / mm_s / 1e9}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench roofline", formatter_class=HelpFormatter,
-                                description="Measured memory bandwidth and f32 matmul FLOP/s.")
-    add_shards(p, 16)
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("roofline", "Measured memory bandwidth and f32 matmul FLOP/s.",
+                        quick="fewer timed calls", quick_values=QUICK)
     p.add_argument("--mem-mib", type=positive_int, default=None,
                    help="size of the bandwidth array, all devices together (unset: by backend)")
     p.add_argument("--matmul-n", type=positive_int, default=None,
                    help="matmul side per device (unset: by backend)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed calls per figure, the best reported "
-                        f"({quick_help(QUICK, 'repeats')})")
-    p.add_argument("--quick", action="store_true", help="fewer timed calls")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_argument("--repeats", type=positive_int, help="timed calls per figure, the best reported")
+    p.add_shared(shards=16, out="out", progress=True)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for `--shards` set up, then
     `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    init_shard_devices(parser, args.shards)
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,11 +45,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help, write_json
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.benchmarks.needles import Variant, recall_context, shared_recall_model
-from cp_runtime.cli.args import (HelpFormatter, add_model, add_no_progress, add_out, add_page_size,
-                                 check_not_below_page, check_out_dir, check_page_size,
-                                 check_page_size_for_model, length, length_list, positive_int)
+from cp_runtime.cli.args import check_not_below_page, length, length_list, positive_int
 from cp_runtime.config import ModelConfig, load_model_config
 from cp_runtime.dtypes import latent_cache_dtype
 from cp_runtime.model.forward import (IndexerInputs, forward, indexer_inputs, logits, mla_inputs,
@@ -262,31 +261,22 @@ def recall_study(args) -> tuple[list[dict], list[dict]]:
     return sel_rows, recall_rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench selection", formatter_class=HelpFormatter,
-        description="How often an fp8 indexer key cache changes the DSA top-K pages compared "
-                    "with bf16, and what that does to recall.")
-    add_model(p, "tiny")
-    p.add_argument("--tokens", type=length, default=None,
-                   help="sequence length for the random-weight --model "
-                        f"({quick_help(QUICK, 'tokens')})")
-    p.add_argument("--seeds", type=positive_int, default=None,
-                   help=f"--model weight seeds ({quick_help(QUICK, 'seeds')})")
-    add_page_size(p, 16)
-    p.add_argument("--recall-trials", type=positive_int, default=None,
-                   help=f"needle contexts ({quick_help(QUICK, 'recall_trials')})")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("selection", "How often an fp8 indexer key cache changes the DSA top-K "
+                                     "pages compared with bf16, and what that does to recall.",
+                        quick="fewer seeds, tokens and trials (explicit flags win)",
+                        quick_values=QUICK, check=_check)
+    p.add_argument("--tokens", type=length, help="sequence length for the random-weight --model")
+    p.add_argument("--seeds", type=positive_int, help="--model weight seeds")
+    p.add_argument("--recall-trials", type=positive_int, help="needle contexts")
     p.add_argument("--recall-length", type=length, default=2048, help="needle context length")
     p.add_argument("--siblings", type=_siblings, default=7,
                    help="near-key distractors per needle (0 to 7)")
     p.add_argument("--topks", type=length_list, default="16,32,64", metavar="N[,N...]",
                    help="index_topk values for the recall model, multiples of --page-size "
                         "(K = topk / page_size)")
-    p.add_argument("--seed", type=int, default=0, help="needle context seed")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer seeds, tokens and trials (explicit flags win)")
-    add_no_progress(p)
-    add_out(p, "out/selection")
+    p.add_shared(model="tiny", page_size=16, seed="the needle contexts", out="out/selection",
+                 progress=True)
     return p
 
 
@@ -301,21 +291,18 @@ def _siblings(text: str) -> int:
     return n
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), `--quick` applied to the flags left unset,
-    `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
     check_not_below_page(parser, "--tokens", args.tokens, args.page_size)
     check_not_below_page(parser, "--recall-length", args.recall_length, args.page_size)
     bad = [t for t in args.topks if t % args.page_size]
     if bad:
         parser.error(f"--topks {bad[0]}: not a multiple of --page-size {args.page_size}")
-    check_page_size_for_model(parser, args.model, args.page_size)
-    check_out_dir(parser, args.out)
-    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), `--quick` applied to the flags left unset,
+    `--out` created."""
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

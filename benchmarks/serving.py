@@ -111,12 +111,10 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from cp_runtime.benchmarks.common import ServeProcess, machine, print_table, write_json
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, add_pages_per_shard,
-                                 add_shards, check_out_dir, check_page_size,
-                                 check_page_size_for_model, finite_nonnegative_float, length,
-                                 positive_int)
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.cli.args import finite_nonnegative_float, length, positive_int
+from cp_runtime.serving.process import ServerProcess
 
 __all__ = ["Workload", "build_parser", "parse_args", "main", "pages_per_shard_for"]
 
@@ -173,15 +171,14 @@ def _httpx():
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench serving", formatter_class=HelpFormatter,
-        description="Concurrent clients (long uploads and short chats) against a real server "
-                    "over its socket: TTFT and inter-token latency percentiles, upload prefill "
-                    "rates, aggregate tokens/s, and the host's share of each step; the chats "
-                    "over the session protocol, the OpenAI-compatible HTTP API, or both.")
-    p.add_argument("--quick", action="store_true",
-                   help="a small mix for about a minute on a CPU (explicit workload flags win)")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser(
+        "serving", "Concurrent clients (long uploads and short chats) against a real server "
+                   "over its socket: TTFT and inter-token latency percentiles, upload prefill "
+                   "rates, aggregate tokens/s, and the host's share of each step; the chats "
+                   "over the session protocol, the OpenAI-compatible HTTP API, or both.",
+        quick="a small mix for about a minute on a CPU (explicit workload flags win)",
+        check=_check)
     p.add_argument("--api", choices=list(APIS), default="session",
                    help="how the chats talk to the server: the session protocol, streamed "
                         "/v1/completions over HTTP (uploads stay on the session protocol), or "
@@ -208,7 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the unmeasured warm-up pass (step compiles then land in the "
                         "figures)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
     p.add_argument("--address", type=_address, metavar="HOST:PORT", default=None,
                    help="measure a running server instead of starting one (the server flags "
                         "below are then unused)")
@@ -218,17 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token", default=None,
                    help=f"token for --address and --http-address (when unset: ${TOKEN_ENV}, "
                         f"if set)")
-    add_model(p, "tiny")
-    add_shards(p, 16)
-    add_kv_cache_dtype(p, "fp8_e4m3")
-    add_page_size(p, 16)
-    add_pages_per_shard(p, None)
-    add_chunk_size(p, 1024)
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="generations decoded together in one step")
-    add_out(p, "out")
-    add_no_progress(p)
+    p.add_shared(model="tiny", shards=16, kv_cache_dtype="fp8_e4m3", page_size=16,
+                 pages_per_shard=None, chunk_size=1024, seed="the random prompt tokens",
+                 out="out", progress=True, devices=False)
     return p
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +241,9 @@ class Workload:
         return self.chat_turns * (self.chat_prompt + self.chat_tokens)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked (usage errors exit 2), `--quick` applied (`args.workload`), `--api`
-    expanded (`args.apis`, the APIs in the order measured), then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    """`--quick` applied to the workload (`args.workload`), `--api` expanded (`args.apis`, the
+    APIs in the order measured), and a server to start sized for the workload."""
     values = {name: getattr(args, name) for name in WORKLOAD}
     args.workload = Workload(**{name: WORKLOAD[name][1 if args.quick else 0] if v is None else v
                                 for name, v in values.items()})
@@ -262,8 +253,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "http" in args.apis:
         _check_http(parser, args)
     if args.address is None:
-        check_page_size(parser, args.page_size)
-        check_page_size_for_model(parser, args.model, args.page_size)
         if args.chunk_size % args.page_size:
             parser.error(f"--chunk-size {args.chunk_size}: not a multiple of --page-size "
                          f"{args.page_size}")
@@ -272,7 +261,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--pages-per-shard {args.pages_per_shard}: the workload needs "
                          f"{need}")
     args.auth_token = args.auth_token or os.environ.get(TOKEN_ENV) or None
-    args.out = check_out_dir(parser, args.out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked (usage errors exit 2), `--quick` applied (`args.workload`), `--api`
+    expanded (`args.apis`, the APIs in the order measured), then `--out` created (`args.out`
+    a Path)."""
+    args = build_parser().parse_args(argv)
+    args.out = pathlib.Path(args.out)
     return args
 
 
@@ -298,16 +294,16 @@ def pages_per_shard_for(w: Workload, shards: int, page_size: int) -> int:
 
 
 # -- the server ---------------------------------------------------------------------------
-def _server_process(args: argparse.Namespace, pages_per_shard: int) -> ServeProcess:
+def _server_process(args: argparse.Namespace, pages_per_shard: int) -> ServerProcess:
     """`cp-runtime serve` for this workload, on a free port (and a free HTTP port when an API
     measured is HTTP)."""
     http = ["--http-port", "0"] if "http" in args.apis else []
-    return ServeProcess(["--model", args.model, "--shards", str(args.shards),
-                         "--kv-cache-dtype", args.kv_cache_dtype,
-                         "--page-size", str(args.page_size),
-                         "--pages-per-shard", str(pages_per_shard),
-                         "--chunk-size", str(args.chunk_size),
-                         "--max-batch", str(args.max_batch), *http], timeout_s=STARTUP_S)
+    return ServerProcess(["--model", args.model, "--shards", str(args.shards),
+                          "--kv-cache-dtype", args.kv_cache_dtype,
+                          "--page-size", str(args.page_size),
+                          "--pages-per-shard", str(pages_per_shard),
+                          "--chunk-size", str(args.chunk_size),
+                          "--max-batch", str(args.max_batch), *http], startup_s=STARTUP_S)
 
 
 # -- the clients --------------------------------------------------------------------------

@@ -60,17 +60,14 @@ import jax.monitoring
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.common import (apply_quick, init_shard_devices, machine, print_table,
-                                         quick_help, write_json)
+from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks.common import machine, print_table, write_json
 from cp_runtime.benchmarks.plots import line_chart
 from cp_runtime.benchmarks.roofline import measure_roofline
 from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.cache.layout import cdiv
-from cp_runtime.cli.args import (HelpFormatter, add_backend, add_chunk_size, add_kv_cache_dtypes,
-                                 add_model, add_no_progress, add_out, add_page_size,
-                                 add_shard_counts, add_weight_dtype, check_not_below_page,
-                                 check_out_dir, check_page_size, check_page_size_for_model, length,
-                                 length_list, nonnegative_length, positive_int, positive_int_list)
+from cp_runtime.cli.args import (check_not_below_page, length, length_list, nonnegative_length,
+                                 positive_int, positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.engine import Engine
@@ -414,17 +411,14 @@ def _plots(rows: list[dict], out: pathlib.Path, model: str) -> list[pathlib.Path
                              "(compile excluded)")]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-runtime bench throughput",
-                                formatter_class=HelpFormatter,
-                                description="Prefill tokens/s and decode ms/step on the CPU mesh, "
-                                            "roofline fractions, sparse vs dense decode.")
-    add_model(p, "small")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser("throughput", "Prefill tokens/s and decode ms/step on the CPU mesh, "
+                                      "roofline fractions, sparse vs dense decode.",
+                        quick="fewer timed decode steps (the lengths, dtypes and pools are the "
+                              "defaults' already: about 1.5 min on a CPU)",
+                        quick_values=QUICK, check=_check)
     p.add_argument("--lengths", type=length_list, default="2k,8k", metavar="N[,N...]",
                    help="context lengths one session grows through, e.g. 8k,64k,1m")
-    add_shard_counts(p, "16")
-    add_kv_cache_dtypes(p, "bf16,fp8_e4m3")
-    add_weight_dtype(p)
     p.add_argument("--pool-factors", type=positive_int_list, default="1,4", metavar="F[,F...]",
                    help="pool sizes, as multiples of what the context needs, for the decode vs "
                         "pool size table (1: no such table)")
@@ -432,39 +426,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the fixed context of the pool size table")
     p.add_argument("--base-pages", type=positive_int, default=256,
                    help="pages per shard of the 1x pool (at least what the context needs)")
-    add_page_size(p, 64, why="64-token pages, as the TPU deployment configs use")
-    add_chunk_size(p, 1024)
-    p.add_argument("--decode-steps", type=positive_int, default=None,
-                   help="decode steps timed per length, the median reported "
-                        f"({quick_help(QUICK, 'decode_steps')})")
-    add_backend(p, "auto")
+    p.add_argument("--decode-steps", type=positive_int,
+                   help="decode steps timed per length, the median reported")
     p.add_argument("--dense-max-length", type=nonnegative_length, default="128k",
                    help="longest context for the dense decode comparison (0: none)")
     p.add_argument("--roofline-mib", type=positive_int, default=None,
                    help="bandwidth array size, all devices together (unset: by backend)")
     p.add_argument("--matmul-n", type=positive_int, default=None,
                    help="roofline matmul side per device (unset: by backend)")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer timed decode steps (the lengths, dtypes and pools are the "
-                        "defaults' already: about 1.5 min on a CPU)")
-    add_no_progress(p)
-    add_out(p, "out")
+    p.add_shared(model="small", shard_counts="16", kv_cache_dtypes="bf16,fp8_e4m3",
+                 weight_dtype=True, page_size=64, chunk_size=1024, backend="auto", out="out",
+                 progress=True, why={"page_size": TPU_PAGES})
     return p
+
+
+def _check(parser: BenchmarkParser, args: argparse.Namespace) -> None:
+    check_not_below_page(parser, "--lengths", args.lengths, args.page_size)
+    check_not_below_page(parser, "--pool-length", args.pool_length, args.page_size)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), with the devices for the largest of `--shards`
     set up, then `--out` created."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    check_page_size_for_model(parser, args.model, args.page_size)
-    check_not_below_page(parser, "--lengths", args.lengths, args.page_size)
-    check_not_below_page(parser, "--pool-length", args.pool_length, args.page_size)
-    init_shard_devices(parser, max(args.shards))
-    check_out_dir(parser, args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _print(rows: list[dict], pool_rows: list[dict], roofs: dict, args) -> None:

@@ -62,13 +62,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from cp_runtime.benchmarks.common import apply_quick, print_table, quick_help
+from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks.common import print_table
 from cp_runtime.benchmarks.throughput import matmul_weights, projection_work
 from cp_runtime.cache.capacity import bytes_per_token
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_no_progress, add_out, add_page_size, check_out_dir,
-                                 check_page_size, finite_nonnegative_float, finite_positive_float,
-                                 length_list, positive_int, positive_int_list)
+from cp_runtime.cli.args import (finite_nonnegative_float, finite_positive_float, length_list,
+                                 positive_int, positive_int_list)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
@@ -381,14 +380,12 @@ def evaluate(model: ModelConfig, hw: Hardware, setup: Setup, case: dict) -> dict
 
 
 # -- command line ---------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="cp-runtime bench tpu_model", formatter_class=HelpFormatter,
-        description=__doc__.split("\n\n")[0] + "\n\n    cp-runtime bench tpu_model --out out/")
-    add_model(p, "glm-5.2")
-    add_kv_cache_dtype(p)
-    add_page_size(p, 16)
-    add_chunk_size(p, 8192, why="docs/performance.md's tables model 8K-token prefill steps")
+def build_parser() -> BenchmarkParser:
+    p = BenchmarkParser(
+        "tpu_model", __doc__.split("\n\n")[0] + "\n\n    cp-runtime bench tpu_model --out out/",
+        quick="the hand model is arithmetic and instant either way; with --compiler, a "
+              "one-layer cut",
+        quick_values=QUICK)
     p.add_argument("--prefill-lengths", type=length_list, default=[8192, 1 << 20],
                    help="prefill lengths (k/m suffixes)")
     p.add_argument("--contexts", type=length_list, default=[128 << 10, 1 << 20],
@@ -407,24 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile the runtime's decode step and a prefill chunk for "
                         "tpu7x-16 (needs the tpu extra) and print the hand model beside the "
                         "compiler's flops, bytes and time estimate, term by term")
-    p.add_argument("--compiler-layers", type=positive_int, default=None,
-                   help="with --compiler: cut the model to its first N layers, for compile "
-                        f"time ({quick_help(QUICK, 'compiler_layers')})")
-    p.add_argument("--quick", action="store_true",
-                   help="the hand model is arithmetic and instant either way; with --compiler, "
-                        "a one-layer cut")
-    add_no_progress(p)                     # the --compiler progress lines on stderr
-    add_out(p, None, why="unset, the tables are printed and no JSON is written")
+    p.add_argument("--compiler-layers", type=positive_int,
+                   help="with --compiler: cut the model to its first N layers, for compile time")
+    # --no-progress: the --compiler progress lines on stderr
+    p.add_shared(model="glm-5.2", kv_cache_dtype="fp8_e4m3", page_size=16, chunk_size=8192,
+                 out=None, progress=True,
+                 why={"chunk_size": "docs/performance.md's tables model 8K-token prefill steps",
+                      "out": "unset, the tables are printed and no JSON is written"})
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    apply_quick(parser, args, QUICK)
-    check_page_size(parser, args.page_size)
-    args.out_dir = check_out_dir(parser, args.out)
-    return args
+    """The flags, checked (usage errors exit 2), with `--out` created (`args.out`: a Path, None
+    without one)."""
+    return build_parser().parse_args(argv)
 
 
 def _time(seconds: float) -> str:
@@ -467,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                for c in scenarios(args.prefill_lengths, args.contexts, args.batches)]
     _print(results, hw, setup, model)
     compared = _compare_with_compiler(args, model, hw, setup) if args.compiler else None
-    if args.out_dir is not None:
-        path = args.out_dir / "tpu_model.json"
+    if args.out is not None:
+        path = args.out / "tpu_model.json"
         path.write_text(json.dumps({"model": model.name, "hardware": dataclasses.asdict(hw),
                                     "setup": dataclasses.asdict(setup), "results": results,
                                     "compiler": compared}, indent=2))
