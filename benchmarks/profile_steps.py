@@ -47,7 +47,7 @@ def _start_step(executor, args: tuple, kind: str):
     compile) on device inputs `args`; it updates the pool in place as a step does. Returns the
     segment's output and the new pool, not waited for."""
     _, params = executor_parts(executor)
-    (out,), pool = executor._step(params, executor_pool(executor), args, kinds=(kind,))
+    out, pool = executor._step(params, executor_pool(executor), args, kind=kind)
     set_executor_pool(executor, pool)
     return out, pool
 
@@ -175,7 +175,7 @@ def program_parts(executor, segment, repeats: int) -> dict[str, float]:
     noop, parts = make_noop(mesh), []
     for _ in range(1 + repeats):
         t0 = time.perf_counter()
-        args = jax.block_until_ready((segment.to_device(mesh, executor.runtime.num_shards),))
+        args = jax.block_until_ready(segment.to_device(mesh, executor.runtime.num_shards))
         t1 = time.perf_counter()
         jax.block_until_ready(_start_empty_step(executor, args, noop))
         t2 = time.perf_counter()

@@ -13,8 +13,8 @@ def _compiled_step(engine, q):
     s = engine.create_session()
     engine._reserve(s, q)
     segment = engine._segment("logits", [Row(s.table, random_tokens(engine.model, q, 0), 0)])
-    args = (segment.to_device(ex.mesh, engine.runtime.num_shards),)
-    return ex._step.lower(ex.params, ex.pool, args, kinds=("logits",)).compile(), ex
+    args = segment.to_device(ex.mesh, engine.runtime.num_shards)
+    return ex._step.lower(ex.params, ex.pool, args, kind="logits").compile(), ex
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "bf16"])

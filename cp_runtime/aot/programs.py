@@ -130,12 +130,12 @@ def _step_programs(model, runtime, mesh, spec, pool, kernels, context: int) -> l
     width = _table_width(context, runtime.page_size, runtime.num_shards)
     s = runtime.num_shards
     decode = _segment_structs(runtime.max_batch, 1, width, True, mesh, s)
-    programs = [Program("decode", step, (params, pool, (decode,)), {"kinds": ("sample",)},
+    programs = [Program("decode", step, (params, pool, decode), {"kind": "sample"},
                         weight_args=(0,), pool_args=(1,))]
     for kind in ("fill", "sample", "logits"):
         chunk = _segment_structs(1, runtime.chunk_size, width, kind == "sample", mesh, s)
-        programs.append(Program(f"prefill_{kind}", step, (params, pool, (chunk,)),
-                                {"kinds": (kind,)}, weight_args=(0,), pool_args=(1,)))
+        programs.append(Program(f"prefill_{kind}", step, (params, pool, chunk),
+                                {"kind": kind}, weight_args=(0,), pool_args=(1,)))
     return programs
 
 

@@ -194,11 +194,11 @@ class LocalExecutor(Executor):
         outs, host_s = [], 0.0
         for seg in plan:
             t0 = time.perf_counter()
-            args = (seg.to_device(self.mesh, self.runtime.num_shards),)
+            args = seg.to_device(self.mesh, self.runtime.num_shards)
             host_s += time.perf_counter() - t0
             shape = (seg.kind, *(a.shape for a in jax.tree.leaves(args)))
             t0 = time.perf_counter()
-            (out,), self.pool = self._step(self.params, self.pool, args, kinds=(seg.kind,))
+            out, self.pool = self._step(self.params, self.pool, args, kind=seg.kind)
             outs.append(out)
             # Wait for each program even when it returns nothing ("fill"): two SPMD programs
             # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each

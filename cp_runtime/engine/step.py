@@ -3,8 +3,9 @@ the sharded pool (in place: the pool is donated) and returns what each segment a
 
 A step plan is host arrays that the engine decides once and every process receives identically.
 It holds one or more segments run one after another (a batch of decode rows and a prefill chunk,
-say); `make_step` compiles any tuple of them into one program, and LocalExecutor gives each
-segment its own (fewer compiles). Each segment is a `StepInputs` plus what it returns:
+say). `make_step` compiles one segment: each segment of a plan is its own program, since one
+program for a mix would compile once per combination of the segments' shapes. Each segment is
+a `StepInputs` plus what it returns:
 
     "fill"        nothing (prefill chunks whose logits nobody needs: no lm-head work)
     "sample"      token ids i32[B] and their log-probabilities f32[B], sampled on the device
@@ -151,34 +152,27 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
               kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
               combine_fn=combine):
-    """Returns step(params, pool, segments, kinds=...) -> (outputs, pool).
+    """Returns step(params, pool, segment, kind=...) -> (output, pool), jitted.
 
     weight_tensors: the arrays the weights are held in (cp_runtime.weights.format.device_tensors,
     for runtime.weights and runtime.weight_dtype, both concrete).
     combine_fn: how attention partials meet (cp_runtime.parallel.merge.combine; a benchmark may
     pass a stand-in to time the step without its merge).
-    segments: a tuple of `Segment.to_device(...)` argument tuples; kinds: their kinds (static).
-    outputs: one entry per segment (see the module docstring). The pool argument is donated.
+    segment: the argument tuple of `Segment.to_device(...)`; kind: what it returns (static).
+    output: what `kind` returns (see the module docstring). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
     weights = param_specs(weight_tensors, CP_AXIS)
 
-    def run_segment(params, kv: KVPool, args, kind: str):
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",))
+    def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),
                              out_specs=(rep, sharded, sharded), check_vma=False)
-        out, latent, indexer = spmd(params, kv.latent, kv.indexer, *args)
+        out, latent, indexer = spmd(params, kv.latent, kv.indexer, *segment)
         return out, KVPool(latent=latent, indexer=indexer)
-
-    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kinds",))
-    def step(params: Params, kv: KVPool, segments: tuple, *, kinds: tuple[str, ...]):
-        outputs = []
-        for args, kind in zip(segments, kinds):
-            out, kv = run_segment(params, kv, args, kind)
-            outputs.append(out)
-        return tuple(outputs), kv
 
     return step
