@@ -46,10 +46,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.kernels.costs import cost_estimate
-from cp_runtime.kernels.packing import interpret_params, tile_rows
+from cp_runtime.kernels.costs import call_options
+from cp_runtime.kernels.packing import tile_rows
 from cp_runtime.kernels.storage import cdiv, saturating_cast
-from cp_runtime.kernels.vmem import tiled_bytes, vmem_limit_bytes
+from cp_runtime.kernels.vmem import tiled_bytes
 
 __all__ = ["write_kv", "group_rows", "tiles_bound", "write_tile_rows", "cost"]
 
@@ -172,12 +172,7 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, offsets: jax.Ar
         out_shape=shape,
         # Operand 6 (after the four prefetched tables, the rows and the mask) is the cache.
         input_output_aliases={6: 0},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
-        cost_estimate=cost_estimate(figures),
-        interpret=interpret_params(interpret),
-        name="write_kv",
+        **call_options("write_kv", figures, ("arbitrary",), interpret),
     )(gslot, gtile, fill, count.reshape(1), rows, mask, cache)
 
 

@@ -1,4 +1,5 @@
-"""The compiler's view of a kernel's cost: every `pallas_call` passes `cost_estimate(cost(...))`.
+"""The compiler's view of a kernel's cost: every `pallas_call` passes `cost_estimate(cost(...))`,
+through `call_options`, with the VMEM limit taken from the same figures.
 
 XLA cannot see inside a Mosaic kernel, so without an estimate its cost analysis of a step counts
 a kernel as nothing and its time estimate leaves the kernels out. Each kernel's `cost()` already
@@ -9,8 +10,12 @@ turns them into the `pl.CostEstimate` Pallas attaches to the custom call.
 from __future__ import annotations
 
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["cost_estimate"]
+from cp_runtime.kernels.packing import interpret_params
+from cp_runtime.kernels.vmem import vmem_limit_bytes
+
+__all__ = ["call_options", "cost_estimate"]
 
 
 def cost_estimate(figures: dict) -> pl.CostEstimate:
@@ -19,3 +24,14 @@ def cost_estimate(figures: dict) -> pl.CostEstimate:
     return pl.CostEstimate(flops=int(figures["flops"]),
                            transcendentals=int(figures.get("transcendentals", 0)),
                            bytes_accessed=int(figures["bytes"]))
+
+
+def call_options(name: str, figures: dict, semantics: tuple[str, ...], interpret) -> dict:
+    """The keywords every kernel's `pallas_call` takes: the grid's dimension semantics and a
+    VMEM limit from its cost() figures (`vmem_bytes`), their cost estimate, interpret mode
+    (packing.interpret_params) and the kernel's name."""
+    return dict(compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=semantics,
+                    vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
+                cost_estimate=cost_estimate(figures), interpret=interpret_params(interpret),
+                name=name)

@@ -43,10 +43,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.costs import cost_estimate
-from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
+from cp_runtime.kernels.costs import call_options
+from cp_runtime.kernels.packing import check_page_size, page_ring
 from cp_runtime.kernels.reference import NEG_INF
-from cp_runtime.kernels.vmem import fit_block, tiled_bytes, vmem_limit_bytes
+from cp_runtime.kernels.vmem import fit_block, tiled_bytes
 
 __all__ = ["QUERY_BLOCK", "NUM_BUFFERS", "indexer_page_scores", "check_indexer_args", "cost"]
 
@@ -190,12 +190,7 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
             ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, nkb, nqb * qb, nb), jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
-        cost_estimate=cost_estimate(figures),
-        interpret=interpret_params(interpret),
-        name="indexer_page_scores",
+        **call_options("indexer_page_scores", figures, ("parallel", "parallel"), interpret),
     )(pages.reshape(-1), visible.reshape(-1), first_page, q, w, q_pos[..., None], k_cache)
     # [B, nkb, Qp, nb] -> [B, Qp, nkb * nb] -> [B, Q, M]
     out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)

@@ -36,11 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from cp_runtime.kernels.costs import cost_estimate
-from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
+from cp_runtime.kernels.costs import call_options
+from cp_runtime.kernels.packing import check_page_size, page_ring
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 from cp_runtime.kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
-from cp_runtime.kernels.vmem import tiled_bytes, vmem_limit_bytes
+from cp_runtime.kernels.vmem import tiled_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_decode", "cost"]
 
@@ -147,12 +147,7 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
             jax.ShapeDtypeStruct((b, 1, h, value_dim), jnp.float32),
             jax.ShapeDtypeStruct((b, 1, h, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",),
-            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
-        cost_estimate=cost_estimate(figures),
-        interpret=interpret_params(interpret),
-        name="sparse_decode",
+        **call_options("sparse_decode", figures, ("parallel",), interpret),
     )(sel_slots.astype(jnp.int32).reshape(-1), sel_pages.astype(jnp.int32).reshape(-1),
       q_pos.astype(jnp.int32).reshape(-1), q, kv_cache)
     return o, lse[..., 0]

@@ -49,10 +49,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.costs import cost_estimate
-from cp_runtime.kernels.packing import check_page_size, interpret_params, page_ring
+from cp_runtime.kernels.costs import call_options
+from cp_runtime.kernels.packing import check_page_size, page_ring
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
-from cp_runtime.kernels.vmem import fit_block, tiled_bytes, vmem_limit_bytes
+from cp_runtime.kernels.vmem import fit_block, tiled_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
            "finalize_softmax", "cost"]
@@ -241,12 +241,7 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
             jax.ShapeDtypeStruct((b, nqb * qb, h, value_dim), jnp.float32),
             jax.ShapeDtypeStruct((b, nqb * qb, h, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
-        cost_estimate=cost_estimate(figures),
-        interpret=interpret_params(interpret),
-        name="sparse_prefill",
+        **call_options("sparse_prefill", figures, ("parallel", "parallel"), interpret),
     )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], kv_cache)
     return o[:, :nq], lse[:, :nq, :, 0]
 

@@ -8,7 +8,6 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from cp_runtime.kernels import native_indexer, reference

@@ -124,12 +124,17 @@ def length(text: str) -> int:
     return n
 
 
+def _converted(text: str, convert, what: str):
+    """convert(text), or the argparse error that says `text` is not `what`."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    n = _converted(text, int, "an integer")
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return n
@@ -137,10 +142,7 @@ def positive_int(text: str) -> int:
 
 def finite_positive_float(text: str) -> float:
     """argparse type: a finite float > 0 (refuses inf and nan)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _converted(text, float, "a number")
     if not math.isfinite(x) or x <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number above 0")
     return x
@@ -179,10 +181,7 @@ def nonnegative_length(text: str) -> int:
 
 def finite_nonnegative_float(text: str) -> float:
     """argparse type: a finite float >= 0 (refuses inf and nan)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _converted(text, float, "a number")
     if not math.isfinite(x) or x < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number, 0 or more")
     return x
