@@ -1,5 +1,5 @@
-"""`cp-runtime compile`: its JSON, its refusals, its weight figures against capacity's, and
-(slow) the whole GLM-5.2 on tpu7x-16."""
+"""`cp-runtime compile`: its JSON, its refusals, its weight figures against capacity's, its
+figures per step phase, and (slow) the whole GLM-5.2 on tpu7x-16."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from cp_runtime.aot import topology
 from cp_runtime.aot.deploy import CompilePlan, compile_plan
 from cp_runtime.cli.main import main
+from cp_runtime.model.phases import PHASES
 
 JSON_FIELDS = ("name", "compiled", "error", "compile_s", "argument_bytes", "output_bytes",
                "alias_bytes", "temp_bytes", "peak_bytes", "flops", "bytes_accessed",
@@ -119,3 +120,26 @@ def test_the_whole_glm_5_2_decode_and_prefill_fit_a_tpu7x_16_slice(capsys):
         assert row["peak_bytes"] <= out["hbm_bytes_per_device"], row
         assert row["alias_bytes"] == out["pool_bytes_per_device"], row
     assert out["weight_bytes_per_device"] == out["capacity_weight_bytes_per_device"]
+
+
+@needs_libtpu
+def test_phases_split_the_compiled_decode_step_by_named_scope(capsys):
+    """Each step phase's instructions are found in the compiled module by their named scope:
+    the kernels in theirs, the collectives in selection and merge, and the phases' cycles add
+    up to the module's."""
+    code = main(["compile", "--model", "tiny", "--page-size", "16", "--pages-per-shard", "4096",
+                 "--context", "4k", "--programs", "decode", "--phases"])
+    table = capsys.readouterr().out
+    assert code == 0
+    lines = {tuple(line.split()[:2]) for line in table.splitlines()}
+    for name in PHASES:
+        assert ("decode", name) in lines, (name, table)
+    result = compile_plan(CompilePlan(model="tiny", page_size=16, pages_per_shard=4096,
+                                      context=4096, programs=("decode",)))
+    phases = result["programs"][0]["phases"]
+    for name in ("cache_write", "indexer", "sparse_attention"):       # our Pallas kernels
+        assert phases[name]["kernels"] and phases[name]["kernel_bytes"] > 0, name
+    assert phases["selection"]["collectives"] and phases["merge"]["collectives"]
+    assert phases["dense"]["collectives"] == 0        # whole weights: no gathers in the MLP
+    assert sum(f["cycles"] for f in phases.values()) > 0
+    assert all(f["instructions"] for name, f in phases.items() if name != "other")

@@ -4,11 +4,13 @@ Per program: compiled or the compiler's error (its first lines and code), compil
 per device the argument / output / alias / temp bytes (`memory_analysis`), the peak (arguments +
 outputs - aliased + temporaries) against the device's HBM, and the compiler's flops, bytes
 accessed and time estimate (`cost_analysis`; `optimal_seconds`, None where the compiler gives
-none or a negative placeholder).
+none or a negative placeholder), and the compiler's figures per step phase (cp_runtime.aot.phases:
+instructions, estimated cycles, collectives and their bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -16,13 +18,16 @@ import time
 import jax
 import numpy as np
 
+from cp_runtime.aot.phases import phase_figures
 from cp_runtime.aot.programs import Program
 
-__all__ = ["FIELDS", "compile_figures", "compile_program", "per_device_bytes", "format_table"]
+__all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "format_table",
+           "per_device_bytes"]
 
 FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
-          "bytes_accessed", "optimal_seconds", "weight_argument_bytes", "pool_argument_bytes")
+          "bytes_accessed", "optimal_seconds", "weight_argument_bytes", "pool_argument_bytes",
+          "phases")
 
 
 def per_device_bytes(tree) -> int:
@@ -86,6 +91,8 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(seconds) if seconds is not None and seconds >= 0 else None,
+        phases={name: dataclasses.asdict(f)
+                for name, f in phase_figures(compiled.as_text()).items()},
     )
     return out
 
@@ -121,4 +128,28 @@ def format_table(rows: list[dict], hbm_bytes: int) -> str:
             f"{_gib(r['temp_bytes']):>9} {_gib(r['peak_bytes']):>9} "
             f"{r['peak_bytes'] / hbm_bytes:>6.1%} {_short(r['flops']):>9} "
             f"{_short(r['bytes_accessed'], 'B'):>9} {est:>10}")
+    return "\n".join(lines)
+
+
+def format_phases(rows: list[dict]) -> str:
+    """Per compiled program with step phases, one line per phase that ran: entry instructions,
+    the compiler's estimated cycles and their share of the program's, Pallas kernel calls with
+    their estimated flops and bytes, collectives and their result bytes per device."""
+    head = (f"{'program':<16} {'phase':<17} {'instr':>6} {'est. cycles':>12} {'share':>6} "
+            f"{'kernels':>7} {'k. flops':>9} {'k. bytes':>9} {'collectives':>11} "
+            f"{'coll. bytes':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        phases = r.get("phases") or {}
+        total = sum(f["cycles"] for f in phases.values())
+        if not r["compiled"] or set(k for k, f in phases.items() if f["instructions"]) <= {"other"}:
+            continue
+        for name, f in phases.items():
+            if f["instructions"] or f["collectives"]:
+                share = f["cycles"] / total if total else 0.0
+                lines.append(f"{r['name']:<16} {name:<17} {f['instructions']:>6} "
+                             f"{f['cycles']:>12,} {share:>6.1%} {f['kernels']:>7} "
+                             f"{_short(f['kernel_flops']):>9} "
+                             f"{_short(f['kernel_bytes'], 'B'):>9} {f['collectives']:>11} "
+                             f"{_short(f['collective_bytes'], 'B'):>11}")
     return "\n".join(lines)

@@ -61,6 +61,12 @@ def add_compile(sub) -> None:
                    help="instead of the programs, compile each Pallas kernel alone at the "
                         "model's per-shard shapes (decode batches 1-64, prefill chunks 1-8192 "
                         "queries, cache writes, indexer) for this cache dtype and page size")
+    p.add_argument("--phases", action="store_true",
+                   help="also print each step program's figures per phase (cache write, "
+                        "indexer, selection, attention inputs, sparse attention, merge, dense, "
+                        "sampling), summed over its instructions from the compiled module: "
+                        "instructions, the compiler's estimated cycles and their share, "
+                        "collectives and their bytes (--json always has them)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
 
@@ -102,6 +108,9 @@ def run_compile(args) -> int:
     else:
         print(_summary(result))
         print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
+        if args.phases:
+            print()
+            print(report.format_phases(result["programs"]))
     return 0 if all(p["compiled"] for p in result["programs"]) else 1
 
 

@@ -43,6 +43,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.dispatch import Kernels
 from cp_runtime.model.attention import ShardAttention, ShardState
 from cp_runtime.model.forward import forward, logits
+from cp_runtime.model.phases import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
 from cp_runtime.weights.format import DeviceTensor
@@ -140,12 +141,14 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
     if kind == "fill":
         return (), *new_pool
-    if kind != "all_logits":
-        hidden = jnp.take_along_axis(hidden, logit_index[:, None, None], axis=1)[:, 0]
-    out = logits(params, hidden, ws, model.vocab_size)               # [B, V] or [B, Q, V]
+    with phase("dense"):
+        if kind != "all_logits":
+            hidden = jnp.take_along_axis(hidden, logit_index[:, None, None], axis=1)[:, 0]
+        out = logits(params, hidden, ws, model.vocab_size)           # [B, V] or [B, Q, V]
     if kind == "sample":
-        sampled_pos = jnp.take_along_axis(pos, logit_index[:, None], axis=1)[:, 0] + 1
-        out = sample_tokens(out, sampling, sampled_pos)
+        with phase("sampling"):
+            sampled_pos = jnp.take_along_axis(pos, logit_index[:, None], axis=1)[:, 0] + 1
+            out = sample_tokens(out, sampling, sampled_pos)
     return out, *new_pool
 
 

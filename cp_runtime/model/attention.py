@@ -25,6 +25,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
 from cp_runtime.kernels.dispatch import Kernels
 from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.model.phases import phase
 from cp_runtime.parallel.merge import combine
 from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
 from cp_runtime.weights.shards import WeightShards
@@ -94,21 +95,24 @@ class ShardAttention:
         # Each row's queries sit at consecutive positions, which bounds the tiles they touch.
         b, q = self.pos.shape
         max_tiles = tiles_bound(b, q, write_tile_rows(cache.shape, cache_dtype))
-        return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]), slots.reshape(-1),
-                                     offsets.reshape(-1), cache_dtype=cache_dtype,
-                                     max_tiles=max_tiles)
+        with phase("cache_write"):
+            return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]),
+                                         slots.reshape(-1), offsets.reshape(-1),
+                                         cache_dtype=cache_dtype, max_tiles=max_tiles)
 
     def _select(self, icache: jax.Array, index: IndexerInputs) -> jax.Array:
         k = self.model.index_topk // self.page_size
-        scores = self.kernels.indexer_page_scores(
-            index.q, index.w, icache, self.local_table, self.pos, self.shard, self.rotation,
-            num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
-            cache_dtype=self.pool.indexer_dtype)
-        cand_scores, cand_pages = local_candidates(
-            scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
-            page_size=self.page_size, k=k)
-        return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name,
-                                gathers=self.runtime.gathers)
+        with phase("indexer"):
+            scores = self.kernels.indexer_page_scores(
+                index.q, index.w, icache, self.local_table, self.pos, self.shard, self.rotation,
+                num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
+                cache_dtype=self.pool.indexer_dtype)
+        with phase("selection"):
+            cand_scores, cand_pages = local_candidates(
+                scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
+                page_size=self.page_size, k=k)
+            return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name,
+                                    gathers=self.runtime.gathers)
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
@@ -121,12 +125,14 @@ class ShardAttention:
             indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
             selection = self._select(indexer[slot], index)
             indexer = tuple(indexer)
-        pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
-        sel_slots = self._slots_of(pages, -1)
-        o, lse = self.kernels.sparse_attention(
-            q_row, latent[layer], sel_slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
-            scale=self.model.softmax_scale, query_block=self.runtime.query_block,
-            cache_dtype=self.pool.latent_dtype)
-        out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
-                           self.runtime.gathers)
+        with phase("sparse_attention"):
+            pages = attended_pages(selection, self.pos, self.page_size)      # [B, Q, K + 1]
+            sel_slots = self._slots_of(pages, -1)
+            o, lse = self.kernels.sparse_attention(
+                q_row, latent[layer], sel_slots, pages, self.pos,
+                value_dim=self.model.kv_lora_rank, scale=self.model.softmax_scale,
+                query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype)
+        with phase("merge"):
+            out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
+                               self.runtime.gathers)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)

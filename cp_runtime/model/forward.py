@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
+from cp_runtime.model.phases import phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
@@ -379,19 +380,23 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
     `logits(params, hidden, ws)` projects it. The attention callback gets the output
     projection so the merge can choose where the partial results meet (cp_runtime.parallel.merge).
     """
-    x = embed(params, tokens, ws)
+    with phase("dense"):
+        x = embed(params, tokens, ws)
     for layer in range(cfg.num_hidden_layers):
         p = layer_params(params, layer)
-        h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
-        index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
-                 if cfg.indexer_types[layer] == "full" else None)
+        with phase("attention_inputs"):
+            h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+            q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
+            index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
+                     if cfg.indexer_types[layer] == "full" else None)
         out, state = attend(layer, state, q_row, kv_row, index,
                             functools.partial(mla_output, p, cfg))
-        x = x + out
-        h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + mlp(p, cfg, layer, h, ws)
-    return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
+        with phase("dense"):
+            x = x + out
+            h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + mlp(p, cfg, layer, h, ws)
+    with phase("dense"):
+        return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
 
 
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),

@@ -1,0 +1,29 @@
+"""The phases of a model step, as `jax.named_scope` names: each compiled instruction's op_name
+then says which phase it belongs to, so the compiler's per-instruction figures can be summed
+per phase (`cp-runtime compile --phases`, cp_runtime.aot.phases).
+
+    cache_write       the step's latent and indexer rows into owned pages
+    indexer           indexer page scores over owned pages
+    selection         local candidates and the global top-K over the cp axis (its gather)
+    attention_inputs  q, kv and indexer projections (with the q heads' gather, split weights)
+    sparse_attention  selected pages' slots and the sparse MLA kernel
+    merge             the shards' partials merged, with the output projection
+    dense             embedding, norms, the dense MLP or MoE, the lm head
+    sampling          sampling on the device
+"""
+
+from __future__ import annotations
+
+import jax
+
+__all__ = ["PHASES", "phase"]
+
+PHASES = ("cache_write", "indexer", "selection", "attention_inputs", "sparse_attention", "merge",
+          "dense", "sampling")
+
+
+def phase(name: str):
+    """`jax.named_scope(name)` for one of PHASES (a typo would silently make a new phase)."""
+    if name not in PHASES:
+        raise ValueError(f"{name!r} is not a step phase; phases: {', '.join(PHASES)}")
+    return jax.named_scope(name)
