@@ -1,14 +1,15 @@
 """A compiled program's figures per step phase, read from the text of the module XLA:TPU made.
 
 Each instruction of the entry computation carries its op_name (the `jax.named_scope` path it was
-traced under, cp_runtime.model.phases) and, for most of them, the TPU compiler's own
+traced under, cp_runtime.model.phases) and, for many of them (fusions), the TPU compiler's own
 `estimated_cycles` in its backend config. Summed per phase (an instruction belongs to the
 innermost phase in its op_name; one under none is "other"):
 
     instructions     how many of the entry computation's instructions
     cycles           the compiler's estimated cycles, summed (a Pallas kernel has none: Mosaic
                      attaches no cycle estimate to its custom call)
-    kernels          Pallas kernel calls (`tpu_custom_call`)
+    kernels          Mosaic kernel calls (`tpu_custom_call`: our Pallas kernels, and any XLA
+                     lowers to Mosaic itself)
     kernel_flops     their flops and HBM bytes, from the cost estimate each kernel passes
     kernel_bytes     (cp_runtime.kernels.costs), which the custom call carries
     collectives      all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
@@ -17,9 +18,10 @@ innermost phase in its op_name; one under none is "other"):
     collective_bytes bytes those collectives produce per device (their result arrays; an
                      async start's, the last of its result tuple)
 
-What this cannot give: seconds (the cycles are the compiler's estimate and are summed as if
-nothing overlapped), flops and HBM bytes per phase (cost_analysis() gives only the module's
-totals), and the time of real collectives over ICI.
+What this cannot give: seconds (the cycles are the compiler's estimate, summed as if nothing
+overlapped; the module's own time estimate is a negative placeholder for the step programs),
+flops and HBM bytes of XLA's own fusions per phase (cost_analysis() gives only the module's
+totals; the kernels' are their cost estimates), and the time of real collectives over ICI.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ _BITS = {"pred": 8, "bf16": 16}
 
 @dataclasses.dataclass
 class PhaseFigures:
+    """One phase's sums (the module docstring says what each is)."""
+
     instructions: int = 0
     cycles: int = 0
     kernels: int = 0
