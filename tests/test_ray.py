@@ -47,8 +47,11 @@ def xla_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def executor(ray_cluster, xla_cache):
     from cp_runtime.cluster.executor import RayExecutor
+    # 15 s of silence: on two cores the other test worker's compiles can starve a worker's
+    # heartbeat thread for over 5 s (a false "worker lost" mid-test), and a hung worker is
+    # still found well inside the recovery test's 30 s.
     ex = RayExecutor(SOURCE, RUNTIME, hosts=2, devices_per_host=8, heartbeat_s=0.5,
-                     heartbeat_timeout_s=5.0, step_timeout_s=120.0,
+                     heartbeat_timeout_s=15.0, step_timeout_s=120.0,
                      compilation_cache_dir=xla_cache)
     yield ex
     ex.close()
