@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["model", "dtype", "latent", "indexer", "bytes_per_token", "tokens_per_gib",
                        "ratio_vs_bf16", "weights_gib", "kv_gib", "slice_tokens_M"],
                 title=f"cache capacity (slice: {where}; weights and KV in GiB per device)")
-    out = pathlib.Path(args.out)
+    out = args.out
     json_path = write_json(out / "capacity.json",
                            {"topology": args.topology, "devices": args.devices,
                             "hbm_gib": args.hbm_gib, "weight_dtype": args.weight_dtype,

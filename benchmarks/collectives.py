@@ -19,7 +19,6 @@ programs run interleaved in a shuffled order every round, and each figure is the
 from __future__ import annotations
 
 import argparse
-import pathlib
 import random
 import statistics
 import time
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 title=f"one gather-then-reduce of {args.values} f32 per shard, median of "
                       f"{args.rounds} rounds, {machine()['backend']} "
                       f"({machine()['cpu_count']} cores)")
-    write_json(pathlib.Path(args.out) / "collectives.json",
+    write_json(args.out / "collectives.json",
                {"args": vars(args), "rows": rows})
     return 0
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import pathlib
 import random
 import statistics
 
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([{"check": k, "value": v} for k, v in checks.items()], ["check", "value"],
                 title="against the targets: long_over_bound <= 1, pool_4x_over_1x <= 1.10, "
                       "batch_host_ms <= 2, merge_share <= 0.10")
-    write_json(pathlib.Path(args.out) / "decode.json",
+    write_json(args.out / "decode.json",
                {"machine": machine(), "args": {k: v for k, v in vars(args).items()},
                 "rows": rows, "checks": checks, "roofline": roof})
     return 0

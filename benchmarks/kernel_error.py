@@ -13,7 +13,6 @@ e5m2 6.86% / 6.32%.
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["dtype", "path", "rel_l2_%", "peak_%", "bound_rel_l2_%"],
                 title=f"fp8 vs bf16 latent cache, {args.model} shapes, backend {args.backend}, "
                       f"{jax.default_backend()}")
-    write_json(pathlib.Path(args.out) / "kernel_error.json",
+    write_json(args.out / "kernel_error.json",
                {"model": args.model, "backend": args.backend, "rows": rows})
     return 0
 

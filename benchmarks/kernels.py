@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import pathlib
 import platform
 import sys
 import time
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.kernels, args.kv_cache_dtypes, shapes, interpret=mode == "interpret",
                seed=args.seed, progress=not args.no_progress)
     print_table(rows, mode)
-    out = pathlib.Path(args.out) / "kernels.json"
+    out = args.out / "kernels.json"
     out.write_text(json.dumps({"machine": info, "mode": mode, "size": size,
                                "shapes": dataclasses.asdict(shapes), "results": rows},
                               indent=2))

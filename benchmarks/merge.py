@@ -31,7 +31,6 @@ bytes do not depend on Q; the times are per call, for that Q.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import time
 
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                        *(f"{label} ms" for label in tokens)],
                 title=f"merge variants, {model.name} (H={h}, Dv={dv}, hidden={hid}), "
                       f"S={args.shards}, {machine()['backend']} ({machine()['cpu_count']} cores)")
-    write_json(pathlib.Path(args.out) / "merge.json",
+    write_json(args.out / "merge.json",
                {"model": model.name, "shards": args.shards, "tokens": tokens,
                 "gathered_bytes": gathered, "sizing": sizing, "rows": rows})
     return 0

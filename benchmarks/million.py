@@ -9,7 +9,6 @@ planned bytes (memory beyond the pool must stay bounded by the chunk, not the co
 from __future__ import annotations
 
 import argparse
-import pathlib
 import resource
 import time
 
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([result], ["tokens", "shards", "kv_cache_dtype", "prefill_s", "prefill_tok_per_s",
                            "decode_ms_per_step", "pool_planned_bytes", "peak_rss_bytes"],
                 title=f"long session on {machine()['processor']} ({machine()['backend']})")
-    write_json(pathlib.Path(args.out) / "million.json", {"result": result})
+    write_json(args.out / "million.json", {"result": result})
     return 0
 
 

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_sweep(args, work)
     info = machine()
     print_report(report, info)
-    out = pathlib.Path(args.out)
+    out = args.out
     json_path = write_json(out / "niah.json", report)
     png_path = write_heatmap(report, out / "niah_heatmap.png")
     print(f"wrote {json_path} and {png_path}")

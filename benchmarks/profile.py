@@ -61,7 +61,6 @@ fraction and little or no flop fraction; collectives are counted as bytes moved.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import time
 
 import jax
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print_tables(result, args)
-    out = pathlib.Path(args.out)
+    out = args.out
     path = write_json(out / "profile.json", {"args": vars(args), **result})
     png = plot(result, out / "profile.png", args.model)
     print(f"\n{result['seconds']:.0f} s in all; wrote {path}, {png}")

@@ -16,7 +16,6 @@ recovery a user sees). Compiles are inside these times, as they are after a real
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import tempfile
 import time
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, ["tokens", "mode", "listening_s", "restored_s", "first_token_s"],
                 title=f"kill -9 -> restart -> first token ({args.model}, S = {args.shards}, "
                       f"{args.kv_cache_dtype}, chunk {args.chunk_size})")
-    path = write_json(pathlib.Path(args.out) / "recovery.json",
+    path = write_json(args.out / "recovery.json",
                       {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
     return 0

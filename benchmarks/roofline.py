@@ -20,7 +20,6 @@ denominators of "achieved fraction"). `memory_gb_per_s` is the larger of read an
 from __future__ import annotations
 
 import argparse
-import pathlib
 import time
 from collections.abc import Callable
 
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([result], ["devices", "mem_bytes", "read_gb_per_s", "copy_gb_per_s",
                            "matmul_n", "matmul_gflop_per_s"],
                 title=f"roofline on {machine()['processor']}, backend {machine()['backend']}")
-    write_json(pathlib.Path(args.out) / "roofline.json", {"roofline": result})
+    write_json(args.out / "roofline.json", {"roofline": result})
     return 0
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -317,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(recall_rows, ["index_topk", "K", "scheme", "recall"],
                 title=f"recall model, {args.siblings} siblings at cosine 0.98, latent bf16, "
                       f"{args.recall_length} tokens")
-    path = write_json(pathlib.Path(args.out) / "selection.json",
+    path = write_json(args.out / "selection.json",
                       {"page_size": args.page_size, "tiny_tokens": args.tokens,
                        "tiny_seeds": args.seeds, "recall_trials": args.recall_trials,
                        "recall_length": args.recall_length, "siblings": args.siblings,

@@ -267,9 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked (usage errors exit 2), `--quick` applied (`args.workload`), `--api`
     expanded (`args.apis`, the APIs in the order measured), then `--out` created (`args.out`
     a Path)."""
-    args = build_parser().parse_args(argv)
-    args.out = pathlib.Path(args.out)
-    return args
+    return build_parser().parse_args(argv)
 
 
 def _check_http(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             pool_rows += _pool_rows(model, params, length=args.pool_length,
                                     shards=s, dtype=d, factors=pool_factors, args=args)
     _print(rows, pool_rows, roofs, args)
-    out = pathlib.Path(args.out) / "throughput.json"
+    out = args.out / "throughput.json"
     write_json(out, {"args": vars(args), "backend": resolve_backend(args.backend),
                      "roofline": roofs, "rows": rows,
                      "pool_rows": pool_rows})
