@@ -39,6 +39,8 @@ MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatt
                   "hidden_psum")
 # cp_runtime.parallel.collectives describes each.
 GATHER_MODES = ("auto", "flat", "staged", "native")
+ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
+WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
 # Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
@@ -278,6 +280,18 @@ class RuntimeConfig:
     # native where it can run for parts up to 8 KiB a shard, else staged with 8 or more
     # shards, else flat; flat elsewhere (cp_runtime.parallel.collectives).
     gathers: str = "auto"
+    # Where a step's queries meet the position-sharded cache (cp_runtime.model.attention):
+    # "gather_q", every shard gets every head of q and attends the pages it owns, and the
+    # partials are merged (`merge`); "gather_kv", every shard gets the pages of the rows' page
+    # tables and attends its own heads over all of them: no merge (weights split by head);
+    # "auto", gather_kv where it moves fewer bytes (a prefill chunk of a long context) and
+    # the heads split evenly, else gather_q.
+    attention: str = "auto"
+    # The dtype split weights' activations cross the interconnect in (q heads, merge partials,
+    # the joined partial sums of row-parallel matmuls and experts; cp_runtime.weights.shards):
+    # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
+    # f32 elsewhere (the CPU path stays the exact reference).
+    wire_dtype: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
@@ -326,6 +340,14 @@ class RuntimeConfig:
             raise ConfigError(f"merge={self.merge!r} is not one of {MERGE_VARIANTS}")
         if self.gathers not in GATHER_MODES:
             raise ConfigError(f"gathers={self.gathers!r} is not one of {GATHER_MODES}")
+        if self.attention not in ATTENTION_LAYOUTS:
+            raise ConfigError(f"attention={self.attention!r} is not one of {ATTENTION_LAYOUTS}")
+        if self.wire_dtype not in WIRE_DTYPE_CHOICES:
+            raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
+                              f"{WIRE_DTYPE_CHOICES}")
+        if self.attention == "gather_kv" and self.weights == "replicated":
+            raise ConfigError("attention='gather_kv' needs weights split by head "
+                              "(weights = 'sharded'), not 'replicated'")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights={self.weights!r} is not one of {WEIGHT_MODES}")
         if self.weight_dtype not in ("auto", *MODEL_WEIGHT_DTYPES):

@@ -41,6 +41,7 @@ class CompilePlan:
     weight_dtype: str = "auto"             # "auto": the model's own (fp8 for the big ones)
     context: int = 1 << 20                 # tokens of the session the step programs serve
     backend: str = "pallas"
+    attention: str = "auto"                # RuntimeConfig.attention: gather_q, gather_kv, auto
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -69,7 +70,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             page_size=plan.page_size, num_shards=topo.devices,
                             chunk_size=plan.chunk_size, max_batch=plan.max_batch,
                             backend=plan.backend, weights=plan.weights,
-                            weight_dtype=plan.weight_dtype)
+                            weight_dtype=plan.weight_dtype, attention=plan.attention)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)

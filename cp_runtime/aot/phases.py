@@ -1,107 +1,164 @@
-"""A compiled program's figures per step phase, read from the text of the module XLA:TPU made.
+"""A compiled program's figures per step phase and per layer, read from the module XLA:TPU made.
 
-Each instruction of the entry computation carries its op_name (the `jax.named_scope` path it was
-traced under, cp_runtime.model.phases) and, for many of them (fusions), the TPU compiler's own
-`estimated_cycles` in its backend config. Summed per phase (an instruction belongs to the
-innermost phase in its op_name; one under none is "other"):
+Every instruction carries its op_name: the `jax.named_scope` path it was traced under, which
+holds the layer (`layer7`, cp_runtime.model.phases.layer_scope) and the phase
+(cp_runtime.model.phases). An instruction belongs to the innermost phase in its op_name (one
+under none is "other") and to the layer named there (None outside the layer stack: embedding,
+lm head, sampling). Summed per (layer, phase), from the entry computation
+(cp_runtime.aot.hlo says how each figure is read):
 
-    instructions     how many of the entry computation's instructions
-    cycles           the compiler's estimated cycles, summed (a Pallas kernel has none: Mosaic
-                     attaches no cycle estimate to its custom call)
-    kernels          Mosaic kernel calls (`tpu_custom_call`: our Pallas kernels, and any XLA
-                     lowers to Mosaic itself)
-    kernel_flops     their flops and HBM bytes, from the cost estimate each kernel passes
-    kernel_bytes     (cp_runtime.kernels.costs), which the custom call carries
+    instructions     entry instructions
+    cycles           the TPU compiler's estimated cycles (XLA's own fusions; none on Mosaic
+                     calls and collectives)
+    xla_bytes        HBM bytes the entry's XLA instructions read and write
+    mxu_flops        flops of XLA's convolutions and dots (inside fusions too);
+    mxu_flops_f8       of which with both operands fp8 (the fp8 MXU rate)
+    kernels          Mosaic calls: our Pallas kernels and XLA's ragged dots
+    kernel_flops     their flops and HBM bytes, from the cost estimate each carries
+    kernel_bytes
     collectives      all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
-                     instructions anywhere in the module (XLA:TPU wraps them in async calls
-                     from the entry computation; an async start and its done count once)
-    collective_bytes bytes those collectives produce per device (their result arrays; an
-                     async start's, the last of its result tuple)
+                     instructions anywhere in the module (XLA:TPU runs them asynchronously,
+                     on the SparseCores; a start and its done count once)
+    collective_bytes the bytes they produce per device (their result arrays)
+    ici_bytes        the bytes each device sends for them (ring algorithms, cp_runtime.aot.hlo.
+                     ici_bytes)
 
-What this cannot give: seconds (the cycles are the compiler's estimate, summed as if nothing
-overlapped; the module's own time estimate is a negative placeholder for the step programs),
-flops and HBM bytes of XLA's own fusions per phase (cost_analysis() gives only the module's
-totals; the kernels' are their cost estimates), and the time of real collectives over ICI.
+`model_figures` scales the figures of a model cut to its first layers (cp_runtime.aot.programs.
+cut_model) to the whole model: each layer of the whole model counts as the mean of the cut's
+layers of its kind (dense or MoE MLP, full or shared indexer), the rest once.
+
+What this cannot give: the time of a Mosaic call or of a real collective (cp_runtime.aot.
+roofline prices those from their bytes and flops), and whether XLA overlaps them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
+from cp_runtime.aot import hlo
+from cp_runtime.config import ModelConfig
 from cp_runtime.model.phases import PHASES
 
-__all__ = ["COLLECTIVES", "PhaseFigures", "phase_figures"]
+__all__ = ["COLLECTIVES", "PhaseFigures", "layer_figures", "phase_figures", "layer_kind",
+           "layers_covering_kinds", "model_figures", "sum_figures"]
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (?P<shape>.+?) (?P<op>[a-z][a-z0-9\-]*)\(")
-_ARRAY = re.compile(r"\b(?P<dtype>pred|[sufc]\d+|bf16|f8e\w+)\[(?P<dims>[\d,]*)\]")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"')
-_BITS = {"pred": 8, "bf16": 16}
+COLLECTIVES = hlo.COLLECTIVES
+_LAYER = re.compile(r"/layer(\d+)(?:/|$)")
+
+Key = tuple  # (layer or None, phase)
 
 
 @dataclasses.dataclass
 class PhaseFigures:
-    """One phase's sums (the module docstring says what each is)."""
+    """One phase's sums (the module docstring says what each is); floats once scaled."""
 
-    instructions: int = 0
-    cycles: int = 0
-    kernels: int = 0
-    kernel_flops: int = 0
-    kernel_bytes: int = 0
-    collectives: int = 0
-    collective_bytes: int = 0
+    instructions: float = 0
+    cycles: float = 0
+    xla_bytes: float = 0
+    mxu_flops: float = 0
+    mxu_flops_f8: float = 0
+    kernels: float = 0
+    kernel_flops: float = 0
+    kernel_bytes: float = 0
+    collectives: float = 0
+    collective_bytes: float = 0
+    ici_bytes: float = 0
+
+    def add(self, other: "PhaseFigures", times: float = 1) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
+
+
+def _key(op_name: str) -> Key:
+    parts = op_name.split("/")
+    layer = _LAYER.search(op_name)
+    return (int(layer.group(1)) if layer else None,
+            next((p for p in reversed(parts) if p in PHASES), "other"))
+
+
+def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
+    """Figures per (layer, phase) of the compiled module `hlo_text` (`compiled.as_text()`)."""
+    module = hlo.parse_module(hlo_text)
+    out: dict[Key, PhaseFigures] = {}
+
+    def at(ins: hlo.Instruction) -> PhaseFigures:
+        return out.setdefault(_key(ins.op_name), PhaseFigures())
+
+    for ins in module.computations[module.entry]:
+        f = at(ins)
+        f.instructions += 1
+        f.cycles += ins.cycles
+        f.xla_bytes += hlo.hbm_bytes(ins, module)
+        flops = hlo.matmul_flops(ins, module)
+        f.mxu_flops += sum(flops.values())
+        f.mxu_flops_f8 += flops.get("f8", 0)
+        if ins.is_kernel:
+            f.kernels += 1
+            kernel_flops, kernel_bytes = ins.kernel_cost
+            f.kernel_flops += kernel_flops
+            f.kernel_bytes += kernel_bytes
+    for instructions in module.computations.values():
+        for ins in instructions:
+            if ins.op.removesuffix("-start") in COLLECTIVES:
+                f = at(ins)
+                produced, sent = hlo.ici_bytes(ins)
+                f.collectives += 1
+                f.collective_bytes += produced
+                f.ici_bytes += sent
+    return out
+
+
+def sum_figures(by_key: dict[Key, PhaseFigures]) -> dict[str, PhaseFigures]:
+    """Per phase (PHASES order, then "other"), over every layer; zeros where nothing ran."""
+    out = {name: PhaseFigures() for name in (*PHASES, "other")}
+    for (_, name), f in by_key.items():
+        out[name].add(f)
+    return out
 
 
 def phase_figures(hlo_text: str) -> dict[str, PhaseFigures]:
-    """Figures per phase (PHASES order, then "other") of the compiled module `hlo_text`
-    (`compiled.as_text()`): every phase present, zeros where nothing ran under it."""
-    figures = {name: PhaseFigures() for name in (*PHASES, "other")}
-    entry = hlo_text.index("\nENTRY ")
-    entry_end = hlo_text.find("\n}", entry)
-    offset = 0
-    for line in hlo_text.splitlines(keepends=True):
-        in_entry = entry < offset < entry_end
-        offset += len(line)
-        found = _INSTRUCTION.match(line)
-        if found is None:
+    """Figures per phase of the compiled module `hlo_text`, summed over its layers."""
+    return sum_figures(layer_figures(hlo_text))
+
+
+def layer_kind(model: ModelConfig, layer: int) -> tuple[str, str]:
+    """(MLP kind, indexer kind) of a layer: ('moe' | 'dense', 'full' | 'shared')."""
+    return ("moe" if model.is_moe_layer(layer) else "dense", model.indexer_types[layer])
+
+
+def model_figures(by_key: dict[Key, PhaseFigures], cut: ModelConfig, full: ModelConfig
+                  ) -> dict[str, PhaseFigures]:
+    """Per-phase figures of the whole model `full` from those of `cut` (its first layers):
+    each of full's layers counts as the mean of cut's layers of the same kind. Raises
+    ValueError when the cut lacks a kind the whole model has."""
+    kinds_cut: dict[tuple, list[int]] = {}
+    for layer in range(cut.num_hidden_layers):
+        kinds_cut.setdefault(layer_kind(cut, layer), []).append(layer)
+    counts: dict[tuple, int] = {}
+    for layer in range(full.num_hidden_layers):
+        kind = layer_kind(full, layer)
+        counts[kind] = counts.get(kind, 0) + 1
+    missing = sorted(set(counts) - set(kinds_cut))
+    if missing:
+        raise ValueError(f"{cut.num_hidden_layers} layers of {full.name} have no layer of kind "
+                         f"{missing}; cut it to at least {layers_covering_kinds(full)} layers")
+    out = {name: PhaseFigures() for name in (*PHASES, "other")}
+    for (layer, name), f in by_key.items():
+        if layer is None:
+            out[name].add(f)
             continue
-        f = figures[_phase_of(line)]
-        if in_entry:
-            f.instructions += 1
-            cycles = _CYCLES.search(line)
-            f.cycles += int(cycles.group(1)) if cycles else 0
-            _add_kernel(f, line)
-        op = found.group("op")
-        if op.removesuffix("-start") in COLLECTIVES:
-            arrays = _ARRAY.findall(found.group("shape"))
-            f.collectives += 1
-            f.collective_bytes += _bytes(arrays[-1:] if op.endswith("-start") else arrays)
-    return figures
+        kind = layer_kind(cut, layer)
+        out[name].add(f, counts.get(kind, 0) / len(kinds_cut[kind]))
+    return out
 
 
-def _add_kernel(f: PhaseFigures, line: str) -> None:
-    if 'custom_call_target="tpu_custom_call"' not in line:
-        return
-    f.kernels += 1
-    cost = _KERNEL_COST.search(line)
-    if cost:
-        f.kernel_flops += int(cost.group(1))
-        f.kernel_bytes += int(cost.group(2))
-
-
-def _phase_of(line: str) -> str:
-    name = _OP_NAME.search(line)
-    parts = name.group(1).split("/") if name else []
-    return next((p for p in reversed(parts) if p in PHASES), "other")
-
-
-def _bytes(arrays: list[tuple[str, str]]) -> int:
-    total = 0
-    for dtype, dims in arrays:
-        bits = _BITS.get(dtype) or (8 if dtype.startswith("f8") else int(re.sub(r"\D", "", dtype)))
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
+def layers_covering_kinds(model: ModelConfig) -> int:
+    """The fewest first layers holding a layer of every kind the model has."""
+    kinds = {layer_kind(model, layer) for layer in range(model.num_hidden_layers)}
+    seen = set()
+    for layer in range(model.num_hidden_layers):
+        seen.add(layer_kind(model, layer))
+        if seen == kinds:
+            return layer + 1
+    return model.num_hidden_layers

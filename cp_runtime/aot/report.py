@@ -5,7 +5,8 @@ per device the argument / output / alias / temp bytes (`memory_analysis`), the p
 outputs - aliased + temporaries) against the device's HBM, and the compiler's flops, bytes
 accessed and time estimate (`cost_analysis`; `optimal_seconds`, None where the compiler gives
 none or a negative placeholder), and the compiler's figures per step phase (cp_runtime.aot.phases:
-instructions, estimated cycles, collectives and their bytes).
+instructions, estimated cycles, XLA's HBM bytes and MXU flops, kernels, collectives and their
+bytes; `phases` summed over the layers, `layer_phases` per layer and phase).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import time
 import jax
 import numpy as np
 
-from cp_runtime.aot.phases import phase_figures
+from cp_runtime.aot.phases import layer_figures, sum_figures
 from cp_runtime.aot.programs import Program
 
 __all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "format_table",
+           "format_case",
            "per_device_bytes"]
 
 FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
           "bytes_accessed", "optimal_seconds", "weight_argument_bytes", "pool_argument_bytes",
-          "phases")
+          "phases", "layer_phases")
 
 
 def per_device_bytes(tree) -> int:
@@ -91,9 +93,11 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(seconds) if seconds is not None and seconds >= 0 else None,
-        phases={name: dataclasses.asdict(f)
-                for name, f in phase_figures(compiled.as_text()).items()},
     )
+    by_layer = layer_figures(compiled.as_text())
+    out["phases"] = {name: dataclasses.asdict(f) for name, f in sum_figures(by_layer).items()}
+    out["layer_phases"] = [{"layer": layer, "phase": name, **dataclasses.asdict(f)}
+                           for (layer, name), f in by_layer.items()]
     return out
 
 
@@ -152,4 +156,37 @@ def format_phases(rows: list[dict]) -> str:
                              f"{_short(f['kernel_flops']):>9} "
                              f"{_short(f['kernel_bytes'], 'B'):>9} {f['collectives']:>11} "
                              f"{_short(f['collective_bytes'], 'B'):>11}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f}" if seconds < 1 else f"{seconds * 1e3:,.0f}"
+
+
+def format_case(row: dict) -> str:
+    """One case of `compile --matrix` (cp_runtime.aot.cases): per phase, the estimate (the
+    TensorCore's part, the collectives'), the floor, what bounds it and the fraction, and the
+    compiled flops and bytes, all per device and at the whole model's size."""
+    scaled = (f"scaled from {row['layers_compiled']} compiled"
+              if row["layers_compiled"] != row["layers_of_model"] else "as compiled")
+    title = (f"{row['case']}: {row['layers_of_model']} layers, {scaled}; attention "
+             f"{row.get('attention', '-')}")
+    if not row["compiled"]:
+        return f"{title}\n  did not compile: {row['error']}"
+    head = (f"{'phase':<17} {'est. ms':>10} {'TC ms':>10} {'ICI ms':>9} {'floor ms':>10} "
+            f"{'bound':>5} {'floor/est':>9} {'GFLOP':>10} {'HBM GB':>9} {'ICI GB':>8}")
+    lines = [title, head, "-" * len(head)]
+    for name, p in row["phases"].items():
+        if not (p["instructions"] or p["collectives"]):
+            continue
+        flops = p["mxu_flops"] + p["kernel_flops"]
+        hbm = p["xla_bytes"] + p["kernel_bytes"]
+        fraction = "-" if p["fraction"] is None else f"{p['fraction']:.2f}"
+        lines.append(
+            f"{name:<17} {_ms(p['seconds']):>10} {_ms(p['xla_s'] + p['kernel_s']):>10} "
+            f"{_ms(p['collective_s']):>9} {_ms(p['floor_s']):>10} {p['bound']:>5} "
+            f"{fraction:>9} {flops / 1e9:>10,.1f} {hbm / 1e9:>9,.2f} "
+            f"{p['ici_bytes'] / 1e9:>8,.3f}")
+    lines.append(f"{'total':<17} {_ms(row['seconds']):>10} {'':>10} {'':>9} "
+                 f"{_ms(row['floor_s']):>10} {'':>5} {row['floor_s'] / row['seconds']:>9.2f}")
     return "\n".join(lines)

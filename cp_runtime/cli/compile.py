@@ -12,6 +12,7 @@ import json
 import sys
 
 from cp_runtime.cache.capacity import TOPOLOGIES
+from cp_runtime.config import ATTENTION_LAYOUTS
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
@@ -63,10 +64,30 @@ def add_compile(sub) -> None:
                         "queries, cache writes, indexer) for this cache dtype and page size")
     p.add_argument("--phases", action="store_true",
                    help="also print each step program's figures per phase (cache write, "
-                        "indexer, selection, attention inputs, sparse attention, merge, dense, "
-                        "sampling), summed over its instructions from the compiled module: "
-                        "instructions, the compiler's estimated cycles and their share, "
-                        "collectives and their bytes (--json always has them)")
+                        "indexer, selection, attention inputs, q gather, kv gather, sparse "
+                        "attention, merge, dense, sampling), summed over its instructions from "
+                        "the compiled module: instructions, the compiler's estimated cycles "
+                        "and their share, kernels, collectives and their bytes; then each "
+                        "phase's time at the compiler's clock beside its floor (MXU, HBM, "
+                        "ICI) as a fraction (--json has the figures, with XLA's HBM bytes and "
+                        "MXU flops, per layer too)")
+    p.add_argument("--matrix", action="store_true",
+                   help="instead of one deployment's programs, compile the long-context case "
+                        "matrix: decode steps at 128K and 1M context with 1, 8 and 32 rows, "
+                        "and prefill chunks at offsets 0 and N - chunk of 128K- and 1M-token "
+                        "prompts and 512K; each on the model cut to the fewest layers holding "
+                        "every layer kind (or --layers), its figures per phase scaled to the "
+                        "whole model and priced: the compiler's cycles at its own clock, "
+                        "kernels at their roofline, collectives at ICI rate, beside each "
+                        "phase's floor (MXU, HBM, ICI) as a fraction. Slow: one compile a "
+                        "case (2-10 minutes each here)")
+    p.add_argument("--attention", choices=ATTENTION_LAYOUTS, default="auto",
+                   help="where the queries meet the position-sharded cache: gather_q (every "
+                        "head of q to every shard, partials merged), gather_kv (the pages to "
+                        "every shard, each attends its own heads), auto (whichever moves fewer "
+                        "bytes: gather_kv for long-context prefill chunks)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
 
@@ -90,6 +111,8 @@ def run_compile(args) -> int:
         return EXIT_NO_LIBTPU
     if args.kernels:
         return _run_kernels(args)
+    if args.matrix:
+        return _run_matrix(args)
     deploy = importlib.import_module("cp_runtime.aot.deploy")
     report = importlib.import_module("cp_runtime.aot.report")
     plan = deploy.CompilePlan(
@@ -97,7 +120,7 @@ def run_compile(args) -> int:
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
         pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
-        context=args.context, programs=programs)
+        context=args.context, programs=programs, attention=args.attention)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -111,7 +134,63 @@ def run_compile(args) -> int:
         if args.phases:
             print()
             print(report.format_phases(result["programs"]))
+            _print_priced_phases(result, args.topology)
     return 0 if all(p["compiled"] for p in result["programs"]) else 1
+
+
+def _print_priced_phases(result: dict, topology_name: str) -> None:
+    """Each compiled step program's phases priced at the compiler's clock, beside their floors
+    (for the model as compiled: a cut model is not scaled here; --matrix scales)."""
+    from cp_runtime.aot.cases import priced
+    from cp_runtime.aot.phases import PhaseFigures
+    from cp_runtime.aot.report import format_case
+    from cp_runtime.aot.roofline import compiler_clock_hz
+    from cp_runtime.aot.topology import compile_only_devices
+
+    clock = compiler_clock_hz(compile_only_devices(topology_name)[0])
+    for program in result["programs"]:
+        phases = program.get("phases") or {}
+        if not program["compiled"] or not any(f["instructions"] for n, f in phases.items()
+                                               if n != "other"):
+            continue
+        figures = {name: PhaseFigures(**f) for name, f in phases.items()}
+        row = {"case": program["name"], "layers_of_model": result["layers"],
+               "layers_compiled": result["layers"], "compiled": True, **priced(figures, clock)}
+        print()
+        print(format_case(row))
+    print(f"\n(estimates at the compiler's clock, {clock / 1e9:.3f} GHz; per device)")
+
+
+def _run_matrix(args) -> int:
+    """`--matrix`: the case matrix of cp_runtime.aot.cases, printed per case and phase."""
+    from cp_runtime.aot.cases import case_matrix, prefill_seconds, run_matrix
+    from cp_runtime.aot.report import format_case
+
+    cases = case_matrix(chunk=args.chunk_size)
+    result = run_matrix(cases, model=args.model, layers=args.layers, chunk=args.chunk_size,
+                        page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+                        topology=args.topology, pages_per_shard=args.pages_per_shard,
+                        attention=args.attention, progress=None if args.json else _progress)
+    for length in (128 << 10, 1 << 20):
+        result[f"prefill_{length}_seconds"] = prefill_seconds(result["cases"], length,
+                                                              args.chunk_size)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0 if all(r["compiled"] for r in result["cases"]) else 1
+    print(f"{result['model']} on {result['topology']}, {result['kv_cache_dtype']} cache, pages "
+          f"of {result['page_size']}, prefill chunks of {result['chunk_size']}; the compiler's "
+          f"clock {result['clock_hz'] / 1e9:.3f} GHz; per device")
+    for row in result["cases"]:
+        print()
+        print(format_case(row))
+    for length in (128 << 10, 1 << 20):
+        total = result[f"prefill_{length}_seconds"]
+        if total is not None:
+            print(f"\nprefill of {length:,} tokens, summed over its chunks: {total:.2f} s")
+    return 0 if all(r["compiled"] for r in result["cases"]) else 1
 
 
 def _run_kernels(args) -> int:

@@ -51,7 +51,7 @@ from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["KINDS", "Segment", "StepInputs", "make_step"]
+__all__ = ["KINDS", "Segment", "StepInputs", "make_step", "resolve_wire_dtype"]
 
 KINDS = ("fill", "sample", "logits", "all_logits")
 
@@ -127,10 +127,10 @@ class Segment:
 
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
-                  kernels: Kernels, kind: str, combine_fn):
+                  kernels: Kernels, kind: str, combine_fn, wire_dtype: str):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights)."""
-    ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None)
+    ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None, wire_dtype=wire_dtype)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
@@ -152,6 +152,13 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     return out, *new_pool
 
 
+def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
+    """RuntimeConfig.wire_dtype for the mesh's devices: auto is bf16 on TPU, f32 elsewhere."""
+    if choice != "auto":
+        return choice
+    return "bf16" if mesh.devices.flat[0].platform == "tpu" else "f32"
+
+
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
               kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
               combine_fn=combine):
@@ -166,11 +173,13 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
     weights = param_specs(weight_tensors, CP_AXIS)
+    wire_dtype = resolve_wire_dtype(runtime.wire_dtype, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",))
     def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
-                                 kernels=kernels, kind=kind, combine_fn=combine_fn)
+                                 kernels=kernels, kind=kind, combine_fn=combine_fn,
+                                 wire_dtype=wire_dtype)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

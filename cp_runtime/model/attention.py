@@ -1,13 +1,27 @@
 """Paged DSA attention on one `cp` shard, called inside the SPMD step (`shard_map`).
 
-Per layer, for a batch of queries (DESIGN.md, "Context parallelism"):
+Per layer, for a batch of queries:
   1. the owner shard writes the new KV into its page; the others write to their sentinel page;
   2. (`full` layers) each shard scores its own pages and keeps its top-K candidates;
   3. the candidates are all-gathered and every shard ranks the same global top-K;
-  4. each shard attends the selected pages it owns and returns partials (o, lse);
-  5. the partials are merged exactly over the axis and projected to hidden space
-     (cp_runtime.parallel.merge.combine: where they meet depends on the merge variant and
-     weight split).
+then the queries meet the pages one of two ways (runtime field `attention`):
+  gather_q   4. every head of q goes to every shard (split weights); each shard attends the
+                selected pages it owns and returns partials (o, lse);
+             5. the partials are merged exactly over the axis and projected to hidden space
+                (cp_runtime.parallel.merge.combine: where they meet depends on the merge
+                variant and weight split).
+  gather_kv  4. every shard gets the cached pages of the rows' page tables (one all-gather of
+                this layer's pages); each attends its own heads over all K + 1 selected pages:
+                its partials are already whole;
+             5. its heads are projected (W_uv, o_proj columns) and a psum in hidden space
+                joins the heads.
+Bytes each shard receives per layer, for R query rows of H heads and page tables of M pages:
+gather_q ~ R H ((D_lat + kv_lora) w + 4) (q in, partials out, w bytes a value on the wire,
+runtime field `wire_dtype`; the lse in f32), gather_kv ~ M ps D_lat c (the pages). A decode
+step (R small) moves far less with gather_q; a prefill chunk of R = 8192 at a 1M-token context
+far less with gather_kv (`cp-runtime compile --matrix` has the compiled figures: GLM-5.2's
+last 8K chunk of a 1M prompt, 2.09 s with gather_q against 0.63 s with gather_kv). `auto` picks
+the smaller, where the heads split evenly over the shards.
 `shared` layers reuse step 2-3's selection from the last `full` layer.
 """
 
@@ -18,19 +32,37 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
-from cp_runtime.kernels.dispatch import Kernels
+from cp_runtime.kernels.dispatch import Kernels, select_kernels
 from cp_runtime.model.forward import IndexerInputs
 from cp_runtime.model.phases import phase
 from cp_runtime.parallel.merge import combine
 from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["ShardState", "ShardAttention"]
+__all__ = ["ShardState", "ShardAttention", "attention_layout"]
+
+
+def attention_layout(choice: str, *, rows: int, heads: int, latent_dim: int, value_dim: int,
+                     table_pages: int, page_size: int, cache_itemsize: int, num_shards: int,
+                     split: bool, wire_itemsize: int = 4) -> str:
+    """'gather_q' or 'gather_kv' for runtime field `attention` = `choice` (module docstring):
+    auto takes gather_kv where the weights are split, the heads divide evenly over the
+    shards, and the pages of the tables (table_pages in all) weigh less than the rows' q and
+    partials (wire_itemsize bytes a value, the lse 4)."""
+    if choice != "auto":
+        return choice
+    if not split or num_shards == 1 or heads % num_shards:
+        return "gather_q"
+    q_bytes = rows * heads * ((latent_dim + value_dim) * wire_itemsize + 4)
+    kv_bytes = table_pages * page_size * latent_dim * cache_itemsize
+    return "gather_kv" if kv_bytes < q_bytes else "gather_q"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +157,59 @@ class ShardAttention:
             indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
             selection = self._select(indexer[slot], index)
             indexer = tuple(indexer)
+        pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
+        if self._layout(latent[layer]) == "gather_kv":
+            out = self._attend_every_page(q_row, latent[layer], pages, project)
+        else:
+            out = self._attend_own_pages(q_row, latent[layer], pages, project)
+        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+
+    def _layout(self, cache: jax.Array) -> str:
+        b, q = self.pos.shape
+        return attention_layout(
+            self.runtime.attention, rows=b * q, heads=self.model.num_attention_heads,
+            latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
+            table_pages=b * self.local_table.shape[1] * self.num_shards,
+            page_size=self.page_size, cache_itemsize=np.dtype(cache.dtype).itemsize,
+            num_shards=self.num_shards, split=self.ws.split,
+            wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4)
+
+    def _attend_own_pages(self, q_row, cache, pages, project) -> jax.Array:
+        """gather_q: every head to every shard, the pages it owns, partials merged."""
+        with phase("q_gather"):
+            q_row = self.ws.gather(q_row, -2, self.model.num_attention_heads, wire=True)
         with phase("sparse_attention"):
-            pages = attended_pages(selection, self.pos, self.page_size)      # [B, Q, K + 1]
-            sel_slots = self._slots_of(pages, -1)
             o, lse = self.kernels.sparse_attention(
-                q_row, latent[layer], sel_slots, pages, self.pos,
+                q_row, cache, self._slots_of(pages, -1), pages, self.pos,
                 value_dim=self.model.kv_lora_rank, scale=self.model.softmax_scale,
                 query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype)
         with phase("merge"):
-            out = self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
-                               self.runtime.gathers)
-        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+            return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
+                                self.runtime.gathers)
+
+    def _attend_every_page(self, q_row, cache, pages, project) -> jax.Array:
+        """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of the
+        pages gathered from all shards; the heads' projections joined by a psum."""
+        b, m_local = self.local_table.shape
+        with phase("kv_gather"):
+            mine = cache[self.local_table]                          # [B, M/S, ps, D]
+            every = lax.all_gather(mine, self.axis_name)            # [S, B, M/S, ps, D]
+            every = every.reshape(-1, *cache.shape[1:])             # [S * B * M/S, ps, D]
+        with phase("sparse_attention"):
+            rot = self.rotation[:, None, None]
+            owner = owner_shard_jnp(pages, self.num_shards, rot)
+            local = local_page_jnp(pages, self.num_shards, rot)
+            row = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+            slots = jnp.where(pages >= 0, (owner * b + row) * m_local + local, -1)
+            o, _ = self._every_page_kernels.sparse_attention(
+                q_row, every, slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
+                scale=self.model.softmax_scale, query_block=self.runtime.query_block,
+                cache_dtype=self.pool.latent_dtype)
+        with phase("merge"):
+            return self.ws.join(project(o))
+
+    @property
+    def _every_page_kernels(self) -> Kernels:
+        """The kernel set for a cache whose pages are all this shard's (the XLA path sizes its
+        page unions by the shards' count)."""
+        return select_kernels(self.kernels.name, 1)

@@ -19,10 +19,11 @@ context-parallel path share every line except attention itself.
 Weights are in the model layout (cp_runtime.weights.params.model_layout), whole or split over a mesh
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
-  projections to features (q_a, kv_a, indexer wk), q and indexer heads, router logits and the
-  lm head's logits are computed on this device's rows and all-gathered; the embedding, the dense
-  MLP (row-parallel down), the experts (expert parallel: each device runs its own experts on the
-  tokens routed to them) and o_proj give partial sums.
+  projections to features (q_a, kv_a, indexer wk), indexer heads, router logits and the lm
+  head's logits are computed on this device's rows and all-gathered (q's heads stay this
+  device's: the attention gathers them where it needs them, cp_runtime.model.attention); the
+  embedding, the dense MLP (row-parallel down), the experts (expert parallel: each device runs
+  its own experts on the tokens routed to them) and o_proj give partial sums.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.model.phases import phase
+from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
@@ -207,9 +208,10 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
 
 def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
                ws: WeightShards = WeightShards()) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h[..., hidden], pos i32[...] -> (q f[..., H, D_lat], kv_row f[..., D_lat], q_lora f[..., R]).
+    """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat], q_lora f[..., R]).
 
-    Every device gets every head of q (each attends its own pages with all of them)."""
+    q holds the heads whose weights this device holds: all H, or its H' = ceil(H / S) with
+    split weights (the attention gathers them where it needs every head)."""
     q_a = _linear(h, weight(p, "self_attn.q_a_proj.weight"))
     q_lora = rms_norm(ws.gather(q_a, -1, cfg.q_lora_rank), p["self_attn.q_a_layernorm.weight"],
                       cfg.rms_norm_eps)
@@ -230,7 +232,7 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
                              _pad_last(q_pe, cfg.latent_rope_pad)], -1)
     kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
                               _pad_last(k_pe, cfg.latent_rope_pad)], -1)
-    return ws.gather(q_row, -2, cfg.num_attention_heads), kv_row, q_lora
+    return q_row, kv_row, q_lora
 
 
 def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
@@ -351,7 +353,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
     experts only) plus the shared experts. Split weights give partial sums, joined once."""
     if not cfg.is_moe_layer(layer):
-        return ws.psum(_swiglu(p, "mlp", x))
+        return ws.join(_swiglu(p, "mlp", x))
     router = ws.gather(_linear(x, weight(p, "mlp.gate.weight")), -1, cfg.n_routed_experts)
     chosen, weights = route_topk(cfg, router.astype(jnp.float32),
                                  p["mlp.gate.e_score_correction_bias"])       # [..., k] each
@@ -360,7 +362,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
                           weights.reshape(flat.shape[0], -1), ws).reshape(x.shape)
     if cfg.n_shared_experts:
         out = out + _swiglu(p, "mlp.shared_experts", x)
-    return ws.psum(out)
+    return ws.join(out)
 
 
 # project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`)
@@ -383,20 +385,26 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
     with phase("dense"):
         x = embed(params, tokens, ws)
     for layer in range(cfg.num_hidden_layers):
-        p = layer_params(params, layer)
-        with phase("attention_inputs"):
-            h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-            q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
-            index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
-                     if cfg.indexer_types[layer] == "full" else None)
-        out, state = attend(layer, state, q_row, kv_row, index,
-                            functools.partial(mla_output, p, cfg))
-        with phase("dense"):
-            x = x + out
-            h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + mlp(p, cfg, layer, h, ws)
+        with layer_scope(layer):
+            x, state = _layer(params, cfg, layer, x, pos, attend, state, ws)
     with phase("dense"):
         return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
+
+
+def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
+           attend: AttendFn, state: Any, ws: WeightShards) -> tuple[jax.Array, Any]:
+    """One decoder layer: x f[..., hidden] -> (x after its attention and MLP, state)."""
+    p = layer_params(params, layer)
+    with phase("attention_inputs"):
+        h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
+        index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
+                 if cfg.indexer_types[layer] == "full" else None)
+    out, state = attend(layer, state, q_row, kv_row, index, functools.partial(mla_output, p, cfg))
+    with phase("dense"):
+        x = x + out
+        h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        return x + mlp(p, cfg, layer, h, ws), state
 
 
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),

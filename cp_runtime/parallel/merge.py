@@ -121,15 +121,19 @@ def _my_weight(lse: jax.Array, axis_name: str) -> jax.Array:
     return w[lax.axis_index(axis_name)]
 
 
-def merge_to_own_heads(o: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
+def merge_to_own_heads(o: jax.Array, lse: jax.Array, axis_name: str,
+                       wire_dtype: str = "f32") -> jax.Array:
     """o f32[..., H, Dv], lse f32[..., H] of this shard -> merged o f32[..., H', Dv] of this
     shard's own heads (H' = ceil(H / S); heads zero-padded to a multiple of S, as the weights
-    are), by one reduce-scatter over the head axis."""
+    are), by one reduce-scatter over the head axis, of the rescaled outputs in `wire_dtype`
+    (the lse, which the weights come from, always in f32)."""
     num_shards = lax.axis_size(axis_name)
     rescaled = _my_weight(lse, axis_name)[..., None] * o
     pad = -o.shape[-2] % num_shards
     rescaled = jnp.pad(rescaled, [(0, 0)] * (o.ndim - 2) + [(0, pad), (0, 0)])
-    return lax.psum_scatter(rescaled, axis_name, scatter_dimension=o.ndim - 2, tiled=True)
+    wire = jnp.bfloat16 if wire_dtype == "bf16" else rescaled.dtype
+    return lax.psum_scatter(rescaled.astype(wire), axis_name, scatter_dimension=o.ndim - 2,
+                            tiled=True).astype(o.dtype)
 
 
 def resolve_merge(merge: str, split: bool, packed_bytes: int) -> str:
@@ -159,7 +163,7 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
         if not ws.split:
             raise ValueError("merge 'head_scatter' needs weights split by head "
                              "(weights = 'sharded')")
-        return ws.psum(project(merge_to_own_heads(o, lse, axis_name)))
+        return ws.join(project(merge_to_own_heads(o, lse, axis_name, ws.wire_dtype)))
     if merge == "all_gather":
         merged, _ = merge_all_gather(o, lse, axis_name, gathers)     # every head, everywhere
     else:
@@ -167,4 +171,4 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
     if not ws.split:
         return project(merged)
     heads_here = -(-o.shape[-2] // lax.axis_size(axis_name))
-    return ws.psum(project(ws.own(merged, -2, heads_here)))
+    return ws.join(project(ws.own(merged, -2, heads_here)))

@@ -3,6 +3,12 @@
 
 `WeightShards()` (no axis) is every device holding every weight, or no mesh at all (the dense
 oracle): each method is then the identity, so one model code path serves both modes.
+
+`wire_dtype` "bf16" sends the activations that only feed matmuls and the residual stream across
+the interconnect in bf16 (`join`, and `gather(..., wire=True)`): half the bytes of f32, at the
+price of rounding the joined partial sums to bf16 (2^-9 relative), as bf16 serving does. What
+feeds the page selection, the cache or the sampler (the indexer's inputs, the latent rows, the
+router and lm head logits, the embedding) always crosses in f32.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["WeightShards"]
+__all__ = ["WeightShards", "WIRE_DTYPES"]
+
+WIRE_DTYPES = ("f32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,22 +29,45 @@ class WeightShards:
     """axis: the mesh axis the weights are split over, or None (weights whole on each device)."""
 
     axis: str | None = None
+    wire_dtype: str = "f32"          # "f32" or "bf16": see the module docstring
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of {WIRE_DTYPES}")
 
     @property
     def split(self) -> bool:
         return self.axis is not None
 
-    def gather(self, x: jax.Array, axis: int, size: int) -> jax.Array:
-        """This device's part of a split axis of x -> the whole axis, its padding cut to `size`."""
+    def _on_wire(self, x: jax.Array, collective) -> jax.Array:
+        """collective(x), in bf16 on the wire when wire_dtype says so (f32 x, f32 result)."""
+        if self.wire_dtype == "bf16" and x.dtype == jnp.float32:
+            return collective(x.astype(jnp.bfloat16)).astype(jnp.float32)
+        return collective(x)
+
+    def gather(self, x: jax.Array, axis: int, size: int, *, wire: bool = False) -> jax.Array:
+        """This device's part of a split axis of x -> the whole axis, its padding cut to `size`;
+        wire: in wire_dtype (activations that only feed matmuls)."""
         if self.axis is None:
             return x
         axis %= x.ndim
-        full = lax.all_gather(x, self.axis, axis=axis, tiled=True)
+
+        def all_gather(v):
+            return lax.all_gather(v, self.axis, axis=axis, tiled=True)
+
+        full = self._on_wire(x, all_gather) if wire else all_gather(x)
         return lax.slice_in_dim(full, 0, size, axis=axis)
 
     def psum(self, x: jax.Array) -> jax.Array:
-        """Sum the devices' partial results (row-parallel matmuls, expert outputs)."""
+        """Sum the devices' partial results exactly as computed (f32 stays f32)."""
         return x if self.axis is None else lax.psum(x, self.axis)
+
+    def join(self, x: jax.Array) -> jax.Array:
+        """Sum the devices' partial outputs of a row-parallel matmul or of their experts, in
+        wire_dtype on the wire."""
+        if self.axis is None:
+            return x
+        return self._on_wire(x, lambda v: lax.psum(v, self.axis))
 
     def first(self, local: int) -> jax.Array | int:
         """Index of this device's first part when each device holds `local` parts."""

@@ -1,0 +1,144 @@
+"""The step programs a long-context deployment runs, compiled for a TPU slice and priced per phase
+at the whole model's size: `cp-runtime compile --matrix`.
+
+    decode  D B=b   the decode step of b rows whose page tables cover D tokens
+    prefill @o      a prefill chunk whose queries start at offset o (its page table covers
+                    o + chunk tokens, as the engine's would)
+
+Each case compiles the model cut to its first layers (by default the fewest holding every kind
+of layer: dense or MoE MLP, full or shared indexer), reads the figures per layer and phase from
+the compiled module (cp_runtime.aot.phases), scales them to the whole model kind by kind, and
+prices each phase (cp_runtime.aot.roofline: the compiler's cycles at its own clock, kernels at
+their roofline, collectives at ICI rate), beside its floor.
+
+A whole prefill of N tokens is the sum of its N / chunk chunk steps; from the chunks compiled at
+offsets 0, N/2 and N - chunk it is taken by Simpson's rule (a chunk's cost grows with the
+context it sees: the indexer's keys, the page table), and from offsets 0 and N - chunk by the
+trapezoid rule where N/2 was not compiled (the shorter prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cp_runtime.aot.deploy import CompilePlan, compile_plan
+from cp_runtime.aot.phases import PhaseFigures, layers_covering_kinds, model_figures
+from cp_runtime.aot.programs import cut_model
+from cp_runtime.aot.roofline import TPU7X_DEVICE, DeviceRates, compiler_clock_hz, phase_time
+from cp_runtime.aot.topology import compile_only_devices
+from cp_runtime.config import load_model_config
+
+__all__ = ["PhaseCase", "case_matrix", "run_case", "run_matrix", "prefill_seconds",
+           "size_label", "priced"]
+
+
+def size_label(tokens: int) -> str:
+    """1048576 -> '1M', 131072 -> '128K', 1000 -> '1000'."""
+    for shift, unit in ((20, "M"), (10, "K")):
+        if tokens and tokens % (1 << shift) == 0:
+            return f"{tokens >> shift}{unit}"
+    return str(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseCase:
+    """One program to compile: decode (`batch` rows) or a prefill chunk at `offset`; its page
+    tables cover `context` tokens."""
+
+    program: str
+    context: int
+    batch: int = 1
+    offset: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.program == "decode":
+            return f"decode {size_label(self.context)} B={self.batch}"
+        return f"prefill @{size_label(self.offset)}"
+
+
+def case_matrix(*, chunk: int, contexts=(128 << 10, 1 << 20), batches=(1, 8, 32),
+                prefill_lengths=(128 << 10, 1 << 20)) -> list[PhaseCase]:
+    """Decode at each context and batch; prefill chunks at offsets 0 and N - chunk of each
+    prefill length N, and N/2 of the longest (offsets shared between lengths compiled once)."""
+    cases = [PhaseCase("decode", c, b) for c in contexts for b in batches]
+    longest = max(prefill_lengths)
+    offsets = sorted({o for n in prefill_lengths for o in (0, n - chunk)} | {longest // 2})
+    return cases + [PhaseCase("prefill_fill", o + chunk, 1, o) for o in offsets]
+
+
+def _layer_keys(rows: list[dict]) -> dict[tuple, PhaseFigures]:
+    fields = {f.name for f in dataclasses.fields(PhaseFigures)}
+    return {(r["layer"], r["phase"]): PhaseFigures(**{k: v for k, v in r.items() if k in fields})
+            for r in rows}
+
+
+def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
+             page_size: int, kv_cache_dtype: str, topology: str, clock_hz: float,
+             pages_per_shard: int | None = None, attention: str = "auto",
+             rates: DeviceRates = TPU7X_DEVICE) -> dict:
+    """Compile one case and price its phases at the whole model's size (module docstring)."""
+    full = load_model_config(model)
+    layers = layers or layers_covering_kinds(full)
+    plan = CompilePlan(model=model, topology=topology, layers=layers,
+                       kv_cache_dtype=kv_cache_dtype, page_size=page_size, chunk_size=chunk,
+                       max_batch=case.batch, context=case.context, programs=(case.program,),
+                       pages_per_shard=pages_per_shard, attention=attention)
+    result = compile_plan(plan)
+    program = result["programs"][0]
+    out = {"case": case.name, **dataclasses.asdict(case), "layers_compiled": layers,
+           "layers_of_model": full.num_hidden_layers, "compiled": program["compiled"],
+           "compile_s": program["compile_s"], "error": program["error"],
+           "temp_bytes": program["temp_bytes"], "peak_bytes": program["peak_bytes"]}
+    if not program["compiled"]:
+        return out
+    scaled = model_figures(_layer_keys(program["layer_phases"]), cut_model(full, layers), full)
+    return {**out, **priced(scaled, clock_hz, rates)}
+
+
+def priced(phases: dict[str, PhaseFigures], clock_hz: float,
+           rates: DeviceRates = TPU7X_DEVICE) -> dict:
+    """{phases: each phase's figures with its estimate and floor (cp_runtime.aot.roofline),
+    attention: the layout the program ran, seconds, floor_s: their sums}."""
+    out = {name: {**dataclasses.asdict(f), **phase_time(f, rates, clock_hz).as_dict()}
+           for name, f in phases.items()}
+    return {"phases": out,
+            "attention": "gather_kv" if out["kv_gather"]["instructions"] else "gather_q",
+            "seconds": sum(p["seconds"] for p in out.values()),
+            "floor_s": sum(p["floor_s"] for p in out.values())}
+
+
+def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
+               chunk: int = 8192, page_size: int = 64, kv_cache_dtype: str = "fp8_e4m3",
+               topology: str = "tpu7x-16", pages_per_shard: int | None = None,
+               attention: str = "auto", progress=None) -> dict:
+    """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
+    one capacity sizes for the slice unless `pages_per_shard` is given."""
+    device = compile_only_devices(topology)[0]
+    clock = compiler_clock_hz(device)
+    rows = []
+    for case in cases:
+        if progress is not None:
+            progress(f"{model}: {case.name}")
+        rows.append(run_case(case, model=model, layers=layers, chunk=chunk,
+                             page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                             topology=topology, clock_hz=clock,
+                             pages_per_shard=pages_per_shard, attention=attention))
+    return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
+            "kv_cache_dtype": kv_cache_dtype, "attention": attention, "clock_hz": clock,
+            "rates": dataclasses.asdict(TPU7X_DEVICE), "cases": rows}
+
+
+def prefill_seconds(rows: list[dict], length: int, chunk: int) -> float | None:
+    """A whole `length`-token prefill from its compiled chunks (module docstring); None when
+    the chunks at 0 and length - chunk are not among `rows`."""
+    at = {r["offset"]: r["seconds"] for r in rows
+          if r["program"] == "prefill_fill" and r.get("seconds") is not None}
+    first, last = at.get(0), at.get(length - chunk)
+    if first is None or last is None:
+        return None
+    chunks = length // chunk
+    middle = at.get(length // 2)
+    if middle is None:
+        return chunks * (first + last) / 2
+    return chunks * (first + 4 * middle + last) / 6

@@ -1,0 +1,131 @@
+"""Seconds and floors of a step phase on one TPU7x device, from the compiler's figures
+(cp_runtime.aot.phases).
+
+Rates of one device (a TensorCore; a TPU7x chip has two). Per chip, Cloud TPU's TPU7x page:
+2307 TFLOP/s bf16, 4614 fp8, 192 GiB HBM at 7.37 TB/s, 1.2 TB/s bidirectional ICI. A device
+gets half of each, and a ring collective sends at half the bidirectional ICI rate: 1154 / 2307
+TFLOP/s, 3.69 TB/s, 300 GB/s one way.
+
+The compiler's clock: XLA:TPU prices its own instructions in `estimated_cycles`, and the
+module's `optimal_seconds` for programs it can time. `compiler_clock_hz` reads both off a
+reference bf16 matmul (8192^3) compiled alone, so cycles / clock are the compiler's seconds.
+
+Per phase:
+
+    estimate   tensor_core_s = XLA cycles / clock + each Mosaic call's roofline (its cost
+               estimate's flops at the bf16 rate or bytes at HBM rate, whichever is longer:
+               Mosaic gives no cycles, so a kernel is taken at its roofline, i.e. at its floor);
+               collective_s = ICI bytes / ICI rate + a latency per collective (the compiler
+               gives no collective time; COLLECTIVE_LATENCY_S is an assumption);
+               seconds = tensor_core_s + collective_s (collectives run on the SparseCores and
+               may overlap the TensorCore's work; the sum is the bound without overlap)
+    floor      the longest of: flops at the MXU rate of their dtype (fp8 x fp8 at the fp8 rate,
+               everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate
+    fraction   floor / seconds (1.0: the phase runs at the speed of its own bytes or flops)
+
+The floor is the phase's own: the compiled program's flops and bytes. A floor of the
+necessary work (fp8 weights read once, say) is the hand model's (`bench tpu_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from cp_runtime.aot import hlo
+
+__all__ = ["DeviceRates", "TPU7X_CHIP", "TPU7X_DEVICE", "COLLECTIVE_LATENCY_S", "PhaseTime",
+           "phase_time", "compiler_clock_hz"]
+
+TFLOP = 1e12
+# Per chip. Cloud TPU docs, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x): peak
+# bf16 2307 and fp8 4614 TFLOP/s, 192 GiB HBM, 2 TensorCores. HBM bandwidth and ICI: Google's
+# Ironwood announcement (7.37 TB/s; 1.2 TB/s bidirectional ICI).
+TPU7X_CHIP = {"bf16_flops": 2307 * TFLOP, "fp8_flops": 4614 * TFLOP, "hbm_bytes": 192 * 2**30,
+              "hbm_bytes_per_s": 7.37e12, "ici_bidir_bytes_per_s": 1.2e12, "cores": 2}
+COLLECTIVE_LATENCY_S = 10e-6      # an assumption, as `bench tpu_model --collective-us`
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """One device's peak rates: flop/s by dtype, HBM bytes/s, ICI bytes/s one way."""
+
+    bf16_flops: float
+    fp8_flops: float
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float
+    collective_latency_s: float = COLLECTIVE_LATENCY_S
+
+
+def _tpu7x_device() -> DeviceRates:
+    c, per = TPU7X_CHIP, 1 / TPU7X_CHIP["cores"]
+    return DeviceRates(bf16_flops=c["bf16_flops"] * per, fp8_flops=c["fp8_flops"] * per,
+                       hbm_bytes_per_s=c["hbm_bytes_per_s"] * per,
+                       ici_bytes_per_s=c["ici_bidir_bytes_per_s"] / 2 * per)
+
+
+TPU7X_DEVICE = _tpu7x_device()
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseTime:
+    """A phase's estimate and floor in seconds (the module docstring says how each is made)."""
+
+    xla_s: float
+    kernel_s: float
+    collective_s: float
+    mxu_floor_s: float
+    hbm_floor_s: float
+    ici_floor_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.xla_s + self.kernel_s + self.collective_s
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.mxu_floor_s, self.hbm_floor_s, self.ici_floor_s)
+
+    @property
+    def bound(self) -> str:
+        parts = {"MXU": self.mxu_floor_s, "HBM": self.hbm_floor_s, "ICI": self.ici_floor_s}
+        return max(parts, key=parts.get) if any(parts.values()) else "-"
+
+    @property
+    def fraction(self) -> float | None:
+        return self.floor_s / self.seconds if self.seconds > 0 else None
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "seconds": self.seconds, "floor_s": self.floor_s,
+                "bound": self.bound, "fraction": self.fraction}
+
+
+def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
+    """The estimate and floor of one phase's figures `f` (cp_runtime.aot.phases.PhaseFigures)."""
+    kernel_s = max(f.kernel_flops / rates.bf16_flops, f.kernel_bytes / rates.hbm_bytes_per_s)
+    bf16_flops = f.mxu_flops - f.mxu_flops_f8 + f.kernel_flops
+    return PhaseTime(
+        xla_s=f.cycles / clock_hz, kernel_s=kernel_s,
+        collective_s=f.ici_bytes / rates.ici_bytes_per_s
+        + f.collectives * rates.collective_latency_s,
+        mxu_floor_s=bf16_flops / rates.bf16_flops + f.mxu_flops_f8 / rates.fp8_flops,
+        hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
+        ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s)
+
+
+def compiler_clock_hz(device) -> float:
+    """Cycles per second of the compiler's cost model on `device` (a compile-only TPU device):
+    the estimated cycles of a bf16 8192^3 matmul compiled alone over its optimal_seconds."""
+    n = 8192
+    x = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=SingleDeviceSharding(device))
+    with jax.default_device(device):
+        compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+    module = hlo.parse_module(compiled.as_text())
+    cycles = sum(i.cycles for i in module.computations[module.entry])
+    seconds = (compiled.cost_analysis() or {}).get("optimal_seconds")
+    if not cycles or not seconds or seconds <= 0:
+        raise RuntimeError("the compiler gave no cycles or time for the reference matmul")
+    return cycles / seconds

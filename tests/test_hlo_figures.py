@@ -1,0 +1,146 @@
+"""Figures read off compiled TPU modules (cp_runtime.aot.hlo, phases, roofline, cases): MXU flops
+of matmuls as XLA:TPU writes them (batched ones as dilated convolutions), HBM bytes of slices and
+in-place updates, per-layer scaling to a whole model, the compiler's clock, and the prefill sum
+over chunks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from cp_runtime.aot import hlo, topology
+from cp_runtime.aot.cases import PhaseCase, case_matrix, prefill_seconds, size_label
+from cp_runtime.aot.phases import PhaseFigures, layers_covering_kinds, model_figures
+from cp_runtime.aot.programs import cut_model
+from cp_runtime.aot.roofline import TPU7X_DEVICE, phase_time
+from cp_runtime.config import load_model_config
+
+GLM = load_model_config("glm-5.2")
+
+needs_libtpu = pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu (tpu extra)")
+
+
+@pytest.fixture(scope="module")
+def device():
+    return topology.compile_only_devices("tpu7x-16")[0]
+
+
+def _module(fn, device, *shapes):
+    args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in shapes]
+    with jax.default_device(device):
+        compiled = jax.jit(fn).lower(*args).compile()
+    return hlo.parse_module(compiled.as_text()), compiled
+
+
+def _entry_flops(module) -> dict:
+    out: dict = {}
+    for ins in module.computations[module.entry]:
+        for k, v in hlo.matmul_flops(ins, module).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@needs_libtpu
+def test_matmul_flops_plain_batched_and_fp8(device):
+    m, _ = _module(lambda a, b: a @ b, device, ((256, 512), jnp.bfloat16),
+                   ((512, 384), jnp.bfloat16))
+    assert _entry_flops(m) == {"bf16": 2 * 256 * 512 * 384}
+    # "...hn,hnc->...hc" (the absorbed W_uk): XLA:TPU writes it as a convolution whose window
+    # is dilated over the heads; every tap that lands on a hole must not count.
+    m, _ = _module(lambda q, w: jnp.einsum("bhn,hnc->bhc", q, w), device,
+                   ((8, 4, 192), jnp.bfloat16), ((4, 192, 512), jnp.bfloat16))
+    assert _entry_flops(m) == {"bf16": 2 * 8 * 4 * 192 * 512}
+    m, _ = _module(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32), device,
+                   ((256, 512), jnp.float8_e4m3fn), ((512, 384), jnp.float8_e4m3fn))
+    assert _entry_flops(m) == {"f8": 2 * 256 * 512 * 384}
+
+
+@needs_libtpu
+def test_a_slice_of_a_big_array_counts_its_bytes_not_the_array(device):
+    def rows(table, i):
+        return jax.lax.dynamic_slice_in_dim(table, i, 8) * 2
+
+    m, _ = _module(rows, device, ((65536, 1024), jnp.float32), ((), jnp.int32))
+    total = sum(hlo.hbm_bytes(i, m) for i in m.computations[m.entry])
+    # 8 rows read and 8 written; far below the 256 MiB table
+    assert 2 * 8 * 1024 * 4 <= total <= 4 * 8 * 1024 * 4 + 1024
+
+
+@needs_libtpu
+def test_an_in_place_update_counts_the_update_not_the_buffer(device):
+    def update(buf, rows, i):
+        return jax.lax.dynamic_update_slice_in_dim(buf, rows, i, 0)
+
+    args = ((65536, 1024), jnp.float32), ((8, 1024), jnp.float32), ((), jnp.int32)
+    sds = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in args]
+    with jax.default_device(device):
+        compiled = jax.jit(update, donate_argnums=(0,)).lower(*sds).compile()
+    m = hlo.parse_module(compiled.as_text())
+    total = sum(hlo.hbm_bytes(i, m) for i in m.computations[m.entry])
+    assert 0 < total <= 4 * 8 * 1024 * 4
+
+
+@needs_libtpu
+def test_the_compiler_clock_turns_a_matmuls_cycles_into_its_time(device):
+    from cp_runtime.aot.roofline import compiler_clock_hz
+
+    clock = compiler_clock_hz(device)
+    assert 1e9 < clock < 5e9
+    m, compiled = _module(lambda a, b: a @ b, device, ((4096, 4096), jnp.bfloat16),
+                          ((4096, 4096), jnp.bfloat16))
+    cycles = sum(i.cycles for i in m.computations[m.entry])
+    optimal = compiled.cost_analysis()["optimal_seconds"]
+    assert cycles / clock == pytest.approx(optimal, rel=0.25)
+
+
+def test_layer_kinds_and_the_cut_that_covers_them():
+    # GLM-5.2: layers 0-2 dense with an indexer, 3 MoE with one, 4 MoE sharing layer 3's
+    assert layers_covering_kinds(GLM) == 5
+    assert layers_covering_kinds(load_model_config("deepseek-v3.2")) == 4
+
+
+def test_model_figures_scale_each_layer_kind_by_its_count():
+    cut = cut_model(GLM, 5)
+    by_key = {(layer, "dense"): PhaseFigures(cycles=10 * (layer + 1)) for layer in range(5)}
+    by_key[(None, "sampling")] = PhaseFigures(cycles=7)
+    scaled = model_figures(by_key, cut, GLM)
+    dense = 3 * (10 + 20 + 30) / 3                       # 3 dense layers, as the cut's mean
+    moe_full = (GLM.num_full_layers - 3) * 40             # layer 3 stands for them
+    moe_shared = (GLM.num_hidden_layers - GLM.num_full_layers) * 50
+    assert scaled["dense"].cycles == pytest.approx(dense + moe_full + moe_shared)
+    assert scaled["sampling"].cycles == 7
+    with pytest.raises(ValueError, match="no layer of kind"):
+        model_figures(by_key, cut_model(GLM, 4), GLM)
+
+
+def test_phase_time_floor_and_fraction():
+    r = TPU7X_DEVICE
+    f = PhaseFigures(cycles=2e9, xla_bytes=r.hbm_bytes_per_s, mxu_flops=r.bf16_flops / 2,
+                     kernel_bytes=r.hbm_bytes_per_s, ici_bytes=r.ici_bytes_per_s / 4,
+                     collectives=2)
+    t = phase_time(f, r, clock_hz=1e9)
+    assert t.xla_s == 2 and t.kernel_s == 1
+    assert t.collective_s == pytest.approx(0.25 + 2 * r.collective_latency_s)
+    assert t.hbm_floor_s == 2 and t.mxu_floor_s == 0.5 and t.ici_floor_s == 0.25
+    assert t.floor_s == 2 and t.bound == "HBM"
+    assert t.fraction == pytest.approx(2 / t.seconds)
+    f8 = phase_time(dataclasses.replace(PhaseFigures(), mxu_flops=r.fp8_flops,
+                                        mxu_flops_f8=r.fp8_flops), r, 1e9)
+    assert f8.mxu_floor_s == 1
+
+
+def test_case_matrix_and_the_prefill_sum():
+    cases = case_matrix(chunk=8192)
+    names = [c.name for c in cases]
+    assert names[:6] == ["decode 128K B=1", "decode 128K B=8", "decode 128K B=32",
+                         "decode 1M B=1", "decode 1M B=8", "decode 1M B=32"]
+    assert names[6:] == ["prefill @0", "prefill @120K", "prefill @512K", "prefill @1016K"]
+    assert PhaseCase("prefill_fill", 8192 * 2, offset=8192).context == 16384
+    assert size_label(3000) == "3000"
+    rows = [{"program": "prefill_fill", "offset": o, "seconds": s}
+            for o, s in ((0, 1.0), (120 << 10, 2.0), (512 << 10, 3.0), ((1 << 20) - 8192, 5.0))]
+    assert prefill_seconds(rows, 1 << 20, 8192) == pytest.approx(128 * (1 + 4 * 3 + 5) / 6)
+    assert prefill_seconds(rows, 128 << 10, 8192) == pytest.approx(16 * (1 + 2) / 2)
+    assert prefill_seconds(rows[:1], 1 << 20, 8192) is None
