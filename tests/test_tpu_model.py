@@ -1,5 +1,7 @@
-"""The tpu7x-16 model (benchmarks/tpu_model.py): terms add up, units are what they say, the
-rates enter where they should, and docs/performance.md shows exactly what the module prints."""
+"""The tpu7x-16 model (benchmarks/tpu_model.py): terms add up, units are what they say (decode,
+and the prefill designs' collectives against formulas written out here), the rates and the wire
+dtype enter where they should, overlapped <= serial, --json holds the four target cases, and
+docs/performance.md shows exactly what the module prints."""
 
 import dataclasses
 import json
@@ -80,6 +82,10 @@ def test_units_of_decode_terms(glm):
     # q heads: all-gather of f32[1, 64, 640] per layer, of the indexer's f32[1, 32, 128] per full
     heads = 15 / 16 * 4 * (78 * 64 * 640 + 21 * 32 * 128)
     assert terms["q heads all-gather"].ici_bytes == pytest.approx(heads)
+    # the two all-reduces of f32[1, 6144] per layer: f32 (4 B), what the program sends today
+    # (this row counted bf16 before Setup.wire_bytes; it doubled with the f32 default)
+    assert terms["weight-shard all-reduce"].ici_bytes == pytest.approx(
+        78 * 2 * 2 * 15 / 16 * 6144 * 4)
     assert terms["collective latency"].collectives == 5 * 78 + 3 * 21
 
 
@@ -106,6 +112,166 @@ def test_memory_fit(glm):
     assert r["decode 1M B=1"]["fits"] and not r["decode 1M B=32"]["fits"]
 
 
+# -- prefill designs --------------------------------------------------------------------------
+# GLM-5.2 by hand: L = 78 layers, F = 21 full, 3 dense (first_k_dense_replace) and 75 MoE; a
+# chunk's last 8K tokens of 1M see C = 1M tokens = 65,536 pages of 16.
+L, F, DENSE, MOE, T, C = 78, 21, 3, 75, 8192, 1 << 20
+ATTENTION_W = (2048 * 6144 + 64 * (192 + 64) * 2048 + (512 + 64) * 6144 + 64 * (192 + 256) * 512
+               + 6144 * 64 * 256)
+INDEXER_W = 32 * 128 * 2048 + 128 * 6144 + 32 * 6144
+
+
+def _chunk(glm, design: str, *, wire: int = 4, start: int = C - T, end: int = C) -> dict:
+    setup = dataclasses.replace(SETUP, prefill_design=design, wire_bytes=wire)
+    return {t.name: t for t in tpu_model.chunk_terms(glm, HW, setup, start=start, end=end,
+                                                     union=setup.prefill_union)}
+
+
+def test_layer_kinds_and_weights_add_up_to_matmul_weights(glm):
+    kinds = tpu_model.layer_kinds(glm)
+    assert kinds == {"dense+full": 3, "moe+full": 18, "moe+shared": 57}
+    for experts in (None, glm.n_routed_experts):
+        total = sum(n * sum(tpu_model.layer_weights(glm, k, experts=experts).values())
+                    for k, n in kinds.items())
+        assert total == matmul_weights(glm, experts=experts)
+    w = tpu_model.layer_weights(glm, "moe+full")
+    assert (w["attention"], w["indexer"]) == (ATTENTION_W, INDEXER_W)
+
+
+def test_units_of_gather_kv_terms(glm):
+    """The last 8K chunk of 1M: each layer all-gathers its fp8 latent cache of 1M tokens x 640
+    (15/16 of it sent), attention writes and forwards that buffer (2 x 1M x 640 B a layer) and
+    each device attends its 64 / 16 = 4 heads over all 129 entries, union 2 x 129 pages per
+    64-query block; no q-heads gather, no merge."""
+    terms = _chunk(glm, "gather_kv")
+    assert terms["KV all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * C * 640)
+    assert "q heads all-gather" not in terms and "attention merge" not in terms
+    assert terms["indexer q all-gather"].ici_bytes == pytest.approx(
+        F * 15 / 16 * T * 32 * 128 * 4)
+    flops = L * 2 * (T // 64) * (2 * 129) * 64 * 4 * 16 * (640 + 512)
+    attention = terms["selected-page attention"]
+    assert attention.flops == pytest.approx(flops)
+    assert attention.hbm_bytes > L * 2 * C * 640
+    # the same attention flops as the sequence design's 16 x fewer queries with 16 x the heads
+    # (whose 64 heads the kernel takes in 32-query blocks: 2 x 129 pages per 32 queries)
+    assert _chunk(glm, "sequence")["selected-page attention"].flops == pytest.approx(flops)
+    # heads: 64 heads over the 9 entries a device owns, union 2 x 9 per 32-query block
+    assert _chunk(glm, "gather_q")["selected-page attention"].flops == pytest.approx(
+        L * 2 * (T // 32) * (2 * 9) * 32 * 64 * 16 * (640 + 512))
+    assert sum(t.collectives for t in terms.values()) == 3 * L + 3 * F
+
+
+def test_units_of_sequence_terms(glm):
+    """8K tokens, 512 per device: experts' dispatch + combine of 512 x 8 rows of 6144 per MoE
+    layer; the dense layers gather and scatter all 8K rows; each layer all-gathers its fp8
+    attention (and indexer) weights; candidates go to their queries' owners; no merge and no
+    all-reduce."""
+    terms = _chunk(glm, "sequence")
+    assert terms["expert all-to-all"].ici_bytes == pytest.approx(
+        MOE * 2 * 15 / 16 * 512 * 8 * 6144 * 4)
+    assert terms["dense MLP gather + scatter"].ici_bytes == pytest.approx(
+        DENSE * 2 * 15 / 16 * T * 6144 * 4)
+    assert terms["weight all-gather"].ici_bytes == pytest.approx(
+        15 / 16 * (L * ATTENTION_W + F * INDEXER_W))
+    assert terms["candidates all-to-all"].ici_bytes == pytest.approx(F * 15 / 16 * T * 128 * 8)
+    assert terms["new rows all-to-all"].ici_bytes == pytest.approx(
+        15 / 16 * 512 * (L * 640 + F * 128 * 2))
+    assert terms["embedding reduce-scatter"].ici_bytes == pytest.approx(15 / 16 * T * 6144 * 4)
+    assert "attention merge" not in terms and "weight-shard all-reduce" not in terms
+    # the projections' flops are the gather_q design's; its weights are read whole
+    heads = _chunk(glm, "gather_q")["weights + projections"]
+    assert terms["weights + projections"].flops == pytest.approx(heads.flops)
+    assert terms["weights + projections"].hbm_bytes > L * ATTENTION_W
+    assert sum(t.collectives for t in terms.values()) == 5 * L + 5 * F + 1
+
+
+@pytest.mark.parametrize("design", tpu_model.DESIGNS)
+def test_bf16_wire_halves_exactly_the_activation_collectives(glm, design):
+    activations = {"q heads all-gather", "attention merge", "weight-shard all-reduce",
+                   "indexer q all-gather", "expert all-to-all", "dense MLP gather + scatter",
+                   "embedding reduce-scatter"}
+    f32, bf16 = _chunk(glm, design, wire=4), _chunk(glm, design, wire=2)
+    assert f32.keys() == bf16.keys() and activations & f32.keys()
+    for name, t in f32.items():
+        want = t.ici_bytes / 2 if name in activations else t.ici_bytes
+        assert bf16[name].ici_bytes == pytest.approx(want), name
+        assert (bf16[name].hbm_bytes, bf16[name].flops) == (t.hbm_bytes, t.flops)
+
+
+def test_overlapped_is_at_most_serial(glm):
+    """serial = compute + collectives; overlapped = sum over layers of max(compute,
+    collectives): between the larger of the two and their sum."""
+    rows = tpu_model.design_sweep(glm, HW, SETUP, length=128 << 10, chunks=[8192, 32768])
+    assert [(r["design"], r["chunk_size"]) for r in rows] == [
+        (d, c) for d in tpu_model.DESIGNS for c in (8192, 32768)]
+    for r in rows:
+        assert r["serial_s"] == pytest.approx(r["compute_s"] + r["collective_s"])
+        assert max(r["compute_s"], r["collective_s"]) <= r["overlapped_s"] * (1 + 1e-12)
+        assert r["overlapped_s"] <= r["serial_s"]
+        assert set(r["by_kind"]) == {"dense+full", "moe+full", "moe+shared", "step"}
+    heads = tpu_model.evaluate(glm, HW, SETUP, {"kind": "prefill", "length": 128 << 10,
+                                                "batch": 1, "union": -1.0})
+    assert heads["seconds"] == pytest.approx(rows[0]["serial_s"])
+
+
+def test_compute_floor(glm):
+    """1M tokens: the indexer scores sum_t (t // 16) * 16 earlier keys, 21 layers x 32 heads x
+    (2 x 128 + 3) flops a pair, over 16 devices at 1154 TFLOP/s bf16; the total is what the
+    1M prefill's target doubles."""
+    floor = tpu_model.compute_floor(glm, HW, SETUP, length=C)
+    pairs = 16 * 16 * (C // 16 - 1) * (C // 16) // 2
+    assert floor["indexer"]["tflop"] == pytest.approx(F * pairs * 32 * 259 / 16 / 1e12)
+    assert floor["indexer"]["seconds"] == pytest.approx(floor["indexer"]["tflop"] * 1e12
+                                                        / HW.bf16_flops)
+    assert floor["projections"]["precision"] == "fp8"
+    parts = ("indexer", "attention", "projections")
+    assert floor["total"]["seconds"] == pytest.approx(sum(floor[p]["seconds"] for p in parts))
+    assert 7 < floor["total"]["seconds"] < 11
+    case = {c["case"]: c for c in tpu_model.cases(glm, HW, SETUP, design_chunks=[32768])}
+    assert case["prefill 1M"]["target_seconds"] == pytest.approx(2 * floor["total"]["seconds"])
+
+
+def test_json_has_the_four_cases(capsys, glm):
+    assert tpu_model.main(["--json", "--prefill-lengths", "8k", "--contexts", "8k",
+                           "--batches", "1", "--design-chunks", "32k"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    keys = {"case", "seconds", "source", "fits", "design", "target_seconds", "meets_target"}
+    assert [c["case"] for c in data["cases"]] == list(tpu_model.CASES)
+    for c in data["cases"]:
+        assert set(c) == keys and c["source"] == "model"
+        assert isinstance(c["fits"], bool) and c["meets_target"] in (True, False, None)
+        prefill = c["case"].startswith("prefill")
+        assert (c["design"] is not None) == prefill
+        if prefill:
+            assert c["design"]["chunk_size"] == 32768
+            assert c["design"]["prefill_design"] in tpu_model.DESIGNS
+    by = {c["case"]: c for c in data["cases"]}
+    assert by["prefill 128K"]["target_seconds"] == 2.0
+    assert by["decode 1M B=1"]["target_seconds"] == 0.008
+    assert by["decode 1M B=32"]["target_seconds"] is None
+    assert by["decode 1M B=32"]["meets_target"] is by["decode 1M B=32"]["fits"] is False
+    assert {a["seconds"] for a in data["anchors"]} == {84.7, 314.6, 77.0, 0.0161, 0.0173}
+    assert data["results"] and data["model"] == "glm-5.2"
+
+
+def test_compiler_figures_replace_the_models_seconds(glm):
+    out = tpu_model.cases(glm, HW, SETUP, design_chunks=[32768],
+                          source_figures={"prefill 1M": 1000.0})
+    by = {c["case"]: c for c in out}
+    assert (by["prefill 1M"]["seconds"], by["prefill 1M"]["source"]) == (1000.0, "compiler")
+    assert by["prefill 1M"]["meets_target"] is False
+    assert by["prefill 128K"]["source"] == "model"
+
+
+def test_bad_setup_is_a_value_error():
+    with pytest.raises(ValueError, match="prefill_design"):
+        tpu_model.Setup(prefill_design="tokens")
+    with pytest.raises(ValueError, match="wire_bytes"):
+        tpu_model.Setup(wire_bytes=3)
+    with pytest.raises(ValueError, match="layer kind"):
+        tpu_model.layer_weights(load_model_config("glm-5.2"), "moe")
+
+
 def test_doc_table_is_what_the_module_prints(capsys, tmp_path):
     assert tpu_model.main(["--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split("\nwrote ")[0].rstrip("\n")
@@ -130,3 +296,25 @@ def test_the_hand_model_beside_the_compiler(capsys):
                  "rest of the step", "whole step"):
         assert term in printed
     assert "differs: selected-page attention" in printed   # the estimate's upper bound
+
+
+def test_compiler_figures_take_the_cases_seconds_from_a_compile_matrix(tmp_path, capsys):
+    """`--compiler-figures`: the JSON `cp-runtime compile --matrix --out` writes; its decode
+    cases by name and its prefills summed over chunks replace the model's seconds."""
+    matrix = {"model": "glm-5.2", "prefill_1048576_seconds": 30.0,
+              "prefill_131072_seconds": None,
+              "cases": [{"case": "decode 1M B=1", "seconds": 0.012},
+                        {"case": "decode 128K B=1", "seconds": 0.011}]}
+    assert tpu_model.compiler_seconds(matrix) == {"prefill 1M": 30.0, "decode 1M B=1": 0.012}
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps(matrix))
+    assert tpu_model.main(["--json", "--compiler-figures", str(path)]) == 0
+    by_case = {c["case"]: c for c in json.loads(capsys.readouterr().out)["cases"]}
+    assert by_case["prefill 1M"]["source"] == "compiler"
+    assert by_case["prefill 1M"]["seconds"] == 30.0
+    assert by_case["decode 1M B=1"]["source"] == "compiler"
+    assert not by_case["decode 1M B=1"]["meets_target"]            # 12 ms > 8 ms
+    assert by_case["prefill 128K"]["source"] == "model"
+    path.write_text(json.dumps({**matrix, "model": "deepseek-v3.2"}))
+    with pytest.raises(SystemExit, match="holds 'deepseek-v3.2'"):
+        tpu_model.main(["--json", "--compiler-figures", str(path)])
