@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.aot import hlo, topology
-from cp_runtime.aot.cases import PhaseCase, case_matrix, prefill_seconds, size_label
+from cp_runtime.aot.cases import (PREFILL_PROGRAM, PhaseCase, case_matrix, prefill_seconds,
+                                  size_label)
 from cp_runtime.aot.phases import PhaseFigures, layers_covering_kinds, model_figures
 from cp_runtime.aot.programs import cut_model
 from cp_runtime.aot.roofline import TPU7X_DEVICE, phase_time
@@ -137,9 +138,10 @@ def test_case_matrix_and_the_prefill_sum():
     assert names[:6] == ["decode 128K B=1", "decode 128K B=8", "decode 128K B=32",
                          "decode 1M B=1", "decode 1M B=8", "decode 1M B=32"]
     assert names[6:] == ["prefill @0", "prefill @120K", "prefill @512K", "prefill @1016K"]
-    assert PhaseCase("prefill_fill", 8192 * 2, offset=8192).context == 16384
+    assert {c.program for c in cases[6:]} == {PREFILL_PROGRAM}
+    assert PhaseCase(PREFILL_PROGRAM, 8192 * 2, offset=8192).context == 16384
     assert size_label(3000) == "3000"
-    rows = [{"program": "prefill_fill", "offset": o, "seconds": s}
+    rows = [{"program": PREFILL_PROGRAM, "offset": o, "seconds": s}
             for o, s in ((0, 1.0), (120 << 10, 2.0), (512 << 10, 3.0), ((1 << 20) - 8192, 5.0))]
     assert prefill_seconds(rows, 1 << 20, 8192) == pytest.approx(128 * (1 + 4 * 3 + 5) / 6)
     assert prefill_seconds(rows, 128 << 10, 8192) == pytest.approx(16 * (1 + 2) / 2)

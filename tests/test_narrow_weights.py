@@ -28,6 +28,7 @@ PROMPT, DECODED = 40, 8
 # S = 1 and 16, both dtypes (bf16 matmuls: weights, inputs and outputs rounded to bf16);
 # the bound is about 2x that.
 BOUND = 2e-2
+FP8_AGAINST_BF16 = 1.5e-2          # about 2x the largest measured (below)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,13 @@ def test_narrow_weights_logits_and_greedy_tokens(checkpoints, layout, shards):
         assert ("float8_e4m3fn" in kinds) == (dtype == "fp8") and "bfloat16" in kinds
         narrow[dtype] = _greedy(engine, prompt)
     # fp8 values times their scales, rounded to bf16 on the device, are the weights a bf16
-    # load rounds on the host: the two runs agree bit for bit.
-    np.testing.assert_array_equal(narrow["fp8"][0], narrow["bf16"][0])
+    # load rounds on the host, except the routed experts of a step of at most
+    # EVERY_EXPERT_MAX_ROWS tokens (all of these), which run from their fp8 blocks with each
+    # block's scale applied in f32 after its product: the runs agree to bf16 rounding.
+    # Measured rel-L2 between them at S = 16: 4.4e-3 (deepseek), 7.5e-3 (glm); the same
+    # greedy tokens.
+    between = rel_l2(narrow["fp8"][0], narrow["bf16"][0])
+    assert 0 < between <= FP8_AGAINST_BF16, between
     assert narrow["fp8"][1] == narrow["bf16"][1]
     logits, tokens = narrow["fp8"]
     ref = np.asarray(oracle_logits(params, jnp.asarray(prompt + tokens), cfg=cfg,

@@ -3,7 +3,7 @@ at the whole model's size: `cp-runtime compile --matrix`.
 
     decode  D B=b   the decode step of b rows whose page tables cover D tokens
     prefill @o      a prefill chunk whose queries start at offset o (its page table covers
-                    o + chunk tokens, as the engine's would)
+                    o + chunk tokens, as the engine's would), with its last query's logits
 
 Each case compiles the model cut to its first layers (by default the fewest holding every kind
 of layer: dense or MoE MLP, full or shared indexer), reads the figures per layer and phase from
@@ -28,8 +28,15 @@ from cp_runtime.aot.roofline import TPU7X_DEVICE, DeviceRates, compiler_clock_hz
 from cp_runtime.aot.topology import compile_only_devices
 from cp_runtime.config import load_model_config
 
-__all__ = ["PhaseCase", "case_matrix", "run_case", "run_matrix", "prefill_seconds",
+__all__ = ["PREFILL_PROGRAM", "PhaseCase", "case_matrix", "run_case", "run_matrix", "prefill_seconds",
            "size_label", "priced"]
+
+
+# The chunk with its last query's logits, not the "fill" chunk most steps run: in a fill chunk
+# nothing reads the last layer's output, so XLA drops that layer's attention and MLP, and a cut
+# model's last layer would stand for its kind with only its cache write. The logits of one row
+# add the lm head of one token.
+PREFILL_PROGRAM = "prefill_logits"
 
 
 def size_label(tokens: int) -> str:
@@ -64,7 +71,7 @@ def case_matrix(*, chunk: int, contexts=(128 << 10, 1 << 20), batches=(1, 8, 32)
     cases = [PhaseCase("decode", c, b) for c in contexts for b in batches]
     longest = max(prefill_lengths)
     offsets = sorted({o for n in prefill_lengths for o in (0, n - chunk)} | {longest // 2})
-    return cases + [PhaseCase("prefill_fill", o + chunk, 1, o) for o in offsets]
+    return cases + [PhaseCase(PREFILL_PROGRAM, o + chunk, 1, o) for o in offsets]
 
 
 def _layer_keys(rows: list[dict]) -> dict[tuple, PhaseFigures]:
@@ -133,7 +140,7 @@ def prefill_seconds(rows: list[dict], length: int, chunk: int) -> float | None:
     """A whole `length`-token prefill from its compiled chunks (module docstring); None when
     the chunks at 0 and length - chunk are not among `rows`."""
     at = {r["offset"]: r["seconds"] for r in rows
-          if r["program"] == "prefill_fill" and r.get("seconds") is not None}
+          if r["program"] == PREFILL_PROGRAM and r.get("seconds") is not None}
     first, last = at.get(0), at.get(length - chunk)
     if first is None or last is None:
         return None

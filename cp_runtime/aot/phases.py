@@ -4,7 +4,8 @@ Every instruction carries its op_name: the `jax.named_scope` path it was traced 
 holds the layer (`layer7`, cp_runtime.model.phases.layer_scope) and the phase
 (cp_runtime.model.phases). An instruction belongs to the innermost phase in its op_name (one
 under none is "other") and to the layer named there (None outside the layer stack: embedding,
-lm head, sampling). Summed per (layer, phase), from the entry computation
+lm head, sampling). An entry instruction XLA made without an op_name (a multi-output fusion,
+an inserted copy) belongs where its nearest named consumer, else producer, does. Summed per (layer, phase), from the entry computation
 (cp_runtime.aot.hlo says how each figure is read):
 
     instructions     entry instructions
@@ -77,13 +78,44 @@ def _key(op_name: str) -> Key:
             next((p for p in reversed(parts) if p in PHASES), "other"))
 
 
+def _keys(module: hlo.Module) -> dict[str, Key]:
+    """(layer, phase) of each entry instruction. One that XLA left without an op_name (a
+    multi-output fusion it formed, a copy it inserted) takes the key of the nearest
+    instruction downstream that has one (what consumes it is what it was made for), else
+    upstream, else (None, "other")."""
+    entry = module.computations[module.entry]
+    users = module.users(module.entry)
+    named = {i.name: _key(i.op_name) for i in entry if i.op_name}
+
+    def search(start: hlo.Instruction, step) -> Key | None:
+        seen, frontier = {start.name}, [start]
+        for _ in range(8):
+            frontier = [n for i in frontier for n in step(i) if n.name not in seen]
+            seen.update(n.name for n in frontier)
+            found = next((named[n.name] for n in frontier if n.name in named), None)
+            if found is not None or not frontier:
+                return found
+        return None
+
+    def downstream(i):
+        return users.get(i.name, [])
+
+    def upstream(i):
+        return [module.by_name[o] for o in i.operands if o in module.by_name]
+
+    return {i.name: named.get(i.name) or search(i, downstream) or search(i, upstream)
+            or (None, "other") for i in entry}
+
+
 def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
     """Figures per (layer, phase) of the compiled module `hlo_text` (`compiled.as_text()`)."""
     module = hlo.parse_module(hlo_text)
+    keys = _keys(module)
     out: dict[Key, PhaseFigures] = {}
 
     def at(ins: hlo.Instruction) -> PhaseFigures:
-        return out.setdefault(_key(ins.op_name), PhaseFigures())
+        key = keys.get(ins.name) or _key(ins.op_name)
+        return out.setdefault(key, PhaseFigures())
 
     for ins in module.computations[module.entry]:
         f = at(ins)

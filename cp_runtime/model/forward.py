@@ -348,6 +348,54 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     return jnp.zeros_like(x).at[token].add(y * row_weight[:, None])
 
 
+# Steps of at most this many tokens with block-scaled (fp8) experts run every local expert on
+# every token straight from its fp8 blocks (`_every_expert`): each expert's weights are read
+# once, as fp8. Longer steps group the tokens by expert (`_routed_experts`), whose ragged
+# matmuls need the weights dequantised first: a bf16 copy of every local expert, written and
+# read again each step (TPU7x compile, GLM-5.2 decode at B = 1: 589 GB of HBM traffic a step,
+# 7.5 GB a layer), which a prefill chunk's thousands of tokens amortise and a decode step
+# cannot.
+EVERY_EXPERT_MAX_ROWS = 64
+
+
+def _experts_from_blocks(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
+    """x f[T, in] (one input for every expert) or f[T, E, in] (one each), through every expert
+    of w f8[E, in, out] with block scales s f32[E, in / gi, out / go] -> f32[T, E, out].
+
+    Per input block k: x_k . w_k as a bf16 matmul (fp8 values are exact in bf16, and XLA reads
+    the fp8 blocks straight into it; its result rounded to bf16, as `_matmul`'s), times its
+    block's scale in f32, summed over the blocks:
+    y[t, e, o] = sum_k s[e, k, o / go] sum_c x[t, k, c] w[e, k, c, o]."""
+    e, a, b = w.shape
+    gi, go = a // s.shape[-2], b // s.shape[-1]
+    xb = x.astype(jnp.bfloat16).reshape(*x.shape[:-1], a // gi, gi)     # [T, (E,) K, gi]
+    wb = w.reshape(e, a // gi, gi, b).astype(jnp.bfloat16)              # [E, K, gi, out]
+    spec = "tkc,ekco->teko" if x.ndim == 2 else "tekc,ekco->teko"
+    part = jnp.einsum(spec, xb, wb).astype(jnp.float32)                 # [T, E, K, out]
+    part = part.reshape(*part.shape[:3], b // go, go) * s[None, :, :, :, None]
+    return part.sum(2).reshape(x.shape[0], e, b)
+
+
+def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                  ws: WeightShards) -> jax.Array:
+    """`_routed_experts`' result for block-scaled experts and few tokens: every local expert on
+    every token from its fp8 blocks, each token's outputs weighted by its routing weight for
+    that expert (zero where the token did not choose it, or where it is another device's)."""
+    name = "mlp.experts.{}_proj.weight"
+    w_gate = p[name.format("gate")]                                     # [E (local), hid, inner]
+    n_local = w_gate.shape[0]
+    local = chosen - ws.first(n_local)                                  # [T, k]
+    gate = (jax.nn.one_hot(local, n_local, dtype=weights.dtype)
+            * weights[..., None]).sum(-2)                               # [T, E]; 0 off range
+
+    def through(proj: str, h: jax.Array) -> jax.Array:
+        key = name.format(proj)
+        return _experts_from_blocks(h, p[key], p[key + SCALE_SUFFIX])
+
+    h = jax.nn.silu(through("gate", x)) * through("up", x)              # [T, E, inner]
+    return (through("down", h) * gate[..., None]).sum(1)                # [T, hidden]
+
+
 def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
         ws: WeightShards = WeightShards()) -> jax.Array:
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
@@ -358,8 +406,11 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     chosen, weights = route_topk(cfg, router.astype(jnp.float32),
                                  p["mlp.gate.e_score_correction_bias"])       # [..., k] each
     flat = x.reshape(-1, x.shape[-1])
-    out = _routed_experts(p, flat, chosen.reshape(flat.shape[0], -1),
-                          weights.reshape(flat.shape[0], -1), ws).reshape(x.shape)
+    scaled = "mlp.experts.gate_proj.weight" + SCALE_SUFFIX in p
+    experts = (_every_expert if scaled and flat.shape[0] <= EVERY_EXPERT_MAX_ROWS
+               else _routed_experts)
+    out = experts(p, flat, chosen.reshape(flat.shape[0], -1),
+                  weights.reshape(flat.shape[0], -1), ws).reshape(x.shape)
     if cfg.n_shared_experts:
         out = out + _swiglu(p, "mlp.shared_experts", x)
     return ws.join(out)
