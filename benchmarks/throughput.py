@@ -75,7 +75,8 @@ from cp_runtime.engine.executor import LocalExecutor
 from cp_runtime.kernels.dispatch import resolve_backend
 from cp_runtime.weights.params import init_params
 
-__all__ = ["Work", "matmul_weights", "projection_work", "indexer_work", "attention_work",
+__all__ = ["Work", "attention_weights", "indexer_weights", "matmul_weights", "projection_work",
+           "indexer_work", "attention_work",
            "cache_write_work", "decode_step_work", "prefill_work", "dense_model",
            "compile_seconds", "build_parser", "parse_args", "main"]
 
@@ -97,6 +98,23 @@ class Work:
         return Work(self.flops * factor, self.bytes * factor)
 
 
+def attention_weights(model: ModelConfig) -> int:
+    """Matmul weight elements of one layer's MLA attention:
+    q_lora*hid + H*(nope+rope)*q_lora + (kv_lora+rope)*hid + H*(nope+v)*kv_lora (W_uk and W_uv,
+    absorbed) + hid*H*v."""
+    hid, h = model.hidden_size, model.num_attention_heads
+    return (model.q_lora_rank * hid + h * model.qk_head_dim * model.q_lora_rank
+            + (model.kv_lora_rank + model.qk_rope_head_dim) * hid
+            + h * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+            + hid * h * model.v_head_dim)
+
+
+def indexer_weights(model: ModelConfig) -> int:
+    """Matmul weight elements of one `full` layer's indexer: Hi*Di*q_lora + Di*hid + Hi*hid."""
+    hi, di, hid = model.index_n_heads, model.index_head_dim, model.hidden_size
+    return hi * di * model.q_lora_rank + di * hid + hi * hid
+
+
 def matmul_weights(model: ModelConfig, *, experts: int | None = None) -> int:
     """Matmul weight elements one token's forward uses, all layers, lm_head excluded:
 
@@ -108,13 +126,8 @@ def matmul_weights(model: ModelConfig, *, experts: int | None = None) -> int:
     `experts` replaces k (the routed experts per token), e.g. to count the weights a whole chunk
     reads.
     """
-    hid, h = model.hidden_size, model.num_attention_heads
-    attention = (model.q_lora_rank * hid + h * model.qk_head_dim * model.q_lora_rank
-                 + (model.kv_lora_rank + model.qk_rope_head_dim) * hid
-                 + h * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
-                 + hid * h * model.v_head_dim)
-    hi, di = model.index_n_heads, model.index_head_dim
-    indexer = hi * di * model.q_lora_rank + di * hid + hi * hid
+    hid = model.hidden_size
+    attention, indexer = attention_weights(model), indexer_weights(model)
     routed = model.num_experts_per_tok if experts is None else experts
     total = 0
     for layer in range(model.num_hidden_layers):

@@ -63,8 +63,8 @@ import dataclasses
 
 import numpy as np
 
-from cp_runtime.benchmarks.throughput import (attention_work, indexer_work, matmul_weights,
-                                              projection_work)
+from cp_runtime.benchmarks.throughput import (attention_weights, attention_work, indexer_weights,
+                                             indexer_work, matmul_weights, projection_work)
 from cp_runtime.benchmarks.tpu_terms import (DESIGNS, GB, TFLOP, Hardware, Setup, Term,
                                              _cache_writes, _decode_attention, _gathered_pages,
                                              _indexer, _owned, _prefill_attention, _selected)
@@ -124,17 +124,12 @@ def layer_weights(model: ModelConfig, kind: str, *, experts: int | None = None) 
     mlp_kind, _, indexer_kind = kind.partition("+")
     if mlp_kind not in ("dense", "moe") or indexer_kind not in ("full", "shared"):
         raise ValueError(f"layer kind {kind!r}: not <dense|moe>+<full|shared>")
-    hid, h = model.hidden_size, model.num_attention_heads
-    attention = (model.q_lora_rank * hid + h * model.qk_head_dim * model.q_lora_rank
-                 + (model.kv_lora_rank + model.qk_rope_head_dim) * hid
-                 + h * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
-                 + hid * h * model.v_head_dim)
-    hi, di = model.index_n_heads, model.index_head_dim
+    hid = model.hidden_size
     routed = model.num_experts_per_tok if experts is None else experts
     expert = 3 * model.moe_intermediate_size * hid
     moe = _is_moe(kind)
-    return {"attention": attention,
-            "indexer": hi * di * model.q_lora_rank + di * hid + hi * hid if _is_full(kind) else 0,
+    return {"attention": attention_weights(model),
+            "indexer": indexer_weights(model) if _is_full(kind) else 0,
             "mlp": (model.n_routed_experts * hid + routed * expert if moe
                     else 3 * model.intermediate_size * hid),
             "shared": model.n_shared_experts * expert if moe else 0}

@@ -304,8 +304,8 @@ def _print_targets(report_cases: list[dict]) -> None:
     rows = []
     for c in report_cases:
         d = c["design"]
-        rows.append({**c, "time": _time(c["seconds"]),
-                     "design": f"{d['prefill_design']} {_size(d['chunk_size'])}" if d else "gather_q",
+        design = f"{d['prefill_design']} {_size(d['chunk_size'])}" if d else "gather_q"
+        rows.append({**c, "time": _time(c["seconds"]), "design": design,
                      "fits": _yes(c["fits"]), "meets": _yes(c["meets_target"]),
                      "target": ("fits" if c["target_seconds"] is None
                                 else _time(c["target_seconds"])),

@@ -208,7 +208,8 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
 
 def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
                ws: WeightShards = WeightShards()) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat], q_lora f[..., R]).
+    """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat],
+    q_lora f[..., R]).
 
     q holds the heads whose weights this device holds: all H, or its H' = ceil(H / S) with
     split weights (the attention gathers them where it needs every head)."""
