@@ -208,8 +208,8 @@ def build_parser() -> BenchmarkParser:
                    help="weight storage; fp8 also runs the projections at the fp8 MXU rate")
     p.add_argument("--wire-dtype", choices=tuple(WIRE_BYTES), default="f32",
                    help="activations on the interconnect (q heads, indexer q, merge partials, "
-                        "all-reduces, the designs' all-to-alls); f32 is what the runtime's "
-                        "program sends today")
+                        "all-reduces, the designs' all-to-alls); f32 is what the runtime sends "
+                        "on the CPU, bf16 near what it sends on a TPU")
     p.add_argument("--prefill-design", choices=DESIGNS, default="gather_q",
                    help="how a prefill chunk is split over the devices for the summary and "
                         "term tables: gather_q (every head of q to the pages), gather_kv (the "

@@ -20,8 +20,9 @@ design has: benchmarks/tpu_designs.py.
 Assumptions (each a flag or a constant below):
   * Weights fp8 (--weight-dtype), so projection matmuls run at the fp8 rate; the indexer (bf16
     keys) and attention (fp8 pages upcast to bf16 queries in VMEM) run at the bf16 rate.
-  * Activations cross the ICI in f32 (--wire-dtype): what the runtime's program sends today
-    (q rows, indexer q, merge partials and the psums of [R, hidden] are all f32).
+  * Activations cross the ICI in f32 (--wire-dtype): what the runtime sends on the CPU. On a
+    TPU it sends the q rows, merge partials and psums of [R, hidden] in bf16 (runtime field
+    wire_dtype), closer to --wire-dtype bf16 (which also halves the indexer q, kept f32).
   * The KV cache is sharded by page round-robin, so a query's selected pages and a sequence's
     context spread evenly: each device owns ceil((K + 1) / S) of a query's K + 1 pages and
     ceil(pages / S) of its context.
@@ -134,9 +135,10 @@ class Setup:
 
     wire_bytes: bytes per activation element on the interconnect, in every activation
     collective (q heads, indexer q, merge partials and lse, the weight-shard all-reduce, the
-    designs' all-to-alls and gathers of activations). 4: f32, what the runtime's program sends
-    today. prefill_design: how a prefill chunk's work is split over the devices (DESIGNS;
-    benchmarks/tpu_designs.py's docstring); decode always runs `gather_q`.
+    designs' all-to-alls and gathers of activations). 4: f32, what the runtime sends on the
+    CPU; 2: bf16, near what it sends on a TPU. prefill_design: how a prefill chunk's work is
+    split over the devices (DESIGNS; benchmarks/tpu_designs.py's docstring); decode always
+    runs `gather_q`.
     """
 
     kv_cache_dtype: str = "fp8_e4m3"
