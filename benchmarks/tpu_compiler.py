@@ -52,8 +52,10 @@ KNOWN_CAUSES = {
     "cache writes": "the estimate moves whole tiles of every row on every shard (the "
                     "sentinel's included in the grid); the hand model one row's bytes, once, "
                     "on its owner; the compiler adds the XLA grouping (sort, scatter)",
-    "rest of the step": "XLA's own count of the dense layers (all routed experts of a shard "
-                        "run on every token in the expert-parallel MoE) and of the glue",
+    "rest of the step": "XLA's own count of the dense layers and of the glue, the experts' "
+                        "kernel at its cost bound (every visit a whole row tile, min(E, N) "
+                        "experts read) and the expert rows' [T*k, hidden] copies, which the "
+                        "hand model does not count",
 }
 
 

@@ -49,9 +49,9 @@ peak rate; elementwise work - norms, RoPE, softmax, top-K - is not counted).
 Assumptions (each a flag or a constant; the kernels' own in benchmarks/tpu_terms.py):
   * Weights are split evenly over the 16 devices as the runtime splits them with weights =
     "sharded" (cp_runtime/weights/layout.py; GLM-5.2's ~743 B parameters cannot be replicated
-    on 96 GiB devices). Even split = no expert load imbalance (optimistic at batch 1, where 8
-    experts per layer are active). The small feature-split gathers (q_a, kv_a, indexer k and
-    weights, router logits) are not counted.
+    on 96 GiB devices). The routed experts split by inner features, so each device reads
+    1/16 of every chosen expert: the split is even whatever the routing. The small
+    feature-split gathers (q_a, kv_a, indexer k and weights, router logits) are not counted.
   * An all-gathered buffer (gather_kv's and sequence's latent pages, sequence's attention
     weights) costs each device 2x its size in HBM traffic besides what its consumer reads:
     written as it arrives, read again to forward it along the ring.

@@ -4,9 +4,11 @@
 indexer tiled for XLA:CPU (kernels/xla_indexer.py; a decode step's takes the one-pass native
 handler of kernels/native_indexer.py on CPU) and attention that only touches the pages a
 shard owns (kernels/xla_sparse.py); `reference` is the plain
-references (kernels/reference.py); `pallas` the TPU kernels; `pallas_interpret` the same kernels
-in TPU interpret mode (CPU tests). `auto` picks pallas on TPU and xla elsewhere. An unknown name
-is refused with the list of choices.
+references (kernels/reference.py); `pallas` the TPU kernels, the experts' grouped matmul from
+fp8 blocks among them (kernels/expert_matmul.py); `pallas_interpret` the same kernels in TPU
+interpret mode (CPU tests). The XLA and reference sets run experts in XLA (`expert_matmul`
+None: cp_runtime.model.forward picks its XLA path). `auto` picks pallas on TPU and xla
+elsewhere. An unknown name is refused with the list of choices.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Callable
 
 import jax
 
-from cp_runtime.kernels import (cache_write, indexer, native_indexer, reference, sparse_decode,
-                               sparse_prefill, xla_sparse)
+from cp_runtime.kernels import (cache_write, expert_matmul, indexer, native_indexer, reference,
+                               sparse_decode, sparse_prefill, xla_sparse)
 from cp_runtime.kernels.storage import from_storage
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
@@ -27,12 +29,14 @@ __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The per-shard operations, all with the signatures of kernels/reference.py (including the
-    `cache_dtype` keyword for caches in storage form)."""
+    `cache_dtype` keyword for caches in storage form); `expert_matmul` None where the model's
+    XLA path runs the experts."""
 
     name: str
     write_kv: Callable
     indexer_page_scores: Callable
     sparse_attention: Callable
+    expert_matmul: Callable | None = None
 
 
 REFERENCE = Kernels("reference", reference.write_kv, reference.indexer_page_scores,
@@ -79,12 +83,21 @@ def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: in
                                          query_block=query_block, interpret=interpret)
 
 
+def _pallas_experts(rows, w, scales, group_sizes, *, interpret: bool):
+    """The fp8 grouped-matmul kernel; the XLA reference where a TPU cannot tile the weights'
+    scale runs (runs narrower than 128 lanes: small test models only)."""
+    if not interpret and not expert_matmul.supports(w.shape, scales.shape):
+        return reference.grouped_matmul(rows, w, scales, group_sizes)
+    return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, interpret=interpret)
+
+
 def _pallas(interpret: bool) -> Kernels:
     return Kernels(
         "pallas_interpret" if interpret else "pallas",
         functools.partial(_pallas_write, interpret=interpret),
         functools.partial(_pallas_scores, interpret=interpret),
-        functools.partial(_pallas_attention, interpret=interpret))
+        functools.partial(_pallas_attention, interpret=interpret),
+        functools.partial(_pallas_experts, interpret=interpret))
 
 
 def resolve_backend(name: str) -> str:

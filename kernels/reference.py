@@ -29,6 +29,7 @@ __all__ = [
     "indexer_page_scores",
     "sparse_attention",
     "check_attention_args",
+    "grouped_matmul",
 ]
 
 NEG_INF = -jnp.inf
@@ -189,3 +190,25 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     o = jnp.moveaxis(o, 0, 1).reshape(b, num_blocks * qb, h, value_dim)[:, :nq]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, num_blocks * qb, h)[:, :nq]
     return o, lse
+
+
+def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
+                   group_sizes: jax.Array) -> jax.Array:
+    """Rows sorted by group through their group's block-scaled weight, in f32.
+
+    rows:        f[N, K]            cast to bf16 (the kernel's input)
+    w:           f8[E, K, M]        (or any float dtype)
+    scales:      f32[E, K/ga, M/gb] one scale per ga x gb block of w
+    group_sizes: i32[E]             rows of each group in order; rows past their sum give zeros
+    returns:     f32[N, M]          out[r] = rows[r] @ (w[g] * scales[g] per block), g = r's group
+    """
+    e, k, m = w.shape
+    ga, gb = k // scales.shape[-2], m // scales.shape[-1]
+    full = (w.astype(jnp.float32).reshape(e, k // ga, ga, m // gb, gb)
+            * scales[:, :, None, :, None]).reshape(e, k, m)
+    ends = jnp.cumsum(group_sizes)
+    index = jnp.arange(rows.shape[0])
+    group = jnp.minimum(jnp.searchsorted(ends, index, side="right"), e - 1)
+    x = rows.astype(jnp.bfloat16).astype(jnp.float32)
+    out = jnp.einsum("nk,nkm->nm", x, full[group], precision=lax.Precision.HIGHEST)
+    return jnp.where((index < ends[-1])[:, None], out, 0.0)

@@ -1,4 +1,4 @@
-"""The four Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
+"""The five Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
 
 Shapes per shard: the latent cache `[P + 1, ps, D_lat]` in the cache dtype, queries with every
 head (the step gathers q heads before the sparse attention), `N = index_topk / ps + 1` pages per
@@ -9,6 +9,9 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
     decode   batches of one query per row
     prefill  chunks of 1 .. many query blocks (partial last blocks too)
     indexer  the decode query and a prefill chunk against the bf16 key cache
+    experts  the routed experts' grouped matmul from fp8 blocks, gate and down projections of
+             one device's slice of every expert (inner / S features), at decode steps' and a
+             prefill chunk's rows (tokens x experts per token)
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
+from cp_runtime.kernels import cache_write, expert_matmul, indexer, sparse_decode, sparse_prefill
 from cp_runtime.kernels.storage import cdiv
 
-__all__ = ["KernelCase", "POOL_BYTES", "kernel_cases"]
+__all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -137,9 +140,27 @@ def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tup
     return out
 
 
+def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
+    """The experts' kernel for steps of `tokens` tokens (each row one (token, expert) pair),
+    fp8 weights in 128 x 128 blocks, as the public checkpoints hold them."""
+    e, hid = model.n_routed_experts, model.hidden_size
+    inner = cdiv(model.moe_intermediate_size, NUM_SHARDS)
+    out = []
+    for t in tokens:
+        rows = t * model.num_experts_per_tok
+        for proj, (k, m) in (("gate", (hid, inner)), ("down", (inner, hid))):
+            args = _structs(device, ((rows, k), jnp.bfloat16), ((e, k, m), jnp.float8_e4m3fn),
+                            ((e, cdiv(k, 128), cdiv(m, 128)), jnp.float32), ((e,), jnp.int32))
+            out.append(KernelCase(f"experts {proj} T={t}", "experts",
+                                  expert_matmul.grouped_matmul, args,
+                                  expert_matmul.cost(rows, (e, k, m), args[2].shape)))
+    return out
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
+                 expert_tokens=(1, 32, 8192),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
@@ -147,4 +168,5 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + decode_cases(model, kv_dtype, page_size, decode_batches, device)
             + prefill_cases(model, kv_dtype, page_size, prefill_chunks, device)
             + indexer_cases(model, kv_dtype, page_size, indexer_chunks, key_block_pages,
-                            device))
+                            device)
+            + expert_cases(model, expert_tokens, device))

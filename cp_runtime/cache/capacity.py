@@ -16,7 +16,7 @@ fit are (sum over devices of the KV bytes) // bytes_per_token.
 The weights per device are the arrays the runtime places (cp_runtime.weights.format's
 `device_tensors`, the same function the executor and `cp-runtime compile` use): split over the
 same devices as the cache in `weights = "sharded"` mode (cp_runtime.weights.layout: attention
-projections by heads, dense MLPs column/row parallel, routed experts expert-parallel, embedding
+projections by heads, dense MLPs and routed experts column/row parallel, embedding
 and lm head by vocabulary, the other projections by output features; norms and biases whole on
 every device; a split that does not divide is padded, as the runtime pads it), or whole on each
 device in "replicated" mode; "auto" picks as the runtime does.

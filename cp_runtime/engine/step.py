@@ -137,7 +137,8 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
                             merge=runtime.merge, ws=ws, combine=combine_fn)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
-    hidden, state = forward(params, model, tokens, pos, attend, state, ws)  # [B, Q, hidden]
+    hidden, state = forward(params, model, tokens, pos, attend, state, ws,   # [B, Q, hidden]
+                            kernels.expert_matmul)
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
     if kind == "fill":
         return (), *new_pool

@@ -19,11 +19,13 @@ context-parallel path share every line except attention itself.
 Weights are in the model layout (cp_runtime.weights.params.model_layout), whole or split over a mesh
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
-  projections to features (q_a, kv_a, indexer wk), indexer heads, router logits and the lm
-  head's logits are computed on this device's rows and all-gathered (q's heads stay this
+  projections to features (q_a, kv_a, the indexer's wk and weights_proj: one all-gather for
+  them all in a decode step, `projected_features`), indexer heads, router logits and the lm head's logits are
+  computed on this device's rows and all-gathered (q's heads stay this
   device's: the attention gathers them where it needs them, cp_runtime.model.attention); the
-  embedding, the dense MLP (row-parallel down), the experts (expert parallel: each device runs
-  its own experts on the tokens routed to them) and o_proj give partial sums.
+  embedding, the dense MLP (row-parallel down), the routed experts (each device holds a slice of
+  every expert's inner features: gate/up column parallel, down row parallel) and o_proj give
+  partial sums.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "mla_inputs",
     "mla_output",
     "mlp",
+    "projected_features",
     "rms_norm",
     "rope",
     "rope_frequencies",
@@ -206,23 +209,42 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
     return ws.psum(jnp.where(inside[..., None], rows, 0))
 
 
+def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, ws: WeightShards,
+                       *, indexer: bool) -> dict[str, jax.Array]:
+    """The projections of h[..., hidden] split by output features, gathered whole: q_a
+    [..., q_lora], kv_a [..., kv_lora + rope] and, for a layer with its own indexer, the
+    indexer's key [..., Di] and head weights [..., Hi]. A decode step joins them into one
+    all-gather (`WeightShards.gather_parts`; its 78 layers would otherwise pay for 2 to 4
+    gathers' latency each)."""
+    parts = {"q_a": (_linear(h, weight(p, "self_attn.q_a_proj.weight")), cfg.q_lora_rank),
+             "kv_a": (_linear(h, weight(p, "self_attn.kv_a_proj_with_mqa.weight")),
+                      cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+    if indexer:
+        parts["index_k"] = (_linear(h, weight(p, "self_attn.indexer.wk.weight")),
+                            cfg.index_head_dim)
+        parts["index_w"] = (_linear(h, weight(p, "self_attn.indexer.weights_proj.weight")),
+                            cfg.index_n_heads)
+    return ws.gather_parts(parts)
+
+
 def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
-               ws: WeightShards = WeightShards()) -> tuple[jax.Array, jax.Array, jax.Array]:
+               ws: WeightShards = WeightShards(), features: dict[str, jax.Array] | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat],
     q_lora f[..., R]).
 
     q holds the heads whose weights this device holds: all H, or its H' = ceil(H / S) with
-    split weights (the attention gathers them where it needs every head)."""
-    q_a = _linear(h, weight(p, "self_attn.q_a_proj.weight"))
-    q_lora = rms_norm(ws.gather(q_a, -1, cfg.q_lora_rank), p["self_attn.q_a_layernorm.weight"],
-                      cfg.rms_norm_eps)
+    split weights (the attention gathers them where it needs every head). `features`: h's
+    `projected_features`, when the caller has them already."""
+    if features is None:
+        features = projected_features(p, cfg, h, ws, indexer=False)
+    q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
     q = _linear(q_lora, weight(p, "self_attn.q_b_proj.weight"))
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
-    a = ws.gather(_linear(h, weight(p, "self_attn.kv_a_proj_with_mqa.weight")), -1,
-                  cfg.kv_lora_rank + cfg.qk_rope_head_dim)                 # [..., kv_lora+rope]
+    a = features["kv_a"]                                                   # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
                  cfg.rms_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
@@ -254,18 +276,22 @@ def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
-                   pos: jax.Array, ws: WeightShards = WeightShards()) -> IndexerInputs:
+                   pos: jax.Array, ws: WeightShards = WeightShards(),
+                   features: dict[str, jax.Array] | None = None) -> IndexerInputs:
     """The DSA indexer's query heads, head weights and key for each token (all heads on every
-    device: each scores its own pages with all of them)."""
+    device: each scores its own pages with all of them). `features`: h's
+    `projected_features` with the indexer's, when the caller has them already."""
     hi, di = cfg.index_n_heads, cfg.index_head_dim
+    if features is None:
+        features = projected_features(p, cfg, h, ws, indexer=True)
     q = _linear(q_lora, weight(p, "self_attn.indexer.wq_b.weight"))
     q = q.reshape(*q_lora.shape[:-1], -1, di)
-    k = layer_norm(ws.gather(_linear(h, weight(p, "self_attn.indexer.wk.weight")), -1, di),
-                   p["self_attn.indexer.k_norm.weight"], p["self_attn.indexer.k_norm.bias"], 1e-6)
+    k = layer_norm(features["index_k"], p["self_attn.indexer.k_norm.weight"],
+                   p["self_attn.indexer.k_norm.bias"], 1e-6)
     q, k = _indexer_rope(q, pos, cfg), _indexer_rope(k, pos, cfg)
     if cfg.index_hadamard:
         q, k = hadamard(q), hadamard(k)
-    w = ws.gather(_linear(h, weight(p, "self_attn.indexer.weights_proj.weight")), -1, hi)
+    w = features["index_w"]
     return IndexerInputs(q=ws.gather(q, -2, hi), w=w * (hi ** -0.5 * di ** -0.5), k=k)
 
 
@@ -324,38 +350,54 @@ def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x.astype(w.dtype), w, sizes).astype(jnp.float32)
 
 
+# expert_matmul(rows f[N, in], w f8[E, in, out], scales f32[E, in/ga, out/gb], group_sizes
+# i32[E]) -> f32[N, out]: rows sorted by expert through their expert's block-scaled weights,
+# read as fp8 (cp_runtime.kernels.expert_matmul); None: the XLA paths below.
+ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
-                    ws: WeightShards) -> jax.Array:
-    """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: the outputs of this
-    device's experts (all of them, or its own share: expert parallel) on the tokens routed to
-    them, weighted; other devices add theirs.
+                    expert_matmul: ExpertMatmulFn | None = None) -> jax.Array:
+    """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: each token through
+    its k experts, weighted. Split weights hold a slice of every expert's inner features, so
+    this is the device's partial sum; the others add theirs.
 
-    The T*k (token, expert) pairs are sorted by local expert, pairs for other devices' experts
-    last, and one grouped matmul per projection runs each group through its expert; rows past
-    the groups come out zero, and their weight is zero too."""
-    w_gate = weight(p, "mlp.experts.gate_proj.weight")          # [E (local), hidden, inner]
-    w_up = weight(p, "mlp.experts.up_proj.weight")
-    n_local = w_gate.shape[0]
-    local = chosen.reshape(-1) - ws.first(n_local)              # [T*k]
-    mine = (local >= 0) & (local < n_local)
-    group = jnp.where(mine, local, n_local)
-    order = jnp.argsort(group, stable=True)
+    The T*k (token, expert) pairs are sorted by expert and one grouped matmul per projection
+    runs each group through its expert: `expert_matmul` straight from the fp8 blocks, or
+    `jax.lax.ragged_dot` over the weights in their dtype (bf16 dequantised, when
+    block-scaled). The kernel's rows are gathered in bf16, its input dtype: the [T*k, hidden]
+    arrays are the layer's largest (k rows a token). Its f32 outputs are summed as they are
+    (bf16 outputs cost more: XLA:TPU converted them back to f32 in a pass of their own, 233
+    against 196 ms of `dense` for GLM-5.2's 8K-token chunk). The routing weights scale the
+    down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
+    those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
+    scatter-add sums each token's k rows (a gather back to token order instead ran 2x
+    slower in XLA:TPU's estimate)."""
+    name = "mlp.experts.{}_proj.weight"
+    n_experts = p[name.format("gate")].shape[0]
+    flat = chosen.reshape(-1)                                    # [T*k]
+    order = jnp.argsort(flat, stable=True)
     token = order // chosen.shape[-1]                            # source token of each row
-    sizes = jnp.zeros((n_local + 1,), jnp.int32).at[group].add(1)[:n_local]
-    rows = x[token]                                              # [T*k, hidden]
-    g, u = _grouped(rows, w_gate, sizes), _grouped(rows, w_up, sizes)
-    y = _grouped(jax.nn.silu(g) * u, weight(p, "mlp.experts.down_proj.weight"), sizes)
-    row_weight = jnp.where(mine, weights.reshape(-1), 0)[order].astype(y.dtype)
-    return jnp.zeros_like(x).at[token].add(y * row_weight[:, None])
+    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+
+    def through(proj: str, rows: jax.Array) -> jax.Array:
+        key = name.format(proj)
+        if expert_matmul is None:
+            return _grouped(rows, weight(p, key), sizes)
+        return expert_matmul(rows, p[key], p[key + SCALE_SUFFIX], sizes)
+
+    rows = (x if expert_matmul is None else x.astype(jnp.bfloat16))[token]   # [T*k, hidden]
+    h = jax.nn.silu(through("gate", rows)) * through("up", rows)  # [T*k, inner] f32
+    y = through("down", h * weights.reshape(-1)[order, None])    # weighted: down is linear
+    return jnp.zeros_like(x).at[token].add(y)
 
 
-# Steps of at most this many tokens with block-scaled (fp8) experts run every local expert on
-# every token straight from its fp8 blocks (`_every_expert`): each expert's weights are read
-# once, as fp8. Longer steps group the tokens by expert (`_routed_experts`), whose ragged
-# matmuls need the weights dequantised first: a bf16 copy of every local expert, written and
-# read again each step (TPU7x compile, GLM-5.2 decode at B = 1: 589 GB of HBM traffic a step,
-# 7.5 GB a layer), which a prefill chunk's thousands of tokens amortise and a decode step
-# cannot.
+# Without an expert_matmul kernel (the XLA path: CPU), steps of at most this many tokens with
+# block-scaled (fp8) experts run every expert on every token straight from its fp8
+# blocks (`_every_expert`): each expert's weights are read once, as fp8. Longer steps group the
+# tokens by expert (`_routed_experts`), whose ragged matmuls need the weights dequantised
+# first: a bf16 copy of every expert, written and read again each step, which a prefill
+# chunk's thousands of tokens amortise and a decode step cannot.
 EVERY_EXPERT_MAX_ROWS = 64
 
 
@@ -377,17 +419,14 @@ def _experts_from_blocks(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
     return part.sum(2).reshape(x.shape[0], e, b)
 
 
-def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
-                  ws: WeightShards) -> jax.Array:
-    """`_routed_experts`' result for block-scaled experts and few tokens: every local expert on
-    every token from its fp8 blocks, each token's outputs weighted by its routing weight for
-    that expert (zero where the token did not choose it, or where it is another device's)."""
+def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array) -> jax.Array:
+    """`_routed_experts`' result for block-scaled experts and few tokens: every expert on every
+    token from its fp8 blocks, each token's outputs weighted by its routing weight for that
+    expert (zero where the token did not choose it)."""
     name = "mlp.experts.{}_proj.weight"
-    w_gate = p[name.format("gate")]                                     # [E (local), hid, inner]
-    n_local = w_gate.shape[0]
-    local = chosen - ws.first(n_local)                                  # [T, k]
-    gate = (jax.nn.one_hot(local, n_local, dtype=weights.dtype)
-            * weights[..., None]).sum(-2)                               # [T, E]; 0 off range
+    n_experts = p[name.format("gate")].shape[0]
+    gate = (jax.nn.one_hot(chosen, n_experts, dtype=weights.dtype)
+            * weights[..., None]).sum(-2)                               # [T, E]
 
     def through(proj: str, h: jax.Array) -> jax.Array:
         key = name.format(proj)
@@ -398,20 +437,27 @@ def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array
 
 
 def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
-        ws: WeightShards = WeightShards()) -> jax.Array:
+        ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None
+        ) -> jax.Array:
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
-    experts only) plus the shared experts. Split weights give partial sums, joined once."""
+    experts only) plus the shared experts. Split weights give partial sums, joined once.
+    `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels)."""
     if not cfg.is_moe_layer(layer):
         return ws.join(_swiglu(p, "mlp", x))
     router = ws.gather(_linear(x, weight(p, "mlp.gate.weight")), -1, cfg.n_routed_experts)
     chosen, weights = route_topk(cfg, router.astype(jnp.float32),
                                  p["mlp.gate.e_score_correction_bias"])       # [..., k] each
     flat = x.reshape(-1, x.shape[-1])
-    scaled = "mlp.experts.gate_proj.weight" + SCALE_SUFFIX in p
-    experts = (_every_expert if scaled and flat.shape[0] <= EVERY_EXPERT_MAX_ROWS
-               else _routed_experts)
-    out = experts(p, flat, chosen.reshape(flat.shape[0], -1),
-                  weights.reshape(flat.shape[0], -1), ws).reshape(x.shape)
+    chosen, weights = chosen.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1)
+    if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
+        out = _routed_experts(p, flat, chosen, weights)
+    elif expert_matmul is not None:
+        out = _routed_experts(p, flat, chosen, weights, expert_matmul)
+    elif flat.shape[0] <= EVERY_EXPERT_MAX_ROWS:
+        out = _every_expert(p, flat, chosen, weights)
+    else:
+        out = _routed_experts(p, flat, chosen, weights)
+    out = out.reshape(x.shape)
     if cfg.n_shared_experts:
         out = out + _swiglu(p, "mlp.shared_experts", x)
     return ws.join(out)
@@ -426,37 +472,40 @@ AttendFn = Callable[[int, Any, jax.Array, jax.Array, IndexerInputs | None, Proje
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
-            attend: AttendFn, state: Any, ws: WeightShards = WeightShards()
-            ) -> tuple[jax.Array, Any]:
+            attend: AttendFn, state: Any, ws: WeightShards = WeightShards(),
+            expert_matmul: ExpertMatmulFn | None = None) -> tuple[jax.Array, Any]:
     """Run the decoder over tokens i32[...] at positions i32[...]; returns (hidden, state).
 
     `params` are in the model layout; `hidden` f[..., hidden] is after the final norm and
     `logits(params, hidden, ws)` projects it. The attention callback gets the output
     projection so the merge can choose where the partial results meet (cp_runtime.parallel.merge).
+    `expert_matmul` runs block-scaled experts from their fp8 blocks (`mlp`; None: XLA).
     """
     with phase("dense"):
         x = embed(params, tokens, ws)
     for layer in range(cfg.num_hidden_layers):
         with layer_scope(layer):
-            x, state = _layer(params, cfg, layer, x, pos, attend, state, ws)
+            x, state = _layer(params, cfg, layer, x, pos, attend, state, ws, expert_matmul)
     with phase("dense"):
         return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
 
 
 def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
-           attend: AttendFn, state: Any, ws: WeightShards) -> tuple[jax.Array, Any]:
+           attend: AttendFn, state: Any, ws: WeightShards,
+           expert_matmul: ExpertMatmulFn | None) -> tuple[jax.Array, Any]:
     """One decoder layer: x f[..., hidden] -> (x after its attention and MLP, state)."""
     p = layer_params(params, layer)
     with phase("attention_inputs"):
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws)
-        index = (indexer_inputs(p, cfg, h, q_lora, pos, ws)
-                 if cfg.indexer_types[layer] == "full" else None)
+        own_indexer = cfg.indexer_types[layer] == "full"
+        features = projected_features(p, cfg, h, ws, indexer=own_indexer)
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws, features)
+        index = indexer_inputs(p, cfg, h, q_lora, pos, ws, features) if own_indexer else None
     out, state = attend(layer, state, q_row, kv_row, index, functools.partial(mla_output, p, cfg))
     with phase("dense"):
         x = x + out
         h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        return x + mlp(p, cfg, layer, h, ws), state
+        return x + mlp(p, cfg, layer, h, ws, expert_matmul), state
 
 
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),

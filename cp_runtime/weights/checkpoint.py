@@ -429,21 +429,24 @@ class CheckpointBlocks:
 
     def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock:
         """Elements lo..hi along `axis` of model-layout tensor `name` (all when axis is None),
-        as stored (fp8 with its scales). A stack of experts reads only experts lo..hi, each
-        transposed into the stack, scales and block too."""
+        as stored (fp8 with its scales). A stack of experts [E, a, b] reads experts lo..hi
+        (axis 0) or elements lo..hi of every expert's axis 1 or 2, each expert's HF [b, a]
+        part transposed into the stack, scales, block and first element too."""
         experts = expert_sources(name, self.model)
         if experts is None:
             return self.reader.read(name, axis, lo, hi)
-        if axis not in (None, 0):
-            raise ValueError(f"{name}: a stack of experts splits by expert (axis 0), not {axis}")
-        chosen = experts if axis is None else experts[lo:hi]
-        parts = [self.reader.read(e) for e in chosen]
+        if axis in (None, 0):
+            chosen = experts if axis is None else experts[lo:hi]
+            parts = [self.reader.read(e) for e in chosen]
+        else:                              # model axes 1, 2 are the HF tensor's axes 1, 0
+            parts = [self.reader.read(e, 2 - axis, lo, hi) for e in experts]
         if not parts:
             return HostBlock(np.zeros((0, *self.shapes[name][1:]), np.float32))
         values = np.stack([p.values.T for p in parts])
         if parts[0].scales is None:
             return HostBlock(values)
-        return HostBlock(values, np.stack([p.scales.T for p in parts]), parts[0].block[::-1])
+        return HostBlock(values, np.stack([p.scales.T for p in parts]), parts[0].block[::-1],
+                         parts[0].first[::-1])
 
 
 def load_hf_params(model_dir: str | pathlib.Path, cfg: ModelConfig,

@@ -18,7 +18,11 @@ The split of each tensor (model layout: HF names, routed experts stacked, see
     dense MLP and shared experts           gate/up by rows (column parallel), down by columns
                                            (row parallel)
     router gate                            rows, by expert
-    routed experts [E, ...]                by expert (expert parallel)
+    routed experts [E, ...]                by inner feature: every device holds every expert's
+                                           slice (gate/up [E, hidden, inner / S], down
+                                           [E, inner / S, hidden]), so the few experts a decode
+                                           step's tokens choose are read by all devices evenly,
+                                           and no device waits on a popular one
     norms and biases                       replicated
 
 An axis of `units` parts (heads, experts, features) is padded with zero parts up to a multiple
@@ -77,8 +81,9 @@ def _by_suffix(model: ModelConfig) -> dict[str, tuple[int, int]]:
 def split_of(name: str, shape: tuple[int, ...], model: ModelConfig) -> Split | None:
     """How tensor `name` (model layout) of `shape` is split over the devices; None: replicated
     (norms, biases, the router's correction bias)."""
-    if name.endswith(EXPERT_STACKS):
-        return Split(0, shape[0])
+    if name.endswith(EXPERT_STACKS):                                # gate/up [E, hid, inner]
+        inner = 1 if name.endswith("down_proj.weight") else 2      # down [E, inner, hid]
+        return Split(inner, shape[inner])
     for suffix, (axis, units) in _by_suffix(model).items():
         if name.endswith(suffix):
             return Split(axis, units)

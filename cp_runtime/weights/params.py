@@ -7,8 +7,8 @@ checkpoint round trip is the identity. `layer_params` gives one layer's view wit
 
 The model runs on the *model layout* (`model_layout`): the same names and arrays, except that
 each MoE layer's routed experts are stacked into three tensors (cp_runtime.weights.layout's
-EXPERT_STACKS), transposed for a grouped matmul (`jax.lax.ragged_dot`) and split over devices
-by expert:
+EXPERT_STACKS), transposed for a grouped matmul and split over devices by inner feature (each
+device a slice of every expert):
     mlp.experts.gate_proj.weight, mlp.experts.up_proj.weight   [E, hidden, inner]
     mlp.experts.down_proj.weight                               [E, inner, hidden]
 """

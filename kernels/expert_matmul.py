@@ -1,0 +1,221 @@
+"""Grouped matmul straight from block-scaled fp8 expert weights: the Pallas TPU kernel of
+`reference.grouped_matmul`. Rows sorted by expert run through their own expert's weights, and
+only experts that have rows are read from HBM, as fp8.
+
+Why. The XLA path of a MoE layer (`jax.lax.ragged_dot`) needs its weights in bf16, so each step
+writes and reads a dequantised copy of every local expert; a decode step of a few tokens, whose
+rows touch a few experts, pays for all of them. Here the weights stay fp8 in HBM and each
+expert's blocks are dequantised in VMEM, block by block, as they are used.
+
+Visits. rows [N, K] come sorted by group (expert), `group_sizes` [E] rows each, cut into m-tiles
+of tm rows. A visit is one (group, m-tile) pair where the group has rows in the tile; visits go
+by group, then tile, so consecutive visits share either the group (its weights stay in VMEM) or
+the tile (its rows stay): each weight block and each row tile crosses HBM once per column tile.
+There are at most m_tiles + min(E, N) - 1 visits (`visits_bound`); the grid runs that many, and
+the visits past the call's count repeat the last real one's block indices, so they move nothing
+and compute nothing. A visit writes only its group's rows of the output tile, and a tile's first
+visit clears the rest; tiles past every group get one zeroing visit each, so rows past the
+groups come out zero.
+
+Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs` in
+cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
+accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
+
+Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
+Blocks: the visit plan (`visit_plan`) scalar prefetch (SMEM);
+        rows bf16[tm, K] by the visit's tile, weight f8[K, tn] by its group (VMEM), scales
+        f32[K / ga, tn / gb] by its group (SMEM), output f32[tm, tn] by its tile.
+VMEM:   2 * (tm * K * 2 + K * tn * w + tm * tn * 4)    (double-buffered blocks)
+        + tm * tn * 4                                  (the accumulator)
+Per call (upper bound: every visit a whole tile; min(E, N) experts read):
+        flops = 2 * V * tm * K * M
+        bytes = (M / tn) * N' * K * 2 + min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4
+                + N' * M * 4                            (N' = N padded to tm)
+A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
+grid has (M / tn) * V steps, about 500 for an 8K-token chunk of GLM-5.2, 8 for a decode step.
+On a TPU the scale runs must be whole lane tiles (ga, gb multiples of 128: `supports`); the
+public fp8 checkpoints' 128 x 128 blocks are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cp_runtime.kernels.costs import call_options
+from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.vmem import LANES, tiled_bytes
+
+__all__ = ["grouped_matmul", "visit_plan", "visits_bound", "row_tile", "column_tile",
+           "supports", "cost"]
+
+ROW_TILE = 256                  # rows per m-tile at most (`row_tile`)
+ROW_ALIGN = 16                  # bf16 rows per sublane tile
+WEIGHT_BLOCK_BYTES = 2 << 20    # a weight block [K, tn] of at most this many bytes
+
+
+def row_tile(num_rows: int, num_groups: int) -> int:
+    """tm: about the rows a group has when the rows spread over every group they can reach (a
+    power of two, ROW_ALIGN to ROW_TILE). Each visit computes a whole tile, so a tile much
+    taller than a group wastes the MXU on masked rows: a decode step's 256 rows over 256
+    experts would compute 256 x 256 rows in tiles of 256, 16 x 271 in tiles of 16."""
+    per_group = cdiv(max(num_rows, 1), max(min(num_groups, num_rows), 1))
+    return min(ROW_TILE, max(ROW_ALIGN, 1 << (per_group - 1).bit_length()))
+
+
+def column_tile(k: int, m: int, gb: int, itemsize: int) -> int:
+    """tn: the widest run-aligned divisor of M whose weight block [K, tn] stays within
+    WEIGHT_BLOCK_BYTES (one run when none does)."""
+    runs = m // gb
+    best = 1
+    for d in range(1, runs + 1):
+        if runs % d == 0 and k * d * gb * itemsize <= WEIGHT_BLOCK_BYTES:
+            best = d
+    return best * gb
+
+
+def visits_bound(num_rows: int, num_groups: int, tm: int) -> int:
+    """Visits a call of `num_rows` rows over `num_groups` groups can make, at most."""
+    return cdiv(num_rows, tm) + min(num_groups, num_rows) - 1
+
+
+def supports(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
+    """Whether a TPU compiles the kernel for weights [E, K, M] with scales [E, K/ga, M/gb]: the
+    scale runs must be whole 128-lane tiles."""
+    ga, gb = w_shape[-2] // s_shape[-2], w_shape[-1] // s_shape[-1]
+    return ga % LANES == 0 and gb % LANES == 0
+
+
+def visit_plan(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int):
+    """The visits (module docstring) as scalar-prefetch arrays: group, tile, fresh i32[V],
+    bounds i32[E + 1] (group g's rows are [bounds[g], bounds[g + 1])), counts i32[2].
+
+    Visits [0, counts[0]) compute; visits [counts[0], counts[1]) only zero the tiles no group
+    reaches (rows past the groups come out zero, never stale VMEM); later ones repeat the last
+    visit and do nothing. fresh: the visit is its tile's first, so it clears the rows its group
+    does not write."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first = starts // tm
+    spans = jnp.where(group_sizes > 0, (ends - 1) // tm - first + 1, 0)     # tiles per group
+    done = jnp.cumsum(spans)                                                # visits through g
+    real = done[-1]
+    covered = cdiv(ends[-1], tm)                     # tiles holding some group's rows
+    zeroing = real + (m_tiles - covered)
+    v = jnp.arange(num_visits)
+    rv = jnp.clip(v, 0, jnp.maximum(real - 1, 0))
+    num_groups = group_sizes.shape[0]
+    group = jnp.minimum(jnp.searchsorted(done, rv, side="right"), num_groups - 1)
+    tile = jnp.clip(first[group] + rv - (done[group] - spans[group]), 0, m_tiles - 1)
+    last_group = group[jnp.maximum(real - 1, 0)]
+    extra = jnp.clip(v - real, 0, jnp.maximum(m_tiles - covered - 1, 0))
+    past = v >= real
+    group = jnp.where(past, last_group, group)
+    tile = jnp.where(past, jnp.minimum(covered + extra, m_tiles - 1), tile)
+    fresh = jnp.concatenate([jnp.ones((1,), bool), tile[1:] != tile[:-1]])
+    bounds = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
+    counts = jnp.stack([real, zeroing])
+    return tuple(a.astype(jnp.int32) for a in (group, tile, fresh, bounds, counts))
+
+
+def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
+         w_itemsize: int = 1) -> dict:
+    """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring)."""
+    e, k, m = w_shape
+    ga, gb = k // s_shape[-2], m // s_shape[-1]
+    tm = row_tile(num_rows, e)
+    rows = cdiv(num_rows, tm) * tm
+    tn = column_tile(k, m, gb, w_itemsize)
+    visits = visits_bound(rows, e, tm)
+    weights = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
+    vmem = (2 * (tiled_bytes((tm, k), 2) + tiled_bytes((k, tn), w_itemsize)
+                 + tiled_bytes((tm, tn), 4)) + tiled_bytes((tm, tn), 4))
+    return {"flops": 2 * visits * tm * k * m,
+            "bytes": (m // tn) * rows * k * 2 + weights + rows * m * 4,
+            "vmem_bytes": vmem}
+
+
+def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
+            rows_ref,                                        # [tm, K] bf16
+            w_ref,                                           # [K, tn] fp8 (or any float)
+            s_ref,                                           # [K / ga, tn / gb] f32 SMEM
+            out_ref,                                         # [tm, tn] f32
+            acc_ref):                                        # [tm, tn] f32 scratch
+    v = pl.program_id(1)
+    tm, tn = out_ref.shape
+    k_runs, n_runs = s_ref.shape
+    ga, gb = w_ref.shape[0] // k_runs, tn // n_runs
+
+    @pl.when(v < counts_ref[0])
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        def run(i, carry):
+            kr, nr = i // n_runs, i % n_runs
+            k0 = pl.multiple_of(kr * ga, ga)
+            n0 = pl.multiple_of(nr * gb, gb)
+            x = rows_ref[:, pl.ds(k0, ga)]
+            w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)].astype(jnp.bfloat16)
+            part = jnp.dot(x, w, preferred_element_type=jnp.float32)
+            acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr]
+            return carry
+
+        jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
+        g = group_ref[v]
+        row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+        mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
+        before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
+        out_ref[...] = jnp.where(mine, acc_ref[...], before)
+
+    @pl.when((v >= counts_ref[0]) & (v < counts_ref[1]))
+    def _():
+        out_ref[...] = jnp.zeros_like(out_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes: jax.Array,
+                   *, interpret: bool = False) -> jax.Array:
+    """Pallas twin of `reference.grouped_matmul`.
+
+    rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input)
+    w:           f8[E, K, M]      (or any float dtype) one weight per group
+    scales:      f32[E, K/ga, M/gb] block scales of w
+    group_sizes: i32[E]           rows of each group, in order; rows past their sum are not
+                                  any group's and come out zero
+    returns:     f32[N, M]
+    """
+    n, k = rows.shape
+    e, kw, m = w.shape
+    if kw != k or scales.shape[0] != e or m % scales.shape[-1] or k % scales.shape[-2]:
+        raise ValueError(f"rows {rows.shape}, weights {w.shape} and scales {scales.shape} do "
+                         "not fit together")
+    gb = m // scales.shape[-1]
+    tm = row_tile(n, e)
+    m_tiles = cdiv(n, tm)
+    tn = column_tile(k, m, gb, w.dtype.itemsize)
+    num_visits = visits_bound(m_tiles * tm, e, tm)
+    padded = jnp.pad(rows.astype(jnp.bfloat16), ((0, m_tiles * tm - n), (0, 0)))
+    plan = visit_plan(group_sizes.astype(jnp.int32), tm, m_tiles, num_visits)
+    figures = cost(n, w.shape, scales.shape, w.dtype.itemsize)
+    out = pl.pallas_call(
+        _kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(m // tn, num_visits),
+            in_specs=[
+                pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0)),
+                pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
+                pl.BlockSpec((None, scales.shape[1], tn // gb),
+                             lambda j, v, g, t, *_: (g[v], 0, j),
+                             memory_space=pltpu.SMEM),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, v, g, t, *_: (t[v], j)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), jnp.float32),
+        **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret),
+    )(*plan, padded, w, scales.astype(jnp.float32))
+    return out[:n]
