@@ -16,8 +16,8 @@ The model is in three modules (tpu_model imports tpu_designs, which imports tpu_
                  terms by layer kind, a chunked prefill's schedule (serial and overlapped), the
                  designs sweep, the compute floor and the HBM use per device
     tpu_model    this one: the report's cases (`scenarios`, `evaluate`), the four target cases
-                 against their targets (`cases`, `compiler_seconds`) beside other systems'
-                 published figures (ANCHORS), the tables and the command line
+                 against their targets (`cases`, `compiler_seconds`, `compiler_designs`) beside
+                 other systems' published figures (ANCHORS), the tables and the command line
 
 The other two's public names are re-imported here (this module's __all__ lists them), so
 `tpu_model.<name>` works as before. The rules the tables' times follow (term time, serial,
@@ -134,7 +134,8 @@ def evaluate(model: ModelConfig, hw: Hardware, setup: Setup, case: dict) -> dict
 
 
 def cases(model: ModelConfig, hw: Hardware, setup: Setup, *, design_chunks: list[int],
-          source_figures: dict[str, float] | None = None) -> list[dict]:
+          source_figures: dict[str, float] | None = None,
+          source_designs: dict[str, dict] | None = None) -> list[dict]:
     """The four CASES against their targets, whatever the report's other lists say:
 
         case            "prefill 128K", "prefill 1M", "decode 1M B=1", "decode 1M B=32"
@@ -142,13 +143,15 @@ def cases(model: ModelConfig, hw: Hardware, setup: Setup, *, design_chunks: list
                         decode: the serial step time (the gather_q design)
         source          "model", or "compiler" where source_figures gives the case
         fits            HBM use per device <= the device's HBM (hbm_use)
-        design          prefill: {"prefill_design", "chunk_size"} of that time; decode: None
+        design          prefill: {"prefill_design", "chunk_size"} of that time (the compiled
+                        programs' where source_designs gives them); decode: None
         target_seconds  prefill 1M: 2 x its compute floor; TARGET_SECONDS for the others
                         (decode 1M B=32: None, its target is fitting)
         meets_target    fits and seconds <= target_seconds (where None: fits)
 
     source_figures: {case: seconds} measured from compiled programs; a case given there takes
-    those seconds instead of the model's (the design and fit stay the model's).
+    those seconds instead of the model's (its fit stays the model's, its design too unless
+    source_designs, `compiler_designs`, names the one the programs ran).
     """
     if not design_chunks:
         raise ValueError("design_chunks: no chunk size to try")
@@ -169,11 +172,25 @@ def cases(model: ModelConfig, hw: Hardware, setup: Setup, *, design_chunks: list
                                              batch=batch)], hw)["serial_s"]
             design, use = None, hbm_use(model, hw, setup, tokens=(length + 1) * batch)
         seconds, source = (figures[name], "compiler") if name in figures else (seconds, "model")
+        if source == "compiler" and name in (source_designs or {}):
+            design = source_designs[name]
         fits, target = use <= hw.hbm_bytes, targets[name]
         out.append({"case": name, "seconds": seconds, "source": source, "fits": fits,
                     "design": design, "target_seconds": target,
                     "meets_target": fits and (target is None or seconds <= target)})
     return out
+
+
+def compiler_designs(matrix: dict) -> dict[str, dict]:
+    """{prefill case: {"prefill_design", "chunk_size"}} of the chunks a compile matrix JSON
+    holds: the attention layout they compiled (every chunk's, joined by "+" where they
+    differ) and the matrix's chunk size."""
+    layouts = sorted({row["attention"] for row in matrix.get("cases", [])
+                      if row.get("program") != "decode" and row.get("attention")})
+    if not layouts or "chunk_size" not in matrix:
+        return {}
+    design = {"prefill_design": "+".join(layouts), "chunk_size": matrix["chunk_size"]}
+    return {name: design for name, (kind, _, _) in _CASE_SHAPES.items() if kind == "prefill"}
 
 
 def compiler_seconds(matrix: dict) -> dict[str, float]:
@@ -356,15 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(args.prefill_lengths)
     sweep = design_sweep(model, hw, setup, length=longest, chunks=args.design_chunks)
     floor = compute_floor(model, hw, setup, length=longest)
-    figures = None
+    figures = designs = None
     if args.compiler_figures:
         matrix = json.loads(pathlib.Path(args.compiler_figures).read_text())
         if matrix.get("model") != model.name:
             raise SystemExit(f"cp-runtime bench tpu_model: --compiler-figures holds "
                              f"{matrix.get('model')!r}, not {model.name!r}")
-        figures = compiler_seconds(matrix)
+        figures, designs = compiler_seconds(matrix), compiler_designs(matrix)
     report_cases = cases(model, hw, setup, design_chunks=args.design_chunks,
-                         source_figures=figures)
+                         source_figures=figures, source_designs=designs)
     if not args.json:
         _print(results, hw, setup, model)
         print()

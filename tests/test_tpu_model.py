@@ -300,11 +300,15 @@ def test_the_hand_model_beside_the_compiler(capsys):
 
 def test_compiler_figures_take_the_cases_seconds_from_a_compile_matrix(tmp_path, capsys):
     """`--compiler-figures`: the JSON `cp-runtime compile --matrix --out` writes; its decode
-    cases by name and its prefills summed over chunks replace the model's seconds."""
+    cases by name and its prefills summed over chunks replace the model's seconds, and a
+    compiled prefill names the layout and chunk its programs ran, not the model's best."""
     matrix = {"model": "glm-5.2", "prefill_1048576_seconds": 30.0,
-              "prefill_131072_seconds": None,
-              "cases": [{"case": "decode 1M B=1", "seconds": 0.012},
-                        {"case": "decode 128K B=1", "seconds": 0.011}]}
+              "prefill_131072_seconds": None, "chunk_size": 8192,
+              "cases": [{"case": "decode 1M B=1", "program": "decode", "seconds": 0.012,
+                         "attention": "gather_q"},
+                        {"case": "decode 128K B=1", "seconds": 0.011},
+                        {"case": "prefill @0", "program": "prefill_logits", "seconds": 0.2,
+                         "attention": "gather_kv"}]}
     assert tpu_model.compiler_seconds(matrix) == {"prefill 1M": 30.0, "decode 1M B=1": 0.012}
     path = tmp_path / "matrix.json"
     path.write_text(json.dumps(matrix))
@@ -312,6 +316,8 @@ def test_compiler_figures_take_the_cases_seconds_from_a_compile_matrix(tmp_path,
     by_case = {c["case"]: c for c in json.loads(capsys.readouterr().out)["cases"]}
     assert by_case["prefill 1M"]["source"] == "compiler"
     assert by_case["prefill 1M"]["seconds"] == 30.0
+    assert by_case["prefill 1M"]["design"] == {"prefill_design": "gather_kv", "chunk_size": 8192}
+    assert by_case["prefill 128K"]["design"]["prefill_design"] in tpu_model.DESIGNS
     assert by_case["decode 1M B=1"]["source"] == "compiler"
     assert not by_case["decode 1M B=1"]["meets_target"]            # 12 ms > 8 ms
     assert by_case["prefill 128K"]["source"] == "model"
