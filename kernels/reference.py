@@ -194,7 +194,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
                    group_sizes: jax.Array) -> jax.Array:
-    """Rows sorted by group through their group's block-scaled weight, in f32.
+    """Rows sorted by group through their group's block-scaled weight, in f32: a ragged dot
+    over the dequantised weights (an f32 copy of every group's weight, never one per row).
 
     rows:        f[N, K]            cast to bf16 (the kernel's input)
     w:           f8[E, K, M]        (or any float dtype)
@@ -206,9 +207,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     ga, gb = k // scales.shape[-2], m // scales.shape[-1]
     full = (w.astype(jnp.float32).reshape(e, k // ga, ga, m // gb, gb)
             * scales[:, :, None, :, None]).reshape(e, k, m)
-    ends = jnp.cumsum(group_sizes)
-    index = jnp.arange(rows.shape[0])
-    group = jnp.minimum(jnp.searchsorted(ends, index, side="right"), e - 1)
     x = rows.astype(jnp.bfloat16).astype(jnp.float32)
-    out = jnp.einsum("nk,nkm->nm", x, full[group], precision=lax.Precision.HIGHEST)
-    return jnp.where((index < ends[-1])[:, None], out, 0.0)
+    out = lax.ragged_dot(x, full, group_sizes, precision=lax.Precision.HIGHEST)
+    past = jnp.arange(rows.shape[0]) >= group_sizes.sum()
+    return jnp.where(past[:, None], 0.0, out)

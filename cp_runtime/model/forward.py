@@ -20,8 +20,8 @@ Weights are in the model layout (cp_runtime.weights.params.model_layout), whole 
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
   projections to features (q_a, kv_a, the indexer's wk and weights_proj: one all-gather for
-  them all in a decode step, `projected_features`), indexer heads, router logits and the lm head's logits are
-  computed on this device's rows and all-gathered (q's heads stay this
+  them all in a decode step, `projected_features`), indexer heads, router logits and the lm
+  head's logits are computed on this device's rows and all-gathered (q's heads stay this
   device's: the attention gathers them where it needs them, cp_runtime.model.attention); the
   embedding, the dense MLP (row-parallel down), the routed experts (each device holds a slice of
   every expert's inner features: gate/up column parallel, down row parallel) and o_proj give
