@@ -42,7 +42,8 @@ def _prefill(model, params, shards: int, weights: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "deepseek-mini"])
-@pytest.mark.parametrize("shards", [1, 16])
+# S = 1 (a split into one part) runs with the slow tests; S = 16 splits, pads and gathers.
+@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 16])
 def test_sharded_weights_give_the_replicated_logits(model_name, shards):
     model = load_model_config(model_name)
     params = init_params(model, seed=0)
