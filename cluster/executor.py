@@ -22,9 +22,11 @@ measures both.
 Faults. A heartbeat thread asks every worker for `health` every `heartbeat_s` (answered in
 the worker's own concurrency group while a step runs); a worker that does not answer within
 `heartbeat_timeout_s`, a worker Ray reports dead (actor killed, process gone), or a step that
-takes longer than `step_timeout_s` fails the step (the first step of each plan shape in a
-group compiles, or loads from `compilation_cache_dir`: it has `setup_timeout_s`, so a short
-step timeout never fails a compile): the executor kills what is left of the
+takes longer than `step_timeout_s` fails the step (before the first step of each plan shape
+in a group, every worker compiles it, or loads it from `compilation_cache_dir`, and only then
+do all run it: a worker never waits in a collective's rendezvous, which gloo gives 30 s, for
+another that is still compiling; compiling has `setup_timeout_s`, so a short step timeout
+never fails a compile): the executor kills what is left of the
 group (the survivors are stuck in a collective), starts a fresh one, and raises `WorkerLost`
 (retryable, code `unavailable`). Every cache was lost with the group: the engine rebuilds its
 sessions from their token logs, exactly as after any failed step (`Engine._recover` calls
@@ -361,6 +363,10 @@ class RayExecutor(Executor):
         shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
                       for seg in plan)
         new = group is None or shape not in group.shapes
+        if new:
+            # Every worker compiles first, then all run: a worker still compiling while
+            # another waits in the step's first collective would fail the gloo rendezvous.
+            self._call("compile", plan, timeout_s=self.setup_timeout_s)
         results = self._call("run", plan, timeout_s=self.setup_timeout_s if new else None)
         if group is not None:
             group.shapes.add(shape)

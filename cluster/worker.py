@@ -4,7 +4,8 @@ and its own copy of the weights, and runs the same SPMD step as every other host
     worker = HostWorker.options(...).remote(rank, num_hosts, devices_per_host, platform)
     ip, port = ray.get(worker.coordinator_endpoint.remote())        # asked of rank 0 only
     ray.get([w.setup.remote(coordinator, source, runtime) for w in workers])   # all at once
-    outputs = ray.get([w.run.remote(plan) for w in workers])[0]                 # lockstep
+    ray.get([w.compile.remote(plan) for w in workers])      # a new plan shape: all compile,
+    outputs = ray.get([w.run.remote(plan) for w in workers])[0]     # then run in lockstep
 
 `setup` calls `jax.distributed.initialize` before any other JAX call in the process (on a CPU
 it first asks for `devices_per_host` virtual devices and gloo collectives), loads the weights
@@ -14,8 +15,9 @@ from the `WeightsSource` description (never arrays from another process), and bu
 each process holding the shards of its own devices. Step outputs are replicated, so every rank
 could return them; only rank 0 sends them back.
 
-Methods run in two concurrency groups: "step" (setup, run, page copies: one at a time, in
-the order sent) and "health" (`health`, answered while a step runs: the executor's heartbeat).
+Methods run in two concurrency groups: "step" (setup, compile, run, page copies: one at a
+time, in the order sent) and "health" (`health`, answered while a step runs: the executor's
+heartbeat).
 """
 
 from __future__ import annotations
@@ -167,6 +169,12 @@ class _Worker:
         if method == "run":
             outs = self._timed(self.executor.run, *args)
             return (outs if self.rank == 0 else None), self.last_step_s
+        if method == "compile":                 # not a step: no step counts or times
+            self.state = "compiling"
+            try:
+                return self.executor.compile(*args)
+            finally:
+                self.state = "ready"
         if method == "read_rows":
             rows = self._timed(self.executor.read_rows, *args)
             return rows if self.rank == 0 else None
@@ -192,6 +200,11 @@ class _Worker:
     def run(self, plan: tuple) -> tuple[list | None, float]:
         """Run one step plan; (outputs on rank 0 else None, seconds this step took here)."""
         return self._handle("run", plan)
+
+    @ray.method(concurrency_group="step")
+    def compile(self, plan: tuple) -> None:
+        """Compile a step plan's programs without running them."""
+        self._handle("compile", plan)
 
     @ray.method(concurrency_group="step")
     def copy_page(self, shard: int, src: int, dst: int) -> None:
