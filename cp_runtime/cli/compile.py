@@ -114,7 +114,6 @@ def run_compile(args) -> int:
     if args.matrix:
         return _run_matrix(args)
     deploy = importlib.import_module("cp_runtime.aot.deploy")
-    report = importlib.import_module("cp_runtime.aot.report")
     plan = deploy.CompilePlan(
         model=args.model, topology=args.topology, layers=args.layers,
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
@@ -129,13 +128,21 @@ def run_compile(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(_summary(result))
-        print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
-        if args.phases:
-            print()
-            print(report.format_phases(result["programs"]))
-            _print_priced_phases(result, args.topology)
+        print_result(result, phases=args.phases, topology_name=args.topology)
     return 0 if all(p["compiled"] for p in result["programs"]) else 1
+
+
+def print_result(result: dict, *, phases: bool, topology_name: str) -> None:
+    """`compile_plan`'s result as text: the summary, each program's memory and cost, and with
+    `phases` each program's figures per step phase, priced at the compiler's clock."""
+    from cp_runtime.aot import report
+
+    print(_summary(result))
+    print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
+    if phases:
+        print()
+        print(report.format_phases(result["programs"]))
+        _print_priced_phases(result, topology_name)
 
 
 def _print_priced_phases(result: dict, topology_name: str) -> None:
