@@ -22,7 +22,8 @@ cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
-Blocks: the visit plan (`visit_plan`) scalar prefetch (SMEM);
+Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
+        (`plan_visits`; `visit_plan` is its XLA twin);
         rows bf16[tm, K] by the visit's tile, weight f8[K, tn] by its group (VMEM), scales
         f32[K / ga, tn / gb] by its group (SMEM), output f32[tm, tn] by its tile.
 VMEM:   2 * (tm * K * 2 + K * tn * w + tm * tn * 4)    (double-buffered blocks)
@@ -33,6 +34,8 @@ Per call (upper bound: every visit a whole tile; min(E, N) experts read):
                 + N' * M * 4                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
 grid has (M / tn) * V steps, about 500 for an 8K-token chunk of GLM-5.2, 8 for a decode step.
+The plan kernel's estimate is its bytes (E + 3 V + E + 3 words); its scalar loop (E + V
+iterations) is not estimated either.
 On a TPU the scale runs must be whole lane tiles (ga, gb multiples of 128: `supports`); the
 public fp8 checkpoints' 128 x 128 blocks are.
 """
@@ -50,7 +53,7 @@ from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES, tiled_bytes
 
-__all__ = ["grouped_matmul", "visit_plan", "visits_bound", "row_tile", "column_tile",
+__all__ = ["grouped_matmul", "visit_plan", "plan_visits", "visits_bound", "row_tile", "column_tile",
            "supports", "cost"]
 
 ROW_TILE = 256                  # rows per m-tile at most (`row_tile`)
@@ -91,7 +94,8 @@ def supports(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
 
 
 def visit_plan(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int):
-    """The visits (module docstring) as scalar-prefetch arrays: group, tile, fresh i32[V],
+    """The visits (module docstring) as scalar-prefetch arrays, in XLA (the reference of
+    `plan_visits`, which the kernel uses): group, tile, fresh i32[V],
     bounds i32[E + 1] (group g's rows are [bounds[g], bounds[g + 1])), counts i32[2].
 
     Visits [0, counts[0]) compute; visits [counts[0], counts[1]) only zero the tiles no group
@@ -120,6 +124,71 @@ def visit_plan(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int):
     bounds = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
     counts = jnp.stack([real, zeroing])
     return tuple(a.astype(jnp.int32) for a in (group, tile, fresh, bounds, counts))
+
+
+def _plan_kernel(sizes_ref,                                              # [E] SMEM
+                 group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,  # SMEM outputs
+                 *, tile_shift: int, m_tiles: int):
+    """`visit_plan` on the scalar core: one pass over the groups writes their visits in order,
+    then the zeroing visits and the idle ones (which repeat the last visit's group)."""
+    num_groups, num_visits = sizes_ref.shape[0], group_ref.shape[0]
+    tm = 1 << tile_shift
+
+    def emit(v, group, tile, prev_tile):
+        group_ref[v] = group
+        tile_ref[v] = tile
+        fresh_ref[v] = (tile != prev_tile).astype(jnp.int32)
+
+    def by_group(g, carry):
+        end, v, prev_tile, last_group = carry
+        size = sizes_ref[g]
+        bounds_ref[g] = end
+        first = jax.lax.shift_right_logical(end, tile_shift)
+        last = jax.lax.shift_right_logical(end + size - 1, tile_shift)
+        span = jnp.where(size > 0, last - first + 1, 0)
+
+        def visit(i, c):
+            emit(c[0] + i, g, first + i, c[1])
+            return c[0], first + i
+
+        _, prev_tile = jax.lax.fori_loop(0, span, visit, (v, prev_tile))
+        return end + size, v + span, prev_tile, jnp.where(size > 0, g, last_group)
+
+    zero = jnp.int32(0)
+    total, real, prev_tile, last_group = jax.lax.fori_loop(
+        0, num_groups, by_group, (zero, zero, jnp.int32(-1), jnp.int32(num_groups - 1)))
+    bounds_ref[num_groups] = total
+    covered = jax.lax.shift_right_logical(total + tm - 1, tile_shift)
+
+    def after(v, prev_tile):
+        extra = jnp.clip(v - real, 0, jnp.maximum(m_tiles - covered - 1, 0))
+        tile = jnp.minimum(covered + extra, m_tiles - 1)
+        emit(v, last_group, tile, prev_tile)
+        return tile
+
+    jax.lax.fori_loop(real, num_visits, after, prev_tile)
+    counts_ref[0] = real
+    counts_ref[1] = real + (m_tiles - covered)
+
+
+def plan_visits(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int, *,
+                interpret: bool = False):
+    """`visit_plan`'s arrays from a Pallas kernel on the scalar core: one small call instead
+    of the ~15 small XLA ops (cumulative sums, a search, gathers) `visit_plan` takes, each
+    ~1 us in XLA:TPU's estimate. tm a power of two (`row_tile`)."""
+    if tm & (tm - 1):
+        raise ValueError(f"row tile {tm} is not a power of two")
+    e = group_sizes.shape[0]
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    figures = {"flops": 0, "bytes": 4 * (e + 3 * num_visits + e + 1 + 2), "vmem_bytes": 0}
+    return tuple(pl.pallas_call(
+        functools.partial(_plan_kernel, tile_shift=tm.bit_length() - 1, m_tiles=m_tiles),
+        in_specs=[smem],
+        out_specs=[smem] * 5,
+        out_shape=[jax.ShapeDtypeStruct((n,), jnp.int32)
+                   for n in (num_visits, num_visits, num_visits, e + 1, 2)],
+        **call_options("expert_visit_plan", figures, (), interpret),
+    )(group_sizes.astype(jnp.int32)))
 
 
 def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
@@ -199,7 +268,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     tn = column_tile(k, m, gb, w.dtype.itemsize)
     num_visits = visits_bound(m_tiles * tm, e, tm)
     padded = jnp.pad(rows.astype(jnp.bfloat16), ((0, m_tiles * tm - n), (0, 0)))
-    plan = visit_plan(group_sizes.astype(jnp.int32), tm, m_tiles, num_visits)
+    plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
     figures = cost(n, w.shape, scales.shape, w.dtype.itemsize)
     out = pl.pallas_call(
         _kernel,

@@ -37,10 +37,12 @@ from cp_runtime.weights.params import init_params  # noqa: E402
 # The default run's heaviest files (seconds, measured on the 2-core development machine): they
 # go first, so the two xdist workers finish together instead of one running a heavy file alone
 # at the end. Order only; no test depends on it.
-HEAVIEST_FIRST = ("test_ray.py", "test_paged_model.py", "test_engine.py", "test_tpu_compile.py",
-                  "test_benchmark_smoke.py", "test_state.py", "test_checkpoint.py",
-                  "test_in_place.py", "test_hostile_input.py", "test_sharded_weights.py",
-                  "test_recall.py", "test_state_faults.py")
+HEAVIEST_FIRST = ("test_ray.py", "test_tpu_compile.py", "test_benchmark_smoke.py",
+                  "test_state.py", "test_paged_model.py", "test_engine.py",
+                  "test_state_faults.py", "test_kernel_path.py", "test_http.py",
+                  "test_attention_layout.py", "test_in_place.py", "test_checkpoint.py",
+                  "test_hostile_input.py", "test_narrow_weights.py", "test_sharded_weights.py",
+                  "test_recall.py", "test_prefix_cache.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -20,7 +20,8 @@ from cp_runtime.cache.layout import global_page_jnp
 from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
-           "local_candidates", "global_top_pages", "attended_pages", "earlier_pages_mask"]
+           "rank_gathered_pages", "local_candidates", "global_top_pages", "attended_pages",
+           "earlier_pages_mask"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
@@ -80,6 +81,19 @@ def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int
     return jnp.stack(top_scores, axis=-1), jnp.stack(top_pages, axis=-1)
 
 
+def rank_gathered_pages(scores: jax.Array, pages: jax.Array, k: int
+                        ) -> tuple[jax.Array, jax.Array]:
+    """`rank_pages` for distinct candidates, by whichever form is cheaper where the program
+    runs (both give the same k pages in the same order): on CPU `rank_distinct_pages`' k
+    rounds; elsewhere one two-key sort (`rank_pages`): XLA:TPU makes each round a few small
+    ops of ~1 us apiece, so for TPU7x its compiler puts 528 candidates, k = 33 (GLM-5.2 at
+    S = 16), at 65 us for the rounds against 5 us for the sort at one query, and at 1,124
+    against 205 us at 8,192 queries."""
+    return lax.platform_dependent(
+        scores, pages, cpu=lambda s, p: rank_distinct_pages(s, p, k),
+        default=lambda s, p: rank_pages(s, p, k))
+
+
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
     """Which pages[...] (broadcast against q_pos[..., None]) lie before the query's own page."""
     own = jnp.where(q_pos >= 0, q_pos // page_size, -1)
@@ -117,14 +131,14 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
     are already global.
     """
     if axis_name is None:
-        return rank_distinct_pages(scores, pages, k)[1]
+        return rank_gathered_pages(scores, pages, k)[1]
     packed = jnp.stack([scores.astype(jnp.float32),
                         lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
 
     def rank_gathered(every: jax.Array) -> jax.Array:        # [G, 2, B, Q, k] -> [2, B, Q, k]
         every = jnp.moveaxis(every, 0, -2)
         every = every.reshape(*every.shape[:-2], -1)                       # [2, B, Q, G * k]
-        top_scores, top_pages = rank_distinct_pages(
+        top_scores, top_pages = rank_gathered_pages(
             every[0], lax.bitcast_convert_type(every[1], jnp.int32), k)
         return jnp.stack([top_scores, lax.bitcast_convert_type(top_pages, jnp.float32)])
 
