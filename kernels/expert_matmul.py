@@ -53,8 +53,8 @@ from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES, tiled_bytes
 
-__all__ = ["grouped_matmul", "visit_plan", "plan_visits", "visits_bound", "row_tile", "column_tile",
-           "supports", "cost"]
+__all__ = ["grouped_matmul", "visit_plan", "plan_visits", "visits_bound", "row_tile",
+           "column_tile", "supports", "cost"]
 
 ROW_TILE = 256                  # rows per m-tile at most (`row_tile`)
 ROW_ALIGN = 16                  # bf16 rows per sublane tile
