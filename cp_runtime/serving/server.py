@@ -204,7 +204,12 @@ class Server:
         try:
             await conn.run()
         finally:
-            self._connections.discard(conn)
+            self.release(conn)
+
+    def release(self, conn: "_Connection") -> None:
+        """Free a connection's slot. A connection frees it before its socket closes: a client
+        that sees the close and connects again at once must find the slot free."""
+        self._connections.discard(conn)
 
     def authorized(self, token) -> bool:
         if self._token is None:
@@ -246,6 +251,7 @@ class _Connection:
         """Drop the connection now; its requests are cancelled."""
         if not self.closed:
             self.closed = True
+            self.server.release(self)
             self.writer.transport.abort()
         for task in self.tasks.values():
             task.cancel()
@@ -254,6 +260,7 @@ class _Connection:
         """Flush what is buffered (for at most FLUSH_TIMEOUT_S: a client that does not read
         cannot hold the connection) and close."""
         self.closed = True
+        self.server.release(self)
         try:
             await asyncio.wait_for(self.writer.drain(), FLUSH_TIMEOUT_S)
             self.writer.close()
