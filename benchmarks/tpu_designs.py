@@ -50,8 +50,9 @@ Assumptions (each a flag or a constant; the kernels' own in benchmarks/tpu_terms
   * Weights are split evenly over the 16 devices as the runtime splits them with weights =
     "sharded" (cp_runtime/weights/layout.py; GLM-5.2's ~743 B parameters cannot be replicated
     on 96 GiB devices). The routed experts split by inner features, so each device reads
-    1/16 of every chosen expert: the split is even whatever the routing. The small
-    feature-split gathers (q_a, kv_a, indexer k and weights, router logits) are not counted.
+    1/16 of every chosen expert: the split is even whatever the routing. The router is whole
+    on every device (`layer_weights`' "router", not divided). The small feature-split
+    gathers (q_a, kv_a, indexer k and weights) are not counted.
   * An all-gathered buffer (gather_kv's and sequence's latent pages, sequence's attention
     weights) costs each device 2x its size in HBM traffic besides what its consumer reads:
     written as it arrives, read again to forward it along the ring.
@@ -116,7 +117,8 @@ def layer_weights(model: ModelConfig, kind: str, *, experts: int | None = None) 
         attention  q_lora*hid + H*(nope+rope)*q_lora + (kv_lora+rope)*hid
                    + H*(nope+v)*kv_lora + hid*H*v
         indexer    Hi*Di*q_lora + Di*hid + Hi*hid             (full layers; 0 in shared ones)
-        mlp        3*inter*hid (dense) or E*hid + k*3*moe_inter*hid (MoE: router, routed)
+        mlp        3*inter*hid (dense) or k*3*moe_inter*hid     (MoE: the routed experts)
+        router     E*hid                                       (MoE; whole on every device)
         shared     shared*3*moe_inter*hid                      (MoE: the shared experts)
 
     `experts` replaces k (the routed experts per token), e.g. the experts a whole chunk reads.
@@ -130,8 +132,8 @@ def layer_weights(model: ModelConfig, kind: str, *, experts: int | None = None) 
     moe = _is_moe(kind)
     return {"attention": attention_weights(model),
             "indexer": indexer_weights(model) if _is_full(kind) else 0,
-            "mlp": (model.n_routed_experts * hid + routed * expert if moe
-                    else 3 * model.intermediate_size * hid),
+            "mlp": routed * expert if moe else 3 * model.intermediate_size * hid,
+            "router": model.n_routed_experts * hid if moe else 0,
             "shared": model.n_shared_experts * expert if moe else 0}
 
 
@@ -209,19 +211,24 @@ def _schedule(groups: list[LayerGroup], hw: Hardware) -> dict[str, dict]:
 def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str, tokens: int,
                        *, gathered: bool = False) -> Term:
     """One layer's matmuls over `tokens` tokens and the weights it reads, split evenly over the
-    S devices (throughput.projection_work's formulas, one layer):
+    S devices (throughput.projection_work's formulas, one layer), but the router, which every
+    device holds and runs whole for its tokens (W' = W less the router, R = the router):
 
-        flops = tokens * (2 * W_tok + 2 * Di^2 * (Hi + 1) [full layers: Hadamard of q, k]) / S
-        bytes = pb * W_step / S
+        flops = tokens * ((2 * W'_tok + 2 * Di^2 * (Hi + 1) [full layers: Hadamard of q, k]) / S
+                          + 2 * R)
+        bytes = pb * (W'_step / S + R)
 
     W_tok = layer_weights with k experts, W_step with min(E, tokens * k) (every expert some
     token may use), pb = weight bytes. gathered (the sequence design): the attention and
     indexer weights are all-gathered (2 x their bytes: written as they arrive, read again to
     forward them) and read whole by the matmuls, and the shared experts, kept whole on every
-    device, are read whole: bytes = pb * (mlp_step / S + shared + 3 * (attention + indexer)).
+    device, are read whole: bytes = pb * (mlp_step / S + R + shared + 3 * (attention +
+    indexer)).
     """
     s, pb = hw.devices, setup.weight_bytes
-    per_token = sum(layer_weights(model, kind).values())
+    weights = layer_weights(model, kind)
+    router = weights["router"]
+    per_token = sum(weights.values()) - router
     hadamard = 0
     if _is_full(kind) and model.index_hadamard:
         hadamard = 2 * model.index_head_dim ** 2 * (model.index_n_heads + 1)
@@ -230,9 +237,10 @@ def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str
     if gathered:
         read = step["mlp"] / s + step["shared"] + 3 * (step["attention"] + step["indexer"])
     else:
-        read = sum(step.values()) / s
-    return Term("weights + projections", hbm_bytes=pb * read,
-                flops=tokens * (2 * per_token + hadamard) / s, precision=setup.weight_precision)
+        read = (sum(step.values()) - router) / s
+    return Term("weights + projections", hbm_bytes=pb * (read + router),
+                flops=tokens * ((2 * per_token + hadamard) / s + 2 * router),
+                precision=setup.weight_precision)
 
 
 def _step_projections(model: ModelConfig, hw: Hardware, setup: Setup, tokens: int,

@@ -30,6 +30,7 @@ __all__ = [
     "sparse_attention",
     "check_attention_args",
     "grouped_matmul",
+    "scaled_linear",
 ]
 
 NEG_INF = -jnp.inf
@@ -211,3 +212,21 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     out = lax.ragged_dot(x, full, group_sizes, precision=lax.Precision.HIGHEST)
     past = jnp.arange(rows.shape[0]) >= group_sizes.sum()
     return jnp.where(past[:, None], 0.0, out)
+
+
+def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:
+    """x through a block-scaled weight in the checkpoints' [out, in] layout, as the model's
+    `weight()` dequantises it: each value times its block's scale, rounded to bf16; the
+    matmul of bf16 inputs in f32.
+
+    x:       f[..., K]          cast to bf16 (the kernel's input)
+    w:       f8[N, K]           (or any float dtype)
+    scales:  f32[N/ga, K/gb]    one scale per ga x gb block of w
+    returns: f32[..., N]
+    """
+    n, k = w.shape
+    ga, gb = n // scales.shape[0], k // scales.shape[1]
+    dequantised = (w.astype(jnp.float32).reshape(n // ga, ga, k // gb, gb)
+                   * scales[:, None, :, None]).reshape(n, k).astype(jnp.bfloat16)
+    return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16).astype(jnp.float32),
+                      dequantised.astype(jnp.float32), precision=lax.Precision.HIGHEST)

@@ -110,7 +110,7 @@ def test_capacity_and_compiled_weights_agree_on_whole_models(model):
 @needs_libtpu
 @pytest.mark.slow
 def test_the_whole_glm_5_2_decode_and_prefill_fit_a_tpu7x_16_slice(capsys):
-    """All 78 layers, sharded fp8 weights as the checkpoint holds them (43.4 GiB a device),
+    """All 78 layers, sharded fp8 weights as the checkpoint holds them (43.6 GiB a device),
     and the pool capacity sizes for the rest of HBM."""
     code = main(["compile", "--model", "glm-5.2", "--programs", "decode,prefill_fill",
                  "--json"])

@@ -242,11 +242,11 @@ def test_weight_sharding_rules():
                 + hid * glm.v_head_dim)
     assert (weight_bytes_per_device(grown(glm, num_attention_heads=d), d, "bf16") - base
             == layers * per_head * 2)
-    # Routed experts: 16 more experts are one more whole expert and one more router row per MoE
-    # layer and device, plus the 16 new entries of the router's bias (whole on every device).
+    # Routed experts: 16 more experts are one more whole expert per MoE layer and device, plus
+    # the router's 16 new rows and its bias's 16 new entries (both whole on every device).
     expert = 3 * glm.moe_intermediate_size * hid
     assert (weight_bytes_per_device(grown(glm, n_routed_experts=d), d, "bf16") - base
-            == moe * (expert * 2 + hid * 2 + d * 4))
+            == moe * (expert * 2 + d * hid * 2 + d * 4))
     # Dense MLP: column / row parallel, 16 more features are one more per device.
     dense = glm.first_k_dense_replace
     assert (weight_bytes_per_device(grown(glm, intermediate_size=d), d, "bf16") - base

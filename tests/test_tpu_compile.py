@@ -3,10 +3,10 @@ serving programs compile with XLA:TPU and Mosaic for a compile-only tpu7x:2x2x2 
 devices), from shapes alone (cp_runtime.aot).
 
   - kernels: each kernel x cache dtype x model x page size (three of the twelve combinations
-    in the default suite, all in the slow run; the experts' kernel once per model, at one
-    token's rows and an 8192-token chunk's), at the model's per-shard shapes; multi-block
-    prefill (200 and 8192 queries); within the VMEM budget; the kernel's cost() inside the
-    compiler's figures (its CostEstimate reached XLA).
+    in the default suite, all in the slow run; the experts' and the fp8 linear kernels
+    once per model, at one token's rows and an 8192-token chunk's), at the model's
+    per-shard shapes; multi-block prefill (200 and 8192 queries); within the VMEM budget;
+    the kernel's cost() inside the compiler's figures (its CostEstimate reached XLA).
   - programs: glm-5.2 and deepseek-v3.2 cut to their first 3 layers at full width (the MoE
     layers come later: `cp-runtime compile --layers 4` and the slow whole-model test compile
     them), sharded fp8 weights with their block scales (the models' own): the decode step
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from cp_runtime.aot.deploy import CompilePlan, compile_plan  # noqa: E402
-from cp_runtime.aot.kernel_cases import (decode_cases, expert_cases,  # noqa: E402
+from cp_runtime.aot.kernel_cases import (decode_cases, expert_cases, linear_cases,  # noqa: E402
                                          indexer_cases, prefill_cases, write_cases)
 from cp_runtime.aot.report import compile_figures  # noqa: E402
 from cp_runtime.aot.topology import compile_only_devices  # noqa: E402
@@ -63,9 +63,9 @@ def _cases(model, kv_dtype, page_size, device):
     """All dtypes: decode rows and a chunk written, a 5-row decode, a 200-query (4+ block)
     prefill. fp8_e4m3 (the default) adds the batch and chunk extremes (the 8192-query chunk at
     pages of 64; `cp-runtime compile --kernels` compiles it at 16 too) and the indexer, whose
-    bf16 cache is the same under every fp8 latent dtype and bf16, and the experts' kernel
-    (no cache: once per model, with the 64-token pages). (e5m2 writes the same tiles as e4m3,
-    so only e4m3 and bf16 write a whole chunk.)"""
+    bf16 cache is the same under every fp8 latent dtype and bf16, and the experts' and
+    the linear kernels (no cache: once per model, with the 64-token pages). (e5m2 writes the
+    same tiles as e4m3, so only e4m3 and bf16 write a whole chunk.)"""
     full = kv_dtype == "fp8_e4m3"
     chunks = (1, 200, 8192) if full and page_size == 64 else (1, 200) if full else (200,)
     writes = ((64, 1),) if kv_dtype == "fp8_e5m2" else ((64, 1), (8192, 8192))
@@ -74,7 +74,8 @@ def _cases(model, kv_dtype, page_size, device):
             + prefill_cases(model, kv_dtype, page_size, chunks, device)
             + (indexer_cases(model, kv_dtype, page_size, (1, 8192),
                              RuntimeConfig().key_block_pages, device) if full else [])
-            + (expert_cases(model, (1, 8192), device) if full and page_size == 64 else []))
+            + (expert_cases(model, (1, 8192), device) + linear_cases(model, (1, 8192), device)
+               if full and page_size == 64 else []))
 
 
 def _kernel_params():

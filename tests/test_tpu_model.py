@@ -43,26 +43,34 @@ def test_step_time_is_the_sum_of_its_terms(glm):
             assert t["ms"] >= 0 and t["bound"] in ("HBM", "MXU", "ICI", "latency", "-")
 
 
+def _router_weights(model) -> int:
+    """The routers' elements over the MoE layers: whole on every device."""
+    return (model.num_hidden_layers - model.first_k_dense_replace) * (
+        model.n_routed_experts * model.hidden_size)
+
+
 def test_prefill_sums_its_chunks(glm):
     """Two 8K chunks: the weights are read once per chunk and the projection flops are those of
-    16K tokens, split over the 16 devices."""
+    16K tokens, split over the 16 devices, but the router's, which every device runs whole."""
     terms = {t.name: t for t in tpu_model.prefill_terms(glm, HW, SETUP, length=16384)}
     one = projection_work(glm, 8192, logit_rows=1, param_bytes=1, replicas=1)
+    router = _router_weights(glm) * 15 / 16           # what a device holds beyond its 1/16
     proj = terms["weights + projections"]
-    assert proj.flops == pytest.approx(2 * one.flops / 16)
-    assert proj.hbm_bytes == pytest.approx(2 * one.bytes / 16)
+    assert proj.flops == pytest.approx(2 * (one.flops / 16 + 2 * 8192 * router))
+    assert proj.hbm_bytes == pytest.approx(2 * (one.bytes / 16 + router))
     assert proj.precision == "fp8"
 
 
 def test_units_of_decode_terms(glm):
     """Batch 1 at 128K: weight bytes are the active weights + lm_head + one embedding row, fp8,
-    over 16 devices; indexer bytes are every local key (padded to key blocks) of the 21 full
-    layers in bf16; attention
-    reads ceil(129 / 16) = 9 fp8 pages of 16 x 640 per layer, plus its queries and partials."""
+    over 16 devices, and the whole routers; indexer bytes are every local key (padded to key
+    blocks) of the 21 full layers in bf16; attention reads ceil(129 / 16) = 9 fp8 pages of
+    16 x 640 per layer, plus its queries and partials."""
     terms = {t.name: t for t in tpu_model.decode_terms(glm, HW, SETUP, context=128 << 10,
                                                        batch=1)}
     hid, ps = glm.hidden_size, SETUP.page_size
-    weights = (matmul_weights(glm) + glm.vocab_size * hid + hid) / 16
+    weights = ((matmul_weights(glm) + glm.vocab_size * hid + hid) / 16
+               + _router_weights(glm) * 15 / 16)
     assert terms["weights + projections"].hbm_bytes == pytest.approx(weights)
     # 8193 pages -> 513 local pages, padded by the kernel to whole 64-page key blocks: 576
     keys = glm.num_full_layers * 576 * ps * glm.index_head_dim * 2

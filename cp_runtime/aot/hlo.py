@@ -7,7 +7,8 @@ What one instruction costs, from the module alone:
                 its operands and writes its result. An operand that the called computation only
                 slices (dynamic-slice, slice, gather) is counted by the slices it takes, and a
                 buffer updated in place (the output aliases an operand: a cache write) by what
-                is written into it, not by its size: the pool is read through both. Arrays
+                is written into it, not by its size: the pool is read through both. An async
+                copy or slice (XLA prefetching into VMEM) moves its destination's bytes. Arrays
                 placed in VMEM (layout `S(1)`) move no HBM bytes.
     MXU flops   2 x multiply-adds of every convolution and dot, inside fusions too. XLA:TPU
                 writes batched matmuls as convolutions with dilated windows, so the taps of a
@@ -336,6 +337,10 @@ def hbm_bytes(ins: Instruction, module: Module) -> int:
     if ins.op == "copy-start":        # its result tuple is (destination, source, context)
         return module.by_name[ins.operands[0]].hbm_bytes + hbm_shape_bytes(
             ins.shape.split("}, ", 1)[0] + "}")
+    if ins.op == "slice-start":       # ((source), destination, context): one slice of the
+        piece = ins.shape.split("), ", 1)[1].split("}, ", 1)[0] + "}"   # source moves
+        source_in_hbm = hbm_shape_bytes(ins.shape.split("), ", 1)[0]) > 0
+        return source_in_hbm * shape_bytes(piece) + hbm_shape_bytes(piece)
     aliased = ins.aliased_operands | _updated_in_place(ins, module)
     total = 0 if aliased else ins.hbm_bytes
     for index, name in enumerate(ins.operands):

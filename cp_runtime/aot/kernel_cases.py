@@ -1,4 +1,4 @@
-"""The five Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
+"""The six Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
 
 Shapes per shard: the latent cache `[P + 1, ps, D_lat]` in the cache dtype, queries with every
 head (the step gathers q heads before the sparse attention), `N = index_topk / ps + 1` pages per
@@ -12,6 +12,8 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
     experts  the routed experts' grouped matmul from fp8 blocks, gate and down projections of
              one device's slice of every expert (inner / S features), at decode steps' and a
              prefill chunk's rows (tokens x experts per token)
+    linear   a linear layer from fp8 blocks: one device's o_proj (every hidden row, its
+             heads' columns), at decode steps' and a prefill chunk's tokens
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.kernels import cache_write, expert_matmul, indexer, sparse_decode, sparse_prefill
+from cp_runtime.kernels import (cache_write, expert_matmul, indexer, scaled_linear,
+                                sparse_decode, sparse_prefill)
 from cp_runtime.kernels.storage import cdiv
 
-__all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases"]
+__all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "linear_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -157,10 +160,22 @@ def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
     return out
 
 
+def linear_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
+    """The fp8 linear kernel at one device's o_proj: [hidden, heads x v_head / S], the
+    checkpoints' 128 x 128 blocks."""
+    n, k = model.hidden_size, cdiv(model.num_attention_heads * model.v_head_dim, NUM_SHARDS)
+    scales = (cdiv(n, 128), cdiv(k, 128))
+    return [KernelCase(f"linear o_proj T={t}", "linear", scaled_linear.scaled_linear,
+                       _structs(device, ((t, k), jnp.bfloat16), ((n, k), jnp.float8_e4m3fn),
+                                (scales, jnp.float32)),
+                       scaled_linear.cost(t, (n, k), scales))
+            for t in tokens]
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
-                 expert_tokens=(1, 32, 8192),
+                 expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 8192),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
@@ -169,4 +184,5 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + prefill_cases(model, kv_dtype, page_size, prefill_chunks, device)
             + indexer_cases(model, kv_dtype, page_size, indexer_chunks, key_block_pages,
                             device)
-            + expert_cases(model, expert_tokens, device))
+            + expert_cases(model, expert_tokens, device)
+            + linear_cases(model, linear_tokens, device))

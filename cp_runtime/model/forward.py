@@ -20,12 +20,12 @@ Weights are in the model layout (cp_runtime.weights.params.model_layout), whole 
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
   projections to features (q_a, kv_a, the indexer's wk and weights_proj: one all-gather for
-  them all in a decode step, `projected_features`), indexer heads, router logits and the lm
-  head's logits are computed on this device's rows and all-gathered (q's heads stay this
-  device's: the attention gathers them where it needs them, cp_runtime.model.attention); the
-  embedding, the dense MLP (row-parallel down), the routed experts (each device holds a slice of
-  every expert's inner features: gate/up column parallel, down row parallel) and o_proj give
-  partial sums.
+  them all in a decode step, `projected_features`), indexer heads and the lm head's logits
+  are computed on this device's rows and all-gathered (q's heads stay this device's: the
+  attention gathers them where it needs them, cp_runtime.model.attention); the router is whole
+  on every device (its logits need no gather); the embedding, the dense MLP (row-parallel
+  down), the routed experts (each device holds a slice of every expert's inner features:
+  gate/up column parallel, down row parallel) and o_proj give partial sums.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
+from cp_runtime.kernels import scaled_linear
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
@@ -51,6 +52,7 @@ __all__ = [
     "hadamard",
     "indexer_inputs",
     "layer_norm",
+    "linear",
     "logits",
     "mla_inputs",
     "mla_output",
@@ -172,8 +174,10 @@ def weight(p: Params, name: str) -> jax.Array:
     the computation: the device only ever holds the fp8 values and the scales.
     w [..., a, b] f8, s [..., a / ga, b / gb] f32 -> bf16 [..., a, b]."""
     w, s = p[name], p.get(name + SCALE_SUFFIX)
-    if s is None:
-        return w
+    return w if s is None else _dequantised(w, s)
+
+
+def _dequantised(w: jax.Array, s: jax.Array) -> jax.Array:
     *lead, a, b = w.shape
     ga, gb = a // s.shape[-2], b // s.shape[-1]
     runs = w.astype(jnp.float32).reshape(*lead, a // ga, ga, b // gb, gb)
@@ -191,6 +195,33 @@ def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x[..., in] @ W[out, in].T (HF layout) -> f32."""
     return _matmul("...i,oi->...o", x, w)
+
+
+# Steps of at most this many tokens run block-scaled linears through the Pallas kernel on a
+# TPU (`linear`). Longer ones keep XLA's fusion: for GLM-5.2's 8K-token prefill chunk the
+# compiler put the kernel's chunk at 1.070 s against 1.031 s (docs/performance.md: most
+# likely the kernel's f32 outputs and its inputs' casts are passes of their own there, which
+# XLA fuses into its matmul).
+LINEAR_KERNEL_MAX_ROWS = 256
+
+
+def linear(p: Params, name: str, x: jax.Array) -> jax.Array:
+    """x[..., in] through the weight `name` [out, in] -> f32[..., out]. On a TPU, a step of
+    few tokens (LINEAR_KERNEL_MAX_ROWS) takes a block-scaled weight whose scale runs are whole
+    lane tiles through the Pallas kernel (cp_runtime.kernels.scaled_linear), which
+    dequantises each block in VMEM: XLA's fused form of `weight()` wrote the scales,
+    broadcast to the weight's shape in f32, to HBM whenever they did not fit VMEM beside the
+    layer's other buffers (o_proj in GLM-5.2's MoE layers: 6 GB of a decode step's HBM
+    traffic). Elsewhere, and for other weights, `weight()` then a matmul; the kernel's output
+    is the same sum kept in f32 rather than rounded to bf16."""
+    w, s = p[name], p.get(name + SCALE_SUFFIX)
+    rows = int(np.prod(x.shape[:-1]))
+    if (s is None or rows > LINEAR_KERNEL_MAX_ROWS
+            or not scaled_linear.supports(w.shape, s.shape)):
+        return _linear(x, weight(p, name))
+    return jax.lax.platform_dependent(
+        x, w, s, tpu=scaled_linear.scaled_linear,
+        default=lambda x, w, s: _linear(x, _dequantised(w, s)))
 
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
@@ -216,13 +247,13 @@ def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, ws: WeightShar
     indexer's key [..., Di] and head weights [..., Hi]. A decode step joins them into one
     all-gather (`WeightShards.gather_parts`; its 78 layers would otherwise pay for 2 to 4
     gathers' latency each)."""
-    parts = {"q_a": (_linear(h, weight(p, "self_attn.q_a_proj.weight")), cfg.q_lora_rank),
-             "kv_a": (_linear(h, weight(p, "self_attn.kv_a_proj_with_mqa.weight")),
+    parts = {"q_a": (linear(p, "self_attn.q_a_proj.weight", h), cfg.q_lora_rank),
+             "kv_a": (linear(p, "self_attn.kv_a_proj_with_mqa.weight", h),
                       cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
     if indexer:
-        parts["index_k"] = (_linear(h, weight(p, "self_attn.indexer.wk.weight")),
+        parts["index_k"] = (linear(p, "self_attn.indexer.wk.weight", h),
                             cfg.index_head_dim)
-        parts["index_w"] = (_linear(h, weight(p, "self_attn.indexer.weights_proj.weight")),
+        parts["index_w"] = (linear(p, "self_attn.indexer.weights_proj.weight", h),
                             cfg.index_n_heads)
     return ws.gather_parts(parts)
 
@@ -239,7 +270,7 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
     if features is None:
         features = projected_features(p, cfg, h, ws, indexer=False)
     q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = _linear(q_lora, weight(p, "self_attn.q_b_proj.weight"))
+    q = linear(p, "self_attn.q_b_proj.weight", q_lora)
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
@@ -284,7 +315,7 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     if features is None:
         features = projected_features(p, cfg, h, ws, indexer=True)
-    q = _linear(q_lora, weight(p, "self_attn.indexer.wq_b.weight"))
+    q = linear(p, "self_attn.indexer.wq_b.weight", q_lora)
     q = q.reshape(*q_lora.shape[:-1], -1, di)
     k = layer_norm(features["index_k"], p["self_attn.indexer.k_norm.weight"],
                    p["self_attn.indexer.k_norm.bias"], 1e-6)
@@ -300,13 +331,13 @@ def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
     (all, or its own) -> f[..., hidden]: the whole output, or this device's partial sum."""
     w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
     o = _matmul("...hc,hvc->...hv", o_lat, w_uv)
-    return _linear(o.reshape(*o.shape[:-2], -1), weight(p, "self_attn.o_proj.weight"))
+    return linear(p, "self_attn.o_proj.weight", o.reshape(*o.shape[:-2], -1))
 
 
 def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
-    g = _linear(x, weight(p, f"{prefix}.gate_proj.weight"))
-    u = _linear(x, weight(p, f"{prefix}.up_proj.weight"))
-    return _linear(jax.nn.silu(g) * u, weight(p, f"{prefix}.down_proj.weight"))
+    g = linear(p, f"{prefix}.gate_proj.weight", x)
+    u = linear(p, f"{prefix}.up_proj.weight", x)
+    return linear(p, f"{prefix}.down_proj.weight", jax.nn.silu(g) * u)
 
 
 def _limit_groups(biased: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -444,7 +475,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels)."""
     if not cfg.is_moe_layer(layer):
         return ws.join(_swiglu(p, "mlp", x))
-    router = ws.gather(_linear(x, weight(p, "mlp.gate.weight")), -1, cfg.n_routed_experts)
+    router = linear(p, "mlp.gate.weight", x)                      # whole on every device
     chosen, weights = route_topk(cfg, router.astype(jnp.float32),
                                  p["mlp.gate.e_score_correction_bias"])       # [..., k] each
     flat = x.reshape(-1, x.shape[-1])

@@ -17,7 +17,9 @@ The split of each tensor (model layout: HF names, routed experts stacked, see
     indexer wk, weights_proj               rows (output features / indexer heads)
     dense MLP and shared experts           gate/up by rows (column parallel), down by columns
                                            (row parallel)
-    router gate                            rows, by expert
+    router gate                            replicated: every device scores every expert for
+                                           its tokens itself (E x hidden, 3 MB of bf16 a
+                                           GLM-5.2 layer), so routing needs no gather
     routed experts [E, ...]                by inner feature: every device holds every expert's
                                            slice (gate/up [E, hidden, inner / S], down
                                            [E, inner / S, hidden]), so the few experts a decode
@@ -74,13 +76,12 @@ def _by_suffix(model: ModelConfig) -> dict[str, tuple[int, int]]:
         "indexer.wq_b.weight": (0, hi),
         "indexer.wk.weight": (0, model.index_head_dim),
         "indexer.weights_proj.weight": (0, hi),
-        "mlp.gate.weight": (0, model.n_routed_experts),
     }
 
 
 def split_of(name: str, shape: tuple[int, ...], model: ModelConfig) -> Split | None:
     """How tensor `name` (model layout) of `shape` is split over the devices; None: replicated
-    (norms, biases, the router's correction bias)."""
+    (norms, biases, the router and its correction bias)."""
     if name.endswith(EXPERT_STACKS):                                # gate/up [E, hid, inner]
         inner = 1 if name.endswith("down_proj.weight") else 2      # down [E, inner, hid]
         return Split(inner, shape[inner])

@@ -8,7 +8,7 @@ oracle): each method is then the identity, so one model code path serves both mo
 the interconnect in bf16 (`join`, and `gather(..., wire=True)`): half the bytes of f32, at the
 price of rounding the joined partial sums to bf16 (2^-9 relative), as bf16 serving does. What
 feeds the page selection, the cache or the sampler (the indexer's inputs, the latent rows, the
-router and lm head logits, the embedding) always crosses in f32.
+lm head's logits, the embedding) always crosses in f32.
 """
 
 from __future__ import annotations
