@@ -90,7 +90,7 @@ def _compiled(device, rows, n, k):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("rows", [1, 8192])          # a B = 1 decode step; an 8K prefill chunk
+@pytest.mark.parametrize("rows", [1, 256])     # a B = 1 decode step; the most the model sends
 def test_compiles_for_tpu7x_at_glm_shapes(device, rows):
     """GLM-5.2's o_proj per device of tpu7x-16 ([hidden, 64 heads x 256 / 16]): Mosaic
     compiles the kernel, its cost estimate reaches the module, and nothing outside it makes a

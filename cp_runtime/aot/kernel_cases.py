@@ -13,7 +13,8 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
              one device's slice of every expert (inner / S features), at decode steps' and a
              prefill chunk's rows (tokens x experts per token)
     linear   a linear layer from fp8 blocks: one device's o_proj (every hidden row, its
-             heads' columns), at decode steps' and a prefill chunk's tokens
+             heads' columns), at decode steps' tokens (the model sends it at most 256) and
+             a prefill chunk's
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def linear_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
-                 expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 8192),
+                 expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
