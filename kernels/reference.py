@@ -29,6 +29,7 @@ __all__ = [
     "indexer_page_scores",
     "sparse_attention",
     "check_attention_args",
+    "dequantize",
     "grouped_matmul",
     "scaled_linear",
 ]
@@ -193,6 +194,15 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     return o, lse
 
 
+def dequantize(w: jax.Array, scales: jax.Array) -> jax.Array:
+    """A block-scaled weight's values in f32: w f8[..., a, b] (or any float), scales
+    f32[..., a / ga, b / gb] -> f32[..., a, b], each value times its ga x gb block's scale."""
+    *lead, a, b = w.shape
+    ga, gb = a // scales.shape[-2], b // scales.shape[-1]
+    runs = w.astype(jnp.float32).reshape(*lead, a // ga, ga, b // gb, gb)
+    return (runs * scales[..., :, None, :, None]).reshape(w.shape)
+
+
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
                    group_sizes: jax.Array) -> jax.Array:
     """Rows sorted by group through their group's block-scaled weight, in f32: a ragged dot
@@ -204,10 +214,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     group_sizes: i32[E]             rows of each group in order; rows past their sum give zeros
     returns:     f32[N, M]          out[r] = rows[r] @ (w[g] * scales[g] per block), g = r's group
     """
-    e, k, m = w.shape
-    ga, gb = k // scales.shape[-2], m // scales.shape[-1]
-    full = (w.astype(jnp.float32).reshape(e, k // ga, ga, m // gb, gb)
-            * scales[:, :, None, :, None]).reshape(e, k, m)
+    full = dequantize(w, scales)
     x = rows.astype(jnp.bfloat16).astype(jnp.float32)
     out = lax.ragged_dot(x, full, group_sizes, precision=lax.Precision.HIGHEST)
     past = jnp.arange(rows.shape[0]) >= group_sizes.sum()
@@ -224,9 +231,6 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:
     scales:  f32[N/ga, K/gb]    one scale per ga x gb block of w
     returns: f32[..., N]
     """
-    n, k = w.shape
-    ga, gb = n // scales.shape[0], k // scales.shape[1]
-    dequantised = (w.astype(jnp.float32).reshape(n // ga, ga, k // gb, gb)
-                   * scales[:, None, :, None]).reshape(n, k).astype(jnp.bfloat16)
+    dequantised = dequantize(w, scales).astype(jnp.bfloat16)
     return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16).astype(jnp.float32),
                       dequantised.astype(jnp.float32), precision=lax.Precision.HIGHEST)

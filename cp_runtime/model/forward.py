@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.kernels import scaled_linear
+from cp_runtime.kernels import reference, scaled_linear
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
@@ -178,10 +178,7 @@ def weight(p: Params, name: str) -> jax.Array:
 
 
 def _dequantised(w: jax.Array, s: jax.Array) -> jax.Array:
-    *lead, a, b = w.shape
-    ga, gb = a // s.shape[-2], b // s.shape[-1]
-    runs = w.astype(jnp.float32).reshape(*lead, a // ga, ga, b // gb, gb)
-    return (runs * s[..., :, None, :, None]).reshape(w.shape).astype(jnp.bfloat16)
+    return reference.dequantize(w, s).astype(jnp.bfloat16)
 
 
 def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
