@@ -40,11 +40,12 @@ from cp_runtime.cli.args import finite_positive_float, length, positive_int
 
 __all__ = ["VARIANTS", "bytes_per_token", "build_parser", "parse_args", "main"]
 
-# (merge, weights) pairs that run; head_scatter needs split weights, hidden_psum whole ones.
+# (merge, weights) pairs that run; head_scatter and head_exchange need split weights,
+# hidden_psum whole ones.
 VARIANTS = (("gather_psum", "replicated"), ("all_to_all", "replicated"),
             ("all_gather", "replicated"), ("hidden_psum", "replicated"),
             ("gather_psum", "sharded"), ("all_to_all", "sharded"), ("all_gather", "sharded"),
-            ("head_scatter", "sharded"))
+            ("head_scatter", "sharded"), ("head_exchange", "sharded"))
 DECODE_TOKENS = 8
 PREFILL_TOKENS = 256                  # the chunk timed when its gathered partials fit
 QUICK = {"repeats": ("20", "5")}
@@ -60,9 +61,11 @@ def bytes_per_token(merge: str, weights: str, *, heads: int, value_dim: int, hid
     hidden_reduce = 2 * ring * hidden * f32
     if merge == "hidden_psum":
         return lse_gather + hidden_reduce
+    padded_heads = -(-heads // s) * s
     if merge == "head_scatter":
-        padded_heads = -(-heads // s) * s
         return lse_gather + ring * padded_heads * value_dim * f32 + hidden_reduce
+    if merge == "head_exchange":                  # one all-to-all of the packed [o | lse]
+        return ring * padded_heads * (value_dim + 1) * f32 + hidden_reduce
     packed = heads * (value_dim + 1) * f32
     moved = {"gather_psum": lse_gather + 2 * ring * latent,
              "all_to_all": 2 * ring * packed,             # all-to-all, then all-gather

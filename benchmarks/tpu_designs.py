@@ -73,6 +73,8 @@ from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels.storage import cdiv
+from cp_runtime.parallel.merge import resolve_merge
+from cp_runtime.weights.shards import FUSED_GATHER_MAX_ROWS
 
 __all__ = ["LayerGroup", "layer_kinds", "layer_weights", "layer_seconds", "decode_groups",
            "chunk_groups", "decode_terms", "prefill_terms", "prefill_schedule", "chunk_terms",
@@ -258,64 +260,101 @@ def _step_projections(model: ModelConfig, hw: Hardware, setup: Setup, tokens: in
 
 
 # -- collectives, by design -----------------------------------------------------------------
+def _projections_gather(model: ModelConfig, hw: Hardware, kind: str, rows: int) -> Term:
+    """The down projections' outputs, split by feature and gathered whole in f32 (forward's
+    `projected_features`): q_a and kv_a, and in full layers the indexer's key and head weights,
+    (S-1)/S R (q_lora + kv_lora + rope [+ Di + Hi]) 4. One all-gather for them all in a step of
+    at most FUSED_GATHER_MAX_ROWS rows, else one each (2, or 4 in full layers)."""
+    full = _is_full(kind)
+    width = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
+    if full:
+        width += model.index_head_dim + model.index_n_heads
+    return Term("projections all-gather", ici_bytes=(hw.devices - 1) / hw.devices * rows
+                * width * 4, collectives=1 if rows <= FUSED_GATHER_MAX_ROWS else 2 + 2 * full)
+
+
+def _top_k_gather(model: ModelConfig, hw: Hardware, setup: Setup, rows: int,
+                  pages: int) -> Term:
+    """Full layers: every shard's top-K candidates, score f32 and page i32 packed into one
+    array (selection.global_top_pages), (S-1) R K 8; one collective."""
+    return Term("top-k all-gather",
+                ici_bytes=(hw.devices - 1) * rows * _selected(model, setup, pages) * 8,
+                collectives=1)
+
+
 def _gather_q_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str, rows: int,
                           pages: int) -> list[Term]:
     """What each device sends in one layer of `kind` with weights split by heads and every head
     of q gathered (decode, and short prefill chunks), `rows` query rows over `pages` pages each:
 
-    top-k all-gather         full layers: scores f32 + pages i32 [R, K] of every shard,
-                             (S-1) R K 8 (selection.global_top_pages); 2 collectives
+    projections all-gather   _projections_gather; 1 collective in a decode step
+    top-k all-gather         full layers: _top_k_gather
     q heads all-gather       the query rows [R, H, D] (each device projects its own heads, every
                              device attends with all of them): (S-1)/S R H D w; full layers
-                             also the indexer's q [R, Hi, Di]: (S-1)/S R Hi Di w
-    attention merge          all-gather of lse [R, H], (S-1) R H w, and reduce-scatter of o
-                             [R, H, Dv] over heads, (S-1)/S R H Dv w (merge.merge_to_own_heads:
-                             `head_scatter`, the runtime's default with split weights)
+                             also the indexer's q [R, Hi, Di] in f32, (S-1)/S R Hi Di 4: in a
+                             decode step in the same all-gather, q then in f32 too
+                             (WeightShards.gather_heads), else in a second one
+    attention merge          as `auto` picks (merge.resolve_merge): one all-to-all over heads of
+                             the packed partials [o | lse] f32[R, H, Dv + 1], (S-1)/S R H
+                             (Dv + 1) 4 (`head_exchange`); or, past EXCHANGE_MAX_BYTES with a
+                             bf16 wire, an all-gather of the lse f32[R, H], (S-1) R H 4, and a
+                             reduce-scatter of o over heads, (S-1)/S R H Dv w (`head_scatter`)
     weight-shard all-reduce  the attention and the MLP outputs [R, hid]: 2 x 2(S-1)/S R hid w
 
-    Collectives issued: 5 per layer, 3 more per full layer.
+    Collectives issued in a decode step: 5 per layer, 1 more per full layer.
     """
     s, h, w, full = hw.devices, model.num_attention_heads, setup.wire_bytes, _is_full(kind)
     one_way = (s - 1) / s
-    terms = []
+    terms = [_projections_gather(model, hw, kind, rows)]
     if full:
-        terms.append(Term("top-k all-gather",
-                          ici_bytes=(s - 1) * rows * _selected(model, setup, pages) * 8,
-                          collectives=2))
+        terms.append(_top_k_gather(model, hw, setup, rows, pages))
     idx_q = model.index_n_heads * model.index_head_dim if full else 0
+    joined = full and rows <= FUSED_GATHER_MAX_ROWS
     terms += [
-        Term("q heads all-gather", ici_bytes=one_way * rows * w * (h * model.latent_dim + idx_q),
-             collectives=1 + full),
-        Term("attention merge", ici_bytes=(s - 1) * rows * h * w
-             + one_way * rows * h * model.kv_lora_rank * w, collectives=2),
+        Term("q heads all-gather", ici_bytes=one_way * rows
+             * ((4 if joined else w) * h * model.latent_dim + 4 * idx_q),
+             collectives=1 + (full and not joined)),
+        _merge_term(model, hw, setup, rows),
         Term("weight-shard all-reduce",
              ici_bytes=2 * 2 * one_way * rows * model.hidden_size * w, collectives=2)]
     return terms
+
+
+def _merge_term(model: ModelConfig, hw: Hardware, setup: Setup, rows: int) -> Term:
+    """The attention merge of _gather_q_collectives, as `auto` picks it."""
+    s, h, dv = hw.devices, model.num_attention_heads, model.kv_lora_rank
+    padded = cdiv(h, s) * s
+    wire = "bf16" if setup.wire_bytes == 2 else "f32"
+    if resolve_merge("auto", True, rows * h * (dv + 1) * 4, wire) == "head_scatter":
+        return Term("attention merge", ici_bytes=(s - 1) * rows * h * 4
+                    + (s - 1) / s * rows * padded * dv * setup.wire_bytes, collectives=2)
+    return Term("attention merge", ici_bytes=(s - 1) / s * rows * padded * (dv + 1) * 4,
+                collectives=1)
 
 
 def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str,
                            rows: int, pages: int) -> list[Term]:
     """One layer of the gather_kv design (weights split by heads; the pages go to the queries):
 
-    top-k all-gather         as heads: full layers, (S-1) R K 8; 2 collectives
-    indexer q all-gather     full layers: [R, Hi, Di], (S-1)/S R Hi Di w
+    projections all-gather   _projections_gather; one per projection in a prefill chunk
+    top-k all-gather         full layers: _top_k_gather
+    indexer q all-gather     full layers: [R, Hi, Di] in f32 whatever the wire (the selection
+                             must be exact), (S-1)/S R Hi Di 4
     KV all-gather            the layer's latent cache of the C = pages x ps tokens the chunk
                              sees: (S-1)/S C D c (c = the latent cache itemsize)
     weight-shard all-reduce  as heads: 2 x 2(S-1)/S R hid w; 2 collectives
 
     No q-heads gather and no merge: each device attends its own H/S heads over every page.
-    Collectives issued: 3 per layer, 3 more per full layer.
+    Collectives issued in a prefill chunk: 5 per layer, 4 more per full layer.
     """
     s, w = hw.devices, setup.wire_bytes
     one_way = (s - 1) / s
     c = dtype_bytes(latent_cache_dtype(setup.kv_cache_dtype))
-    terms = []
+    terms = [_projections_gather(model, hw, kind, rows)]
     if _is_full(kind):
-        terms += [Term("top-k all-gather",
-                       ici_bytes=(s - 1) * rows * _selected(model, setup, pages) * 8,
-                       collectives=2),
+        terms += [_top_k_gather(model, hw, setup, rows, pages),
                   Term("indexer q all-gather", ici_bytes=one_way * rows * model.index_n_heads
-                       * model.index_head_dim * w, collectives=1)]
+                       * model.index_head_dim * 4, collectives=1)]
     terms += [
         Term("KV all-gather",
              ici_bytes=one_way * pages * setup.page_size * model.latent_dim * c, collectives=1),

@@ -36,7 +36,7 @@ LANES = 128  # TPU lane width: every cached vector part is padded to a multiple 
 INDEXER_TYPES = ("full", "shared")
 BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
-                  "hidden_psum")
+                  "head_exchange", "hidden_psum")
 # cp_runtime.parallel.collectives describes each.
 GATHER_MODES = ("auto", "flat", "staged", "native")
 ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
@@ -353,7 +353,8 @@ class RuntimeConfig:
         if self.weight_dtype not in ("auto", *MODEL_WEIGHT_DTYPES):
             raise ConfigError(f"weight_dtype={self.weight_dtype!r} is not one of "
                               f"{('auto', *MODEL_WEIGHT_DTYPES)}")
-        needs = {"head_scatter": "sharded", "hidden_psum": "replicated"}.get(self.merge)
+        needs = {"head_scatter": "sharded", "head_exchange": "sharded",
+                 "hidden_psum": "replicated"}.get(self.merge)
         if needs is not None and self.weights not in (needs, "auto"):
             raise ConfigError(f"merge={self.merge!r} needs weights={needs!r}, not "
                               f"{self.weights!r}")

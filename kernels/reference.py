@@ -32,6 +32,8 @@ __all__ = [
     "dequantize",
     "grouped_matmul",
     "scaled_linear",
+    "merge_values",
+    "absorb_queries",
 ]
 
 NEG_INF = -jnp.inf
@@ -234,3 +236,42 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:
     dequantised = dequantize(w, scales).astype(jnp.bfloat16)
     return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16).astype(jnp.float32),
                       dequantised.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+
+
+def merge_values(received: jax.Array, w: jax.Array, scales: jax.Array, nope: int) -> jax.Array:
+    """The exact merge of every shard's partials of a device's heads, each head's result
+    through its W_uv as `weight()` dequantises it (bf16 values, bf16 input, f32 sums).
+
+    received: f32[S, H', R, Dv + 1]   partials [o | lse] from each of S shards
+    w:        f8[H'(nope + v), Dv]    kv_b of the H' heads: per head W_uk (nope rows), W_uv (v)
+    scales:   f32[H'(nope + v)/ga, Dv/gb]
+    returns:  f32[R, H' v]            heads side by side; a head no shard saw gives zeros
+    """
+    o, lse = received[..., :-1], received[..., -1:]
+    top = lse.max(0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.exp(lse - top)
+    total = e.sum(0)
+    merged = (e * o).sum(0) / jnp.where(total > 0, total, 1.0)          # [H', R, Dv]
+    heads, rows, dv = merged.shape
+    kv_b = dequantize(w, scales).astype(jnp.bfloat16).astype(jnp.float32)
+    w_uv = kv_b.reshape(heads, -1, dv)[:, nope:]                          # [H', v, Dv]
+    out = jnp.einsum("hrc,hvc->rhv", merged.astype(jnp.bfloat16).astype(jnp.float32), w_uv,
+                     precision=lax.Precision.HIGHEST)
+    return out.reshape(rows, -1)
+
+
+def absorb_queries(q: jax.Array, w: jax.Array, scales: jax.Array, nope: int) -> jax.Array:
+    """q_nope . W_uk per head, W_uk as `weight()` dequantises it (bf16 values and inputs, f32
+    sums).
+
+    q:       f32[H', R, Dq]          queries of H' heads, q_nope in the first nope lanes
+    w:       f8[H'(nope + v), Dv]    kv_b of the H' heads: per head W_uk (nope rows), W_uv (v)
+    scales:  f32[H'(nope + v)/ga, Dv/gb]
+    returns: f32[H', R, Dv]
+    """
+    heads = q.shape[0]
+    kv_b = dequantize(w, scales).astype(jnp.bfloat16).astype(jnp.float32)
+    w_uk = kv_b.reshape(heads, -1, kv_b.shape[-1])[:, :nope]               # [H', nope, Dv]
+    q_nope = q[..., :nope].astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.einsum("hrn,hnc->hrc", q_nope, w_uk, precision=lax.Precision.HIGHEST)

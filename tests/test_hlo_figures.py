@@ -13,7 +13,8 @@ from jax.sharding import SingleDeviceSharding
 from cp_runtime.aot import hlo, topology
 from cp_runtime.aot.cases import (PREFILL_PROGRAM, PhaseCase, case_matrix, prefill_seconds,
                                   size_label)
-from cp_runtime.aot.phases import PhaseFigures, layers_covering_kinds, model_figures
+from cp_runtime.aot.phases import (PhaseFigures, layer_figures, layers_covering_kinds,
+                                   model_figures)
 from cp_runtime.aot.programs import cut_model
 from cp_runtime.aot.roofline import TPU7X_DEVICE, phase_time
 from cp_runtime.config import load_model_config
@@ -168,3 +169,32 @@ slice-start(%p), slice={[4194304:6291456]}
     moved = {i.name: hlo.hbm_bytes(i, module) for i in module.computations[module.entry]}
     assert moved["slice-start"] == 4194304                 # read; written to VMEM
     assert moved["slice-start.1"] == 2 * 2097152           # read and written in HBM
+
+
+def test_an_offloaded_collective_counts_in_its_callers_phase():
+    """XLA:TPU moves a collective to the SparseCores as an async call of a computation that
+    holds it, where the collective may carry no op_name, and the call's result may first feed
+    an op whose name says nothing (`reshape.9`): the collective is its caller's, and that
+    caller's phase is read past the bare name (layer 3's merge here)."""
+    text = """HloModule m
+
+%offloaded (x: bf16[64,512], t: token[]) -> bf16[64,512] {
+  %x = bf16[64,512]{1,0} parameter(0)
+  %t = token[] parameter(1)
+  ROOT %all-reduce.1 = bf16[64,512]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+ENTRY %main (p: bf16[64,512]) -> bf16[64,512] {
+  %p = bf16[64,512]{1,0} parameter(0)
+  %tok = token[] after-all()
+  %start = ((bf16[64,512]{1,0}, token[]), bf16[64,512]{1,0}) call-start(%p, %tok), \
+to_apply=%offloaded
+  %done = bf16[64,512]{1,0} call-done(%start)
+  %r = bf16[64,512]{1,0} copy(%done), metadata={op_name="jit(step)/shard_map/reshape.9"}
+  ROOT %m = bf16[64,512]{1,0} negate(%r), metadata={op_name="jit(step)/shard_map/layer3/merge/mul"}
+}
+"""
+    figures = layer_figures(text)
+    assert figures[(3, "merge")].collectives == 1
+    assert figures[(3, "merge")].ici_bytes == 64 * 512 * 2 * 2 * 3 // 4
+    assert all(f.collectives == 0 for key, f in figures.items() if key != (3, "merge"))

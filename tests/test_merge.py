@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cp_runtime.parallel.merge import MERGES, merge_all_gather, merge_stacked
+from cp_runtime.parallel.merge import (MERGES, merge_all_gather, merge_by_head_exchange,
+                                       merge_stacked)
 
 S = 16
 
@@ -94,7 +95,8 @@ def test_a_wrong_merge_is_caught():
                                                      ("gather_psum", "sharded", "auto"),
                                                      ("all_gather", "sharded", "flat"),
                                                      ("auto", "sharded", "staged"),
-                                                     ("head_scatter", "sharded", "auto")])
+                                                     ("head_scatter", "sharded", "auto"),
+                                                     ("head_exchange", "sharded", "auto")])
 def test_combine_projects_the_exact_merge(merge, weights, gathers):
     """combine() = W (exact merge) for every variant, the projection's weights whole or split
     by head; 12 heads over 16 shards, so the head split is padded."""
@@ -122,3 +124,31 @@ def test_combine_projects_the_exact_merge(merge, weights, gathers):
     got = run(jax.device_put(o, shard), jax.device_put(lse, shard),
               jax.device_put(w_padded, shard) if weights == "sharded" else w)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def _exchanged(o, lse):
+    """merge_by_head_exchange over 16 devices of o f32[S, T, H, Dv], lse f32[S, T, H] ->
+    every shard's own heads side by side, f32[T, H, Dv] (the heads' padding cut)."""
+    mesh = jax.make_mesh((S,), ("cp",))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P("cp")),
+                       out_specs=P(None, "cp"), check_vma=False)
+    def run(o, lse):
+        return merge_by_head_exchange(o[0], lse[0], "cp")
+
+    shard = NamedSharding(mesh, P("cp"))
+    return np.asarray(run(jax.device_put(o, shard), jax.device_put(lse, shard)))[:, :o.shape[2]]
+
+
+def test_head_exchange_merges_each_shards_heads():
+    """One all-to-all over heads (12 heads over 16 shards: padded) gives each shard its heads
+    merged exactly; a head no shard saw merges to 0."""
+    o, lse, exact, _ = _partials(np.random.default_rng(4), lead=(5, 12), dv=8)
+    o[:, 0, 3], lse[:, 0, 3] = 0.0, -np.inf
+    exact[0, 3] = 0.0
+    got = _exchanged(o, lse)
+    np.testing.assert_allclose(got, exact, rtol=2e-5, atol=2e-6)
+    want, _ = merge_stacked(jnp.asarray(o), jnp.asarray(lse))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert (got[0, 3] == 0).all() and np.isfinite(got).all()

@@ -164,3 +164,31 @@ def test_gather_parts_equals_one_gather_per_part(rows):
     for name, (_, size) in widths.items():
         assert joined[name].shape == (rows, size)
         np.testing.assert_array_equal(np.asarray(joined[name]), np.asarray(alone[name]))
+
+
+@pytest.mark.parametrize("rows", [3, FUSED_GATHER_MAX_ROWS + 1])
+def test_gather_heads_of_q_and_the_indexers_q(rows):
+    """A decode step's q heads and its indexer's q heads in one all-gather, both in f32 (the
+    wire is bf16 here): each comes back whole and exact, padding cut (12 and 20 heads over 16
+    devices). More rows: one gather each, q in the wire's bf16, the indexer's q in f32."""
+    mesh = jax.make_mesh((16,), ("cp",))
+    ws = WeightShards(axis="cp", wire_dtype="bf16")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, "cp"), P(None, "cp")),
+                       out_specs=P(), check_vma=False)
+    def run(q, iq):
+        return ws.gather_heads(q, 12, iq, 20)
+
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(rows, 16, 24)).astype(np.float32)        # one head a device
+    iq = rng.normal(size=(rows, 32, 8)).astype(np.float32)        # two heads a device
+    shard = NamedSharding(mesh, P(None, "cp"))
+    got_q, got_iq = run(jax.device_put(q, shard), jax.device_put(iq, shard))
+    assert got_q.shape == (rows, 12, 24) and got_iq.shape == (rows, 20, 8)
+    np.testing.assert_array_equal(np.asarray(got_iq), iq[:, :20])
+    if rows <= FUSED_GATHER_MAX_ROWS:
+        np.testing.assert_array_equal(np.asarray(got_q), q[:, :12])
+    else:
+        np.testing.assert_array_equal(
+            np.asarray(got_q), np.asarray(jnp.asarray(q[:, :12], jnp.bfloat16), np.float32))

@@ -83,18 +83,25 @@ def test_units_of_decode_terms(glm):
     flops = glm.num_hidden_layers * 2 * 9 * glm.num_attention_heads * ps * (
         glm.latent_dim + glm.kv_lora_rank)
     assert terms["selected-page attention"].flops == pytest.approx(flops)
-    # merge: reduce-scatter of f32[1, 64, 512] over heads (ring: 15/16 of it) + all-gather of
-    # lse f32[1, 64]
-    merge = glm.num_hidden_layers * (15 / 16 * 64 * 512 * 4 + 15 * 64 * 4)
+    # merge: one all-to-all over heads of the packed f32[1, 64, 512 + 1] (15/16 of it leaves;
+    # f32 whatever the wire dtype: the lse must arrive exact)
+    merge = glm.num_hidden_layers * 15 / 16 * 64 * (512 * 4 + 4)
     assert terms["attention merge"].ici_bytes == pytest.approx(merge)
-    # q heads: all-gather of f32[1, 64, 640] per layer, of the indexer's f32[1, 32, 128] per full
+    # the projections' one all-gather per layer, f32: q_a 2048 + kv_a 512 + 64, and the
+    # indexer's key 128 and head weights 32 in full layers
+    assert terms["projections all-gather"].ici_bytes == pytest.approx(
+        15 / 16 * 4 * (78 * (2048 + 576) + 21 * (128 + 32)))
+    # q heads: all-gather of f32[1, 64, 640] per layer, with the indexer's f32[1, 32, 128] in
+    # the same gather in full layers (q in f32 there whatever the wire)
     heads = 15 / 16 * 4 * (78 * 64 * 640 + 21 * 32 * 128)
     assert terms["q heads all-gather"].ici_bytes == pytest.approx(heads)
     # the two all-reduces of f32[1, 6144] per layer: f32 (4 B), what the program sends today
     # (this row counted bf16 before Setup.wire_bytes; it doubled with the f32 default)
     assert terms["weight-shard all-reduce"].ici_bytes == pytest.approx(
         78 * 2 * 2 * 15 / 16 * 6144 * 4)
-    assert terms["collective latency"].collectives == 5 * 78 + 3 * 21
+    # per layer: projections, q heads (the indexer's with them), merge, two all-reduces; full
+    # layers: the top-k
+    assert terms["collective latency"].collectives == 5 * 78 + 21
 
 
 def test_doubling_hbm_bandwidth_halves_bandwidth_bound_terms(glm):
@@ -155,7 +162,7 @@ def test_units_of_gather_kv_terms(glm):
     assert terms["KV all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * C * 640)
     assert "q heads all-gather" not in terms and "attention merge" not in terms
     assert terms["indexer q all-gather"].ici_bytes == pytest.approx(
-        F * 15 / 16 * T * 32 * 128 * 4)
+        F * 15 / 16 * T * 32 * 128 * 4)                  # f32 whatever the wire
     flops = L * 2 * (T // 64) * (2 * 129) * 64 * 4 * 16 * (640 + 512)
     attention = terms["selected-page attention"]
     assert attention.flops == pytest.approx(flops)
@@ -166,7 +173,9 @@ def test_units_of_gather_kv_terms(glm):
     # heads: 64 heads over the 9 entries a device owns, union 2 x 9 per 32-query block
     assert _chunk(glm, "gather_q")["selected-page attention"].flops == pytest.approx(
         L * 2 * (T // 32) * (2 * 9) * 32 * 64 * 16 * (640 + 512))
-    assert sum(t.collectives for t in terms.values()) == 3 * L + 3 * F
+    # per layer: q_a and kv_a gathers, KV, two all-reduces; full layers: the indexer's key
+    # and head weights, its q, the top-k
+    assert sum(t.collectives for t in terms.values()) == 5 * L + 4 * F
 
 
 def test_units_of_sequence_terms(glm):
@@ -195,13 +204,25 @@ def test_units_of_sequence_terms(glm):
 
 @pytest.mark.parametrize("design", tpu_model.DESIGNS)
 def test_bf16_wire_halves_exactly_the_activation_collectives(glm, design):
-    activations = {"q heads all-gather", "attention merge", "weight-shard all-reduce",
-                   "indexer q all-gather", "expert all-to-all", "dense MLP gather + scatter",
-                   "embedding reduce-scatter"}
+    """The indexer's q is gathered in f32 whatever the wire where a program runs the design
+    (gather_q's with the q heads, gather_kv's on its own): the selection must be exact."""
+    activations = {"q heads all-gather", "weight-shard all-reduce", "expert all-to-all",
+                   "dense MLP gather + scatter", "embedding reduce-scatter"}
+    if design == "sequence":
+        activations.add("indexer q all-gather")
     f32, bf16 = _chunk(glm, design, wire=4), _chunk(glm, design, wire=2)
     assert f32.keys() == bf16.keys() and activations & f32.keys()
+    index_q = F * 15 / 16 * T * 32 * 128 * 4           # the indexer's q heads, f32
     for name, t in f32.items():
         want = t.ici_bytes / 2 if name in activations else t.ici_bytes
+        if design == "gather_q" and name == "q heads all-gather":     # a chunk: two gathers
+            want = (t.ici_bytes - index_q) / 2 + index_q
+        if name == "attention merge":
+            # f32: the partials exchanged in f32, [T, 64, 512 + 1]; bf16: the chunk's 1 GB
+            # of partials are past EXCHANGE_MAX_BYTES, so the lse's f32 gather and a bf16
+            # reduce-scatter (merge.resolve_merge)
+            assert t.ici_bytes == pytest.approx(L * 15 / 16 * T * 64 * 513 * 4)
+            want = L * (15 * T * 64 * 4 + 15 / 16 * T * 64 * 512 * 2)
         assert bf16[name].ici_bytes == pytest.approx(want), name
         assert (bf16[name].hbm_bytes, bf16[name].flops) == (t.hbm_bytes, t.flops)
 

@@ -43,6 +43,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)".*?"bytes_accessed":"(\d+)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
+_CALLEES = re.compile(r"(?:calls|to_apply)=%([\w.\-]+)")
 _ALIASED = re.compile(r"output_to_operand_aliasing=\{([^}]*)\}")
 _ALIAS_OPERAND = re.compile(r"\((\d+),")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
@@ -173,6 +174,16 @@ class Module:
         params = [i for i in self.computations[computation] if i.op == "parameter"]
         return sorted(params, key=lambda i: int(re.search(r"parameter\((\d+)\)", i.line)
                                                 .group(1)))
+
+    def callers(self) -> dict[str, Instruction]:
+        """The instruction that calls each called computation (`calls=` or `to_apply=`;
+        the first one where several do)."""
+        out: dict[str, Instruction] = {}
+        for instructions in self.computations.values():
+            for ins in instructions:
+                for callee in _CALLEES.findall(ins.line):
+                    out.setdefault(callee, ins)
+        return out
 
     def users(self, computation: str) -> dict[str, list[Instruction]]:
         out: dict[str, list[Instruction]] = {}

@@ -81,18 +81,19 @@ def _key(op_name: str) -> Key:
 def _keys(module: hlo.Module) -> dict[str, Key]:
     """(layer, phase) of each entry instruction. One that XLA left without an op_name (a
     multi-output fusion it formed, a copy it inserted) takes the key of the nearest
-    instruction downstream that has one (what consumes it is what it was made for), else
-    upstream, else (None, "other")."""
+    instruction downstream whose op_name names a layer or phase (what consumes it is what it
+    was made for; a bare `reshape.722` says nothing), else upstream, else (None, "other")."""
     entry = module.computations[module.entry]
     users = module.users(module.entry)
     named = {i.name: _key(i.op_name) for i in entry if i.op_name}
+    telling = {name: key for name, key in named.items() if key != (None, "other")}
 
     def search(start: hlo.Instruction, step) -> Key | None:
         seen, frontier = {start.name}, [start]
         for _ in range(8):
             frontier = [n for i in frontier for n in step(i) if n.name not in seen]
             seen.update(n.name for n in frontier)
-            found = next((named[n.name] for n in frontier if n.name in named), None)
+            found = next((telling[n.name] for n in frontier if n.name in telling), None)
             if found is not None or not frontier:
                 return found
         return None
@@ -105,6 +106,24 @@ def _keys(module: hlo.Module) -> dict[str, Key]:
 
     return {i.name: named.get(i.name) or search(i, downstream) or search(i, upstream)
             or (None, "other") for i in entry}
+
+
+def _entry_callers(module: hlo.Module) -> dict[str, hlo.Instruction]:
+    """The entry instruction under which each called computation runs. XLA:TPU offloads a
+    collective to the SparseCores as an async call of a computation holding it, and the
+    collective it moved there may carry no op_name: its phase is its caller's."""
+    callers = module.callers()
+    home = {i.name: name for name, body in module.computations.items() for i in body}
+    out = {}
+    for computation in module.computations:
+        caller = callers.get(computation)
+        for _ in range(16):                          # nesting depth; XLA's is a few levels
+            if caller is None or home[caller.name] == module.entry:
+                break
+            caller = callers.get(home[caller.name])
+        if caller is not None:
+            out[computation] = caller
+    return out
 
 
 def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
@@ -130,10 +149,12 @@ def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
             kernel_flops, kernel_bytes = ins.kernel_cost
             f.kernel_flops += kernel_flops
             f.kernel_bytes += kernel_bytes
-    for instructions in module.computations.values():
+    caller_in_entry = _entry_callers(module)
+    for computation, instructions in module.computations.items():
         for ins in instructions:
             if ins.op.removesuffix("-start") in COLLECTIVES:
-                f = at(ins)
+                caller = caller_in_entry.get(computation)
+                f = at(ins if ins.op_name or caller is None else caller)
                 produced, sent = hlo.ici_bytes(ins)
                 f.collectives += 1
                 f.collective_bytes += produced

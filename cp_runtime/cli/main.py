@@ -107,7 +107,7 @@ def _add_serve_parallelism(g) -> None:
     add_shards(g)
     g.add_argument("--merge", choices=MERGE_VARIANTS, default="auto",
                    help="where the shards' attention partials meet (auto: all_gather for "
-                        "small steps, else head_scatter with sharded weights and hidden_psum "
+                        "small steps, else head_exchange with sharded weights and hidden_psum "
                         "with replicated; `cp-runtime bench merge` compares them)")
     add_gathers(g)
     add_backend(g)

@@ -1,6 +1,8 @@
 """Paged DSA attention on one `cp` shard, called inside the SPMD step (`shard_map`).
 
-Per layer, for a batch of queries:
+Per layer, for a batch of queries (with split weights each shard first gathers every head of
+the indexer's q, which `full` layers need in step 2; in the gather_q layout in the same
+all-gather as step 4's q heads, one collective for both):
   1. the owner shard writes the new KV into its page; the others write to their sentinel page;
   2. (`full` layers) each shard scores its own pages and keeps its top-K candidates;
   3. the candidates are all-gathered and every shard ranks the same global top-K;
@@ -149,6 +151,12 @@ class ShardAttention:
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
         latent = list(state.latent)
+        gather_q = self._layout(latent[layer]) == "gather_q"
+        if gather_q:
+            q_row, index = self._gather_queries(q_row, index)
+        elif index is not None:
+            with phase("attention_inputs"):
+                index = index.gathered(self.ws)
         latent[layer] = self._write(latent[layer], kv_row, self.pool.latent_dtype)
         indexer, selection = state.indexer, state.selection
         if index is not None:
@@ -158,10 +166,10 @@ class ShardAttention:
             selection = self._select(indexer[slot], index)
             indexer = tuple(indexer)
         pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
-        if self._layout(latent[layer]) == "gather_kv":
-            out = self._attend_every_page(q_row, latent[layer], pages, project)
-        else:
+        if gather_q:
             out = self._attend_own_pages(q_row, latent[layer], pages, project)
+        else:
+            out = self._attend_every_page(q_row, latent[layer], pages, project)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
 
     def _layout(self, cache: jax.Array) -> str:
@@ -174,10 +182,21 @@ class ShardAttention:
             num_shards=self.num_shards, split=self.ws.split,
             wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4)
 
-    def _attend_own_pages(self, q_row, cache, pages, project) -> jax.Array:
-        """gather_q: every head to every shard, the pages it owns, partials merged."""
+    def _gather_queries(self, q_row: jax.Array, index: IndexerInputs | None
+                        ) -> tuple[jax.Array, IndexerInputs | None]:
+        """gather_q: every head of q f[B, Q, H', D] to every shard and, in a full layer, every
+        head of the indexer's q with it, in one all-gather (its f32 values exact: the
+        selection must be the one S = 1 makes)."""
+        heads = self.model.num_attention_heads
         with phase("q_gather"):
-            q_row = self.ws.gather(q_row, -2, self.model.num_attention_heads, wire=True)
+            if index is None or index.heads is None:
+                return self.ws.gather(q_row, -2, heads, wire=True), index
+            q_row, index_q = self.ws.gather_heads(q_row, heads, index.q, index.heads)
+            return q_row, dataclasses.replace(index, q=index_q, heads=None)
+
+    def _attend_own_pages(self, q_row, cache, pages, project) -> jax.Array:
+        """gather_q: q_row f[B, Q, H, D] (every head, `_gather_queries`) over the pages this
+        shard owns; the partials merged."""
         with phase("sparse_attention"):
             o, lse = self.kernels.sparse_attention(
                 q_row, cache, self._slots_of(pages, -1), pages, self.pos,

@@ -20,8 +20,8 @@ Weights are in the model layout (cp_runtime.weights.params.model_layout), whole 
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
   projections to features (q_a, kv_a, the indexer's wk and weights_proj: one all-gather for
-  them all in a decode step, `projected_features`), indexer heads and the lm head's logits
-  are computed on this device's rows and all-gathered (q's heads stay this device's: the
+  them all in a decode step, `projected_features`) and the lm head's logits are computed on
+  this device's rows and all-gathered (q's heads and the indexer's stay this device's: the
   attention gathers them where it needs them, cp_runtime.model.attention); the router is whole
   on every device (its logits need no gather); the embedding, the dense MLP (row-parallel
   down), the routed experts (each device holds a slice of every expert's inner features:
@@ -40,14 +40,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.kernels import reference, scaled_linear
+from cp_runtime.kernels import latent_heads, reference, scaled_linear
 from cp_runtime.model.phases import layer_scope, phase
+from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
 __all__ = [
     "IndexerInputs",
+    "OutputProjection",
     "forward",
     "hadamard",
     "indexer_inputs",
@@ -70,14 +72,25 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class IndexerInputs:
-    """q f32[..., Hi, Di], w f32[..., Hi], k f32[..., Di] of one `full` layer."""
+    """q f32[..., Hi', Di], w f32[..., Hi], k f32[..., Di] of one `full` layer. q holds the
+    heads whose weights this device holds: every head (heads None), or with split weights its
+    Hi' = ceil(Hi / S) of `heads` in all, which the attention gathers (`gathered`, or with
+    the q heads in one collective: cp_runtime.model.attention)."""
 
     q: jax.Array
     w: jax.Array
     k: jax.Array
+    heads: int | None = None
+
+    def gathered(self, ws: WeightShards) -> "IndexerInputs":
+        """These inputs with every head of q."""
+        if self.heads is None:
+            return self
+        return dataclasses.replace(self, q=ws.gather(self.q, -2, self.heads), heads=None)
 
 
-jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k"], meta_fields=[])
+jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k"],
+                                 meta_fields=["heads"])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -269,7 +282,7 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
     q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
     q = linear(p, "self_attn.q_b_proj.weight", q_lora)
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
-    q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    q_pe = q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
     a = features["kv_a"]                                                   # [..., kv_lora+rope]
@@ -277,13 +290,47 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
                  cfg.rms_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
                 mscale=mscale)
-    w_uk = _kv_b(p, cfg)[:, : cfg.qk_nope_head_dim]                       # [H, nope, kv_lora]
-    q_lat = _matmul("...hn,hnc->...hc", q_nope, w_uk)                    # [..., H, kv_lora]
+    q_lat = _absorbed_queries(p, cfg, q)                                  # [..., H, kv_lora]
     q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
                              _pad_last(q_pe, cfg.latent_rope_pad)], -1)
     kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
                               _pad_last(k_pe, cfg.latent_rope_pad)], -1)
     return q_row, kv_row, q_lora
+
+
+# Steps of at most this many rows run kv_b's per-head products (W_uk on the queries; the
+# merge with W_uv) in the kernels of cp_runtime.kernels.latent_heads on a TPU. The merge's VMEM
+# holds one head's partials from every shard, [S, R, Dv + 1] f32, twice: 2.6 MB each at
+# S = 16, R = 64.
+LATENT_KERNEL_MAX_ROWS = 64
+
+
+def _latent_kernels_take(w: jax.Array, s: jax.Array | None, rows: int) -> bool:
+    """Whether a step of `rows` rows runs kv_b (w, scales s) through latent_heads on a TPU."""
+    return (s is not None and rows <= LATENT_KERNEL_MAX_ROWS
+            and latent_heads.supports(w.shape, s.shape))
+
+
+def _absorbed_queries(p: Params, cfg: ModelConfig, q: jax.Array) -> jax.Array:
+    """q f32[..., H', nope + rope] -> q_nope . W_uk f32[..., H', kv_lora] (bf16-rounded, as
+    `_matmul`'s). On a TPU, a step of few rows takes kernels/latent_heads.py, which
+    dequantises kv_b in VMEM (XLA wrote a bf16 copy of it and broadcast its scales first)."""
+    nope = cfg.qk_nope_head_dim
+    name = "self_attn.kv_b_proj.weight"
+    w, s = p[name], p.get(name + SCALE_SUFFIX)
+    rows = int(np.prod(q.shape[:-2]))
+    if not _latent_kernels_take(w, s, rows):
+        return _matmul("...hn,hnc->...hc", q[..., :nope], _kv_b(p, cfg)[:, :nope])
+    heads_first = jnp.moveaxis(q.reshape(rows, *q.shape[-2:]), 0, 1)      # [H', R, Dq]
+
+    def xla(q, w, s):
+        w_uk = _dequantised(w, s).reshape(q.shape[0], -1, w.shape[-1])[:, :nope]
+        return jnp.einsum("hrn,hnc->hrc", q[..., :nope].astype(jnp.bfloat16), w_uk)
+
+    out = jax.lax.platform_dependent(
+        heads_first, w, s, tpu=functools.partial(latent_heads.absorb_queries, nope=nope),
+        default=xla)                                                      # bf16[H', R, Dv]
+    return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], -1).astype(jnp.float32)
 
 
 def _kv_b(p: Params, cfg: ModelConfig) -> jax.Array:
@@ -306,8 +353,9 @@ def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
 def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
                    pos: jax.Array, ws: WeightShards = WeightShards(),
                    features: dict[str, jax.Array] | None = None) -> IndexerInputs:
-    """The DSA indexer's query heads, head weights and key for each token (all heads on every
-    device: each scores its own pages with all of them). `features`: h's
+    """The DSA indexer's query heads, head weights and key for each token. Every device scores
+    its own pages with every head; with split weights q holds this device's heads only, and
+    the attention gathers them (`IndexerInputs.gathered`). `features`: h's
     `projected_features` with the indexer's, when the caller has them already."""
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     if features is None:
@@ -320,7 +368,8 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
     if cfg.index_hadamard:
         q, k = hadamard(q), hadamard(k)
     w = features["index_w"]
-    return IndexerInputs(q=ws.gather(q, -2, hi), w=w * (hi ** -0.5 * di ** -0.5), k=k)
+    return IndexerInputs(q=q, w=w * (hi ** -0.5 * di ** -0.5), k=k,
+                         heads=hi if ws.split else None)
 
 
 def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
@@ -329,6 +378,47 @@ def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
     w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
     o = _matmul("...hc,hvc->...hv", o_lat, w_uv)
     return linear(p, "self_attn.o_proj.weight", o.reshape(*o.shape[:-2], -1))
+
+
+def _merged_values(received: jax.Array, w: jax.Array, s: jax.Array, cfg: ModelConfig
+                   ) -> jax.Array:
+    """XLA's form of kernels/latent_heads.py: received f32[S, H', R, Dv + 1] -> bf16[R, H' v]
+    (merge.merge_received, then `mla_output`'s W_uv matmul)."""
+    merged = merge_received(received)                                     # [R, H', Dv]
+    w_uv = _dequantised(w, s).reshape(-1, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                      cfg.kv_lora_rank)[:, cfg.qk_nope_head_dim:]
+    o = _matmul("...hc,hvc->...hv", merged, w_uv)
+    return o.reshape(o.shape[0], -1).astype(jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputProjection:
+    """One layer's `mla_output`, the `project` an attention callback gets. Called on merged
+    latent outputs; `of_exchanged` takes the partials a `head_exchange` merge received
+    (cp_runtime.parallel.merge.exchange_heads) and merges them on the way: on a TPU, a step of
+    few rows with block-scaled weights does the merge and W_uv in one kernel
+    (kernels/latent_heads.py: ~15 XLA passes a layer otherwise)."""
+
+    p: Params
+    cfg: ModelConfig
+
+    def __call__(self, o_lat: jax.Array) -> jax.Array:
+        return mla_output(self.p, self.cfg, o_lat)
+
+    def of_exchanged(self, received: jax.Array) -> jax.Array:
+        """received f32[S, H', ..., Dv + 1] -> f[..., hidden] (this device's partial sum)."""
+        name = "self_attn.kv_b_proj.weight"
+        w, s = self.p[name], self.p.get(name + SCALE_SUFFIX)
+        lead = received.shape[2:-1]
+        rows = int(np.prod(lead))
+        if not _latent_kernels_take(w, s, rows):
+            return self(merge_received(received))
+        flat = received.reshape(*received.shape[:2], rows, received.shape[-1])
+        o = jax.lax.platform_dependent(
+            flat, w, s,
+            tpu=functools.partial(latent_heads.merge_values, nope=self.cfg.qk_nope_head_dim),
+            default=functools.partial(_merged_values, cfg=self.cfg))
+        return linear(self.p, "self_attn.o_proj.weight", o.reshape(*lead, -1))
 
 
 def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
@@ -491,7 +581,8 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     return ws.join(out)
 
 
-# project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`)
+# project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`;
+# `OutputProjection` also takes exchanged partials)
 ProjectFn = Callable[[jax.Array], jax.Array]
 # attend(layer, state, q_row, kv_row, index_or_None, project) -> (attention output f[..., hidden]
 # complete on every device, state)
@@ -529,7 +620,7 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
         features = projected_features(p, cfg, h, ws, indexer=own_indexer)
         q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws, features)
         index = indexer_inputs(p, cfg, h, q_lora, pos, ws, features) if own_indexer else None
-    out, state = attend(layer, state, q_row, kv_row, index, functools.partial(mla_output, p, cfg))
+    out, state = attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
     with phase("dense"):
         x = x + out
         h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)

@@ -12,9 +12,13 @@ cp_runtime.model.forward.mla_output).
                  shard then holds every head merged.
   all_to_all:    pack [o | lse] and all-to-all over the token axis so each shard merges 1/S of
                  the tokens, then all-gather the merged rows (every head everywhere too).
-  head_scatter:  (weights sharded) rescale, then reduce-scatter over heads: each shard gets only
-                 its own heads merged, projects them through its W_uv and o_proj columns, and a
-                 psum in hidden space joins the heads.
+  head_scatter:  (weights sharded) all-gather the lse, rescale, then reduce-scatter over heads:
+                 each shard gets only its own heads merged, projects them through its W_uv and
+                 o_proj columns, and a psum in hidden space joins the heads.
+  head_exchange: (weights sharded) as head_scatter, but one all-to-all over heads carries each
+                 shard's packed [o | lse] of a head block, in f32, to that block's shard, which
+                 merges them (with W_uv, in one kernel on a TPU: kernels/latent_heads.py): one
+                 collective before the psum, not two.
   hidden_psum:   (weights replicated) rescale, project each shard's partial through W_uv and
                  o_proj, and psum in hidden space: the partial output is linear in o_r.
   all_gather:    all-gather the packed partials [o | lse] and merge on every shard: one
@@ -24,7 +28,8 @@ cp_runtime.model.forward.mla_output).
                  shard in one process, the in-process gather (cp_runtime.parallel.collectives).
   auto:          all_gather while a shard's packed partials are at most GATHER_MAX_BYTES (a
                  decode step: a collective's latency costs more than its bytes), else
-                 head_scatter with sharded weights and hidden_psum with replicated ones.
+                 head_exchange with sharded weights (head_scatter past EXCHANGE_MAX_BYTES
+                 when the wire is bf16) and hidden_psum with replicated ones.
 `cp-runtime bench merge` measures the bytes each moves per token and times them in one run.
 """
 
@@ -37,7 +42,9 @@ from jax import lax
 from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_gather",
-           "merge_to_own_heads", "MERGES", "GATHER_MAX_BYTES", "combine", "resolve_merge"]
+           "merge_to_own_heads", "exchange_heads", "merge_received",
+           "merge_by_head_exchange", "MERGES", "GATHER_MAX_BYTES", "EXCHANGE_MAX_BYTES", "combine",
+           "resolve_merge"]
 
 # Largest packed partial [o | lse] per shard that `auto` all-gathers: small enough that the
 # gather's bytes cost less than the collective it saves (0.34 ms each at S = 16 on the
@@ -45,6 +52,12 @@ __all__ = ["merge_stacked", "merge_gather_psum", "merge_all_to_all", "merge_all_
 # a shard, took 189 ms all-gathered against 3.4 ms with hidden_psum; the small model's 264 B
 # saves a collective per layer.
 GATHER_MAX_BYTES = 32 << 10
+# Largest packed partial per shard that `auto` exchanges (head_exchange) when the wire is bf16.
+# The exchange moves them in f32, head_scatter in bf16 plus the lse: about half the packed
+# bytes more for one collective fewer. At TPU7x's 300 GB/s one way a collective's assumed
+# 10 us is ~3 MB, which half of 6 MiB is: a decode step's partials (GLM-5.2 at B = 32: 4.2 MB)
+# are exchanged, a prefill chunk's (1 GB at 8K rows) reduce-scattered.
+EXCHANGE_MAX_BYTES = 6 << 20
 
 
 def _weights(lse_all: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -136,14 +149,52 @@ def merge_to_own_heads(o: jax.Array, lse: jax.Array, axis_name: str,
                             tiled=True).astype(o.dtype)
 
 
-def resolve_merge(merge: str, split: bool, packed_bytes: int) -> str:
-    """The variant `merge` names for weights split or not and partials of `packed_bytes` per
-    shard ('auto' picks by both)."""
+def exchange_heads(o: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
+    """This shard's partials o f32[..., H, Dv], lse f32[..., H] -> received f32[S, H', ...,
+    Dv + 1]: from every shard (axis 0) its packed [o | lse] of this shard's own heads
+    (H' = ceil(H / S), heads padded to a multiple of S as the weights are, with o = 0 and
+    lse = -inf, which merge to nothing). One all-to-all over the head axis, in f32: the lse
+    must arrive exact, and a decode step's partials are a few hundred KB."""
+    num_shards = lax.axis_size(axis_name)
+    pad = -o.shape[-2] % num_shards
+    lead = o.ndim - 2
+    o = jnp.pad(o, [(0, 0)] * lead + [(0, pad), (0, 0)])
+    lse = jnp.pad(lse, [(0, 0)] * lead + [(0, pad)], constant_values=-jnp.inf)
+    packed = _pack(o, lse)                                               # [..., Hp, C]
+    heads_here = packed.shape[-2] // num_shards
+    # [..., Hp, C] -> [S, H', ..., C]: head block j goes to shard j; after the all-to-all
+    # axis 0 indexes the shard the partials came from. Heads before rows, so a head's
+    # partials are one contiguous block (kernels/latent_heads.py reads them so).
+    blocks = packed.reshape(*packed.shape[:-2], num_shards, heads_here, packed.shape[-1])
+    blocks = jnp.moveaxis(blocks, (-3, -2), (0, 1))
+    return lax.all_to_all(blocks, axis_name, split_axis=0, concat_axis=0, tiled=True)
+
+
+def merge_received(received: jax.Array) -> jax.Array:
+    """`exchange_heads`' result f32[S, H', ..., Dv + 1] -> merged o f32[..., H', Dv]."""
+    merged, _ = merge_stacked(received[..., :-1], received[..., -1])     # [H', ..., Dv]
+    return jnp.moveaxis(merged, 0, -2)
+
+
+def merge_by_head_exchange(o: jax.Array, lse: jax.Array, axis_name: str) -> jax.Array:
+    """o f32[..., H, Dv], lse f32[..., H] of this shard -> merged o f32[..., H', Dv] of this
+    shard's own heads: `exchange_heads`, then the exact merge of what arrived. One collective
+    where `merge_to_own_heads` needs two (the lse's all-gather, then the reduce-scatter)."""
+    return merge_received(exchange_heads(o, lse, axis_name))
+
+
+def resolve_merge(merge: str, split: bool, packed_bytes: int, wire_dtype: str = "f32") -> str:
+    """The variant `merge` names for weights split or not, partials of `packed_bytes` (f32)
+    per shard and the wire dtype ('auto' picks by all three)."""
     if merge != "auto":
         return merge
     if packed_bytes <= GATHER_MAX_BYTES:
         return "all_gather"
-    return "head_scatter" if split else "hidden_psum"
+    if not split:
+        return "hidden_psum"
+    if wire_dtype == "bf16" and packed_bytes > EXCHANGE_MAX_BYTES:
+        return "head_scatter"
+    return "head_exchange"
 
 
 def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
@@ -153,7 +204,7 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
     weights this shard holds to hidden space (a partial sum when the weights are split, `ws`).
     gathers: how all_gather's gather runs (runtime field `gathers`,
     cp_runtime.parallel.collectives)."""
-    merge = resolve_merge(merge, ws.split, (o.size + lse.size) * 4)
+    merge = resolve_merge(merge, ws.split, (o.size + lse.size) * 4, ws.wire_dtype)
     if merge == "hidden_psum":
         if ws.split:
             raise ValueError("merge 'hidden_psum' needs every head's W_uv and o_proj on each "
@@ -164,6 +215,17 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
             raise ValueError("merge 'head_scatter' needs weights split by head "
                              "(weights = 'sharded')")
         return ws.join(project(merge_to_own_heads(o, lse, axis_name, ws.wire_dtype)))
+    if merge == "head_exchange":
+        if not ws.split:
+            raise ValueError("merge 'head_exchange' needs weights split by head "
+                             "(weights = 'sharded')")
+        received = exchange_heads(o, lse, axis_name)
+        # A projection that takes the exchanged partials itself (forward.OutputProjection)
+        # merges them in the same pass as W_uv; a plain callable gets them merged.
+        of_received = getattr(project, "of_exchanged", None)
+        if of_received is not None:
+            return ws.join(of_received(received))
+        return ws.join(project(merge_received(received)))
     if merge == "all_gather":
         merged, _ = merge_all_gather(o, lse, axis_name, gathers)     # every head, everywhere
     else:

@@ -14,6 +14,7 @@ lm head's logits, the embedding) always crosses in f32.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,27 @@ class WeightShards:
 
         full = self._on_wire(x, all_gather) if wire else all_gather(x)
         return lax.slice_in_dim(full, 0, size, axis=axis)
+
+    def gather_heads(self, wired: jax.Array, wired_heads: int, exact: jax.Array,
+                     exact_heads: int) -> tuple[jax.Array, jax.Array]:
+        """`gather(wired, -2, wired_heads, wire=True)` and `gather(exact, -2, exact_heads)`
+        of wired f32[..., h, D] and exact f32[..., g, E] (this device's heads of each): a
+        decode step's q heads and its indexer's q heads. With at most FUSED_GATHER_MAX_ROWS
+        rows, one all-gather of both in f32 (wired then unrounded: its bytes are a few KB,
+        and one collective's latency weighs more than them and than the passes a bf16 wire
+        would take to carry exact's f32 bits whole); with more, one gather each."""
+        if self.axis is None:
+            return wired, exact
+        lead = wired.shape[:-2]
+        if math.prod(lead) > FUSED_GATHER_MAX_ROWS:
+            return (self.gather(wired, -2, wired_heads, wire=True),
+                    self.gather(exact, -2, exact_heads))
+        joined = jnp.concatenate([wired.reshape(*lead, -1), exact.reshape(*lead, -1)], -1)
+        every = lax.all_gather(joined, self.axis, axis=joined.ndim - 1)   # [..., S, width]
+        split = wired.shape[-2] * wired.shape[-1]
+        heads = every[..., :split].reshape(*lead, -1, wired.shape[-1])
+        rest = every[..., split:].reshape(*lead, -1, exact.shape[-1])
+        return heads[..., :wired_heads, :], rest[..., :exact_heads, :]
 
     def gather_parts(self, parts: dict[str, tuple[jax.Array, int]]) -> dict[str, jax.Array]:
         """`gather(x, -1, size)` of each {name: (x [..., local], size)} (same leading shape
