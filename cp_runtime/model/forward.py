@@ -161,12 +161,15 @@ def rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, *, interleaved: boo
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if mscale != 1.0:
         cos, sin = cos * mscale, sin * mscale
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return out.reshape(x.shape).astype(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    # Each value times its angle's cos, plus its partner (the other of its pair, or of its
+    # halves) times -sin (first of the two) or +sin: the partner is the pair (or halves)
+    # reversed, so the rotation is one elementwise pass; strided slices and a stack of the
+    # results were three or four small ops in XLA:TPU. The same products and sums.
+    axis = -1 if interleaved else -2
+    parts = x.reshape(*x.shape[:-1], *((d // 2, 2) if interleaved else (2, d // 2)))
+    partner = jnp.flip(parts, axis)
+    cos, sin = jnp.expand_dims(cos, axis), jnp.stack([-sin, sin], axis)
+    return (parts * cos + partner * sin).reshape(x.shape).astype(x.dtype)
 
 
 def _hadamard_matrix(n: int) -> np.ndarray:
