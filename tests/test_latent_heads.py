@@ -6,6 +6,7 @@ pass left around them but copies and the scales' flattening."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -82,14 +83,23 @@ def test_absorbed_queries_match_reference(heads, rows, nope, v, rope, dv):
     assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= KERNEL_BOUND * scale
 
 
+def _lane_model():
+    """The tiny model with kv_b's shapes a TPU runs the kernels for (128-row and 128-lane
+    scale runs: 2 heads of 64 + 64 rows, kv_lora 128), so the model takes the kernels' calls
+    (their XLA branch off a TPU) rather than its plain path."""
+    return dataclasses.replace(load_model_config("tiny"), kv_lora_rank=128,
+                               qk_nope_head_dim=64, v_head_dim=64)
+
+
 def test_the_models_absorbed_queries_are_the_reference():
     """Off a TPU `forward._absorbed_queries` takes the XLA branch of the kernel's call (bf16
     matmul, rounded); it differs from the f32 reference by that rounding only, and equals the
     plain einsum the model runs for long steps."""
-    cfg = load_model_config("tiny")
+    cfg = _lane_model()
     rng = np.random.default_rng(2)
     heads, nope, v, dv = 2, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    w, s = _kv_b(rng, heads, nope, v, dv, runs=(heads * (nope + v) // 2, dv // 2))
+    w, s = _kv_b(rng, heads, nope, v, dv)
+    assert forward._latent_kernels_take(w, s, 3)
     p = {"self_attn.kv_b_proj.weight": w, "self_attn.kv_b_proj.weight_scale_inv": s}
     q = jnp.asarray(rng.standard_normal((3, heads, cfg.qk_head_dim)), jnp.float32)
     got = forward._absorbed_queries(p, cfg, q)                          # [R, H', Dv]
@@ -116,11 +126,12 @@ def test_reference_is_the_models_xla_path():
     """Off a TPU `of_exchanged` merges in XLA and runs W_uv as `mla_output` does; with o_proj
     it equals the merge followed by the plain projection, and the reference's W_uv output
     differs from the model's by its bf16 rounding only."""
-    cfg = load_model_config("tiny")
+    cfg = _lane_model()
     rng = np.random.default_rng(1)
     heads, nope, v, dv = 2, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     received = _received(rng, 4, heads, 3, dv)
-    w, s = _kv_b(rng, heads, nope, v, dv, runs=(heads * (nope + v) // 2, dv // 2))
+    w, s = _kv_b(rng, heads, nope, v, dv)
+    assert forward._latent_kernels_take(w, s, 3)
     o_proj = jnp.asarray(rng.standard_normal((cfg.hidden_size, heads * v)), jnp.bfloat16)
     p = {"self_attn.kv_b_proj.weight": w, "self_attn.kv_b_proj.weight_scale_inv": s,
          "self_attn.o_proj.weight": o_proj}
