@@ -76,9 +76,9 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.parallel.merge import resolve_merge
 from cp_runtime.weights.shards import FUSED_GATHER_MAX_ROWS
 
-__all__ = ["LayerGroup", "layer_kinds", "layer_weights", "layer_seconds", "decode_groups",
-           "chunk_groups", "decode_terms", "prefill_terms", "prefill_schedule", "chunk_terms",
-           "design_sweep", "compute_floor", "hbm_use"]
+__all__ = ["LayerGroup", "layer_kinds", "layer_weights", "down_projections", "layer_seconds",
+           "decode_groups", "chunk_groups", "decode_terms", "prefill_terms", "prefill_schedule",
+           "chunk_terms", "design_sweep", "compute_floor", "hbm_use"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +137,16 @@ def layer_weights(model: ModelConfig, kind: str, *, experts: int | None = None) 
             "mlp": routed * expert if moe else 3 * model.intermediate_size * hid,
             "router": model.n_routed_experts * hid if moe else 0,
             "shared": model.n_shared_experts * expert if moe else 0}
+
+
+def down_projections(model: ModelConfig, kind: str) -> int:
+    """Weight elements of ONE layer's down projections from the hidden state, whole on every
+    device (cp_runtime.weights.layout; part of layer_weights' attention and indexer terms):
+    (q_lora + kv_lora + rope) * hid, plus (Di + Hi) * hid in full layers."""
+    width = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
+    if _is_full(kind):
+        width += model.index_head_dim + model.index_n_heads
+    return width * model.hidden_size
 
 
 def layer_seconds(terms, hw: Hardware) -> tuple[float, float]:
@@ -213,35 +223,39 @@ def _schedule(groups: list[LayerGroup], hw: Hardware) -> dict[str, dict]:
 def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str, tokens: int,
                        *, gathered: bool = False) -> Term:
     """One layer's matmuls over `tokens` tokens and the weights it reads, split evenly over the
-    S devices (throughput.projection_work's formulas, one layer), but the router, which every
-    device holds and runs whole for its tokens (W' = W less the router, R = the router):
+    S devices (throughput.projection_work's formulas, one layer), but the router and the down
+    projections, which every device holds and runs whole for its tokens (W' = W less the
+    router R and the down projections P, `down_projections`):
 
         flops = tokens * ((2 * W'_tok + 2 * Di^2 * (Hi + 1) [full layers: Hadamard of q, k]) / S
-                          + 2 * R)
-        bytes = pb * (W'_step / S + R)
+                          + 2 * (R + P))
+        bytes = pb * (W'_step / S + R + P)
 
     W_tok = layer_weights with k experts, W_step with min(E, tokens * k) (every expert some
     token may use), pb = weight bytes. gathered (the sequence design): the attention and
-    indexer weights are all-gathered (2 x their bytes: written as they arrive, read again to
-    forward them) and read whole by the matmuls, and the shared experts, kept whole on every
-    device, are read whole: bytes = pb * (mlp_step / S + R + shared + 3 * (attention +
-    indexer)).
+    indexer weights but P are all-gathered (2 x their bytes: written as they arrive, read again
+    to forward them) and read whole by the matmuls, and the shared experts, kept whole on every
+    device, are read whole: bytes = pb * (mlp_step / S + R + P + shared + 3 * (attention +
+    indexer - P)), and every matmul runs on the device's own tokens / S only: flops = tokens *
+    (2 * (W'_tok + R + P) + Hadamard) / S.
     """
     s, pb = hw.devices, setup.weight_bytes
     weights = layer_weights(model, kind)
-    router = weights["router"]
-    per_token = sum(weights.values()) - router
+    whole = weights["router"] + down_projections(model, kind)
+    per_token = sum(weights.values()) - whole
     hadamard = 0
     if _is_full(kind) and model.index_hadamard:
         hadamard = 2 * model.index_head_dim ** 2 * (model.index_n_heads + 1)
     step = layer_weights(model, kind, experts=min(model.n_routed_experts,
                                                   tokens * model.num_experts_per_tok))
     if gathered:
-        read = step["mlp"] / s + step["shared"] + 3 * (step["attention"] + step["indexer"])
+        attention = step["attention"] + step["indexer"] - down_projections(model, kind)
+        read = step["mlp"] / s + step["shared"] + 3 * attention
+        flops = tokens * (2 * (per_token + whole) + hadamard) / s
     else:
-        read = (sum(step.values()) - router) / s
-    return Term("weights + projections", hbm_bytes=pb * (read + router),
-                flops=tokens * ((2 * per_token + hadamard) / s + 2 * router),
+        read = (sum(step.values()) - whole) / s
+        flops = tokens * ((2 * per_token + hadamard) / s + 2 * whole)
+    return Term("weights + projections", hbm_bytes=pb * (read + whole), flops=flops,
                 precision=setup.weight_precision)
 
 
@@ -260,19 +274,6 @@ def _step_projections(model: ModelConfig, hw: Hardware, setup: Setup, tokens: in
 
 
 # -- collectives, by design -----------------------------------------------------------------
-def _projections_gather(model: ModelConfig, hw: Hardware, kind: str, rows: int) -> Term:
-    """The down projections' outputs, split by feature and gathered whole in f32 (forward's
-    `projected_features`): q_a and kv_a, and in full layers the indexer's key and head weights,
-    (S-1)/S R (q_lora + kv_lora + rope [+ Di + Hi]) 4. One all-gather for them all in a step of
-    at most FUSED_GATHER_MAX_ROWS rows, else one each (2, or 4 in full layers)."""
-    full = _is_full(kind)
-    width = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
-    if full:
-        width += model.index_head_dim + model.index_n_heads
-    return Term("projections all-gather", ici_bytes=(hw.devices - 1) / hw.devices * rows
-                * width * 4, collectives=1 if rows <= FUSED_GATHER_MAX_ROWS else 2 + 2 * full)
-
-
 def _top_k_gather(model: ModelConfig, hw: Hardware, setup: Setup, rows: int,
                   pages: int) -> Term:
     """Full layers: every shard's top-K candidates, score f32 and page i32 packed into one
@@ -287,7 +288,6 @@ def _gather_q_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: 
     """What each device sends in one layer of `kind` with weights split by heads and every head
     of q gathered (decode, and short prefill chunks), `rows` query rows over `pages` pages each:
 
-    projections all-gather   _projections_gather; 1 collective in a decode step
     top-k all-gather         full layers: _top_k_gather
     q heads all-gather       the query rows [R, H, D] (each device projects its own heads, every
                              device attends with all of them): (S-1)/S R H D w; full layers
@@ -301,13 +301,12 @@ def _gather_q_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: 
                              reduce-scatter of o over heads, (S-1)/S R H Dv w (`head_scatter`)
     weight-shard all-reduce  the attention and the MLP outputs [R, hid]: 2 x 2(S-1)/S R hid w
 
-    Collectives issued in a decode step: 5 per layer, 1 more per full layer.
+    The down projections' outputs need no gather: their weights are whole on every device.
+    Collectives issued in a decode step: 4 per layer, 1 more per full layer.
     """
     s, h, w, full = hw.devices, model.num_attention_heads, setup.wire_bytes, _is_full(kind)
     one_way = (s - 1) / s
-    terms = [_projections_gather(model, hw, kind, rows)]
-    if full:
-        terms.append(_top_k_gather(model, hw, setup, rows, pages))
+    terms = [_top_k_gather(model, hw, setup, rows, pages)] if full else []
     idx_q = model.index_n_heads * model.index_head_dim if full else 0
     joined = full and rows <= FUSED_GATHER_MAX_ROWS
     terms += [
@@ -336,7 +335,6 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
                            rows: int, pages: int) -> list[Term]:
     """One layer of the gather_kv design (weights split by heads; the pages go to the queries):
 
-    projections all-gather   _projections_gather; one per projection in a prefill chunk
     top-k all-gather         full layers: _top_k_gather
     indexer q all-gather     full layers: [R, Hi, Di] in f32 whatever the wire (the selection
                              must be exact), (S-1)/S R Hi Di 4
@@ -345,12 +343,12 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     weight-shard all-reduce  as heads: 2 x 2(S-1)/S R hid w; 2 collectives
 
     No q-heads gather and no merge: each device attends its own H/S heads over every page.
-    Collectives issued in a prefill chunk: 5 per layer, 4 more per full layer.
+    Collectives issued in a prefill chunk: 3 per layer, 2 more per full layer.
     """
     s, w = hw.devices, setup.wire_bytes
     one_way = (s - 1) / s
     c = dtype_bytes(latent_cache_dtype(setup.kv_cache_dtype))
-    terms = [_projections_gather(model, hw, kind, rows)]
+    terms = []
     if _is_full(kind):
         terms += [_top_k_gather(model, hw, setup, rows, pages),
                   Term("indexer q all-gather", ici_bytes=one_way * rows * model.index_n_heads
@@ -367,8 +365,9 @@ def _sequence_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: 
                           rows: int, pages: int) -> list[Term]:
     """One layer of the sequence design (each device takes R/S of the chunk's rows):
 
-    weight all-gather        the layer's attention (and, full layers, indexer) weights:
-                             (S-1)/S pb (attention + indexer)  (layer_weights, pb weight bytes)
+    weight all-gather        the layer's attention (and, full layers, indexer) weights but
+                             the down projections (whole on every device): (S-1)/S pb
+                             (attention + indexer - P)  (layer_weights, down_projections)
     KV all-gather            as gather_kv: (S-1)/S C D c
     new rows all-to-all      the chunk's new latent rows (and, full layers, indexer keys) to
                              the devices owning their pages: (S-1)/S R/S (D c [+ Di c_idx])
@@ -394,7 +393,8 @@ def _sequence_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: 
     row_bytes = model.latent_dim * c + (model.index_head_dim * c_idx if full else 0)
     terms = [
         Term("weight all-gather", ici_bytes=one_way * setup.weight_bytes
-             * (weights["attention"] + weights["indexer"]), collectives=1),
+             * (weights["attention"] + weights["indexer"] - down_projections(model, kind)),
+             collectives=1),
         Term("KV all-gather",
              ici_bytes=one_way * pages * setup.page_size * model.latent_dim * c, collectives=1),
         Term("new rows all-to-all", ici_bytes=one_way * rows / s * row_bytes,
@@ -534,13 +534,15 @@ def prefill_terms(model: ModelConfig, hw: Hardware, setup: Setup, *, length: int
 # -- the prefill designs, the compute floor and HBM use -------------------------------------
 def hbm_use(model: ModelConfig, hw: Hardware, setup: Setup, *, tokens: int) -> float:
     """Bytes per device: the weight share (all experts, embedding and lm_head) plus the cache of
-    `tokens` cached tokens in all (cp_runtime.cache.capacity's bytes per token). The sequence
-    design keeps the shared experts whole on every device: (S-1)/S of them more. Transient
-    buffers (a layer's gathered cache or attention weights) are not counted."""
-    replica = 0
+    `tokens` cached tokens in all (cp_runtime.cache.capacity's bytes per token). The routers
+    and the down projections are whole on every device: (S-1)/S of them more; the sequence
+    design keeps the shared experts whole too. Transient buffers (a layer's gathered cache or
+    attention weights) are not counted."""
+    whole = {kind: layer_weights(model, kind)["router"] + down_projections(model, kind)
+             for kind in layer_kinds(model)}
     if setup.prefill_design == "sequence":
-        replica = (hw.devices - 1) * sum(n * layer_weights(model, kind)["shared"]
-                                         for kind, n in layer_kinds(model).items())
+        whole = {kind: n + layer_weights(model, kind)["shared"] for kind, n in whole.items()}
+    replica = (hw.devices - 1) * sum(n * whole[kind] for kind, n in layer_kinds(model).items())
     weights = (matmul_weights(model, experts=model.n_routed_experts)
                + 2 * model.vocab_size * model.hidden_size + replica) * setup.weight_bytes
     return (weights + tokens * bytes_per_token(model, setup.kv_cache_dtype)) / hw.devices

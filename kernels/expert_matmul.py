@@ -25,7 +25,12 @@ Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
         (`plan_visits`; `visit_plan` is its XLA twin);
         rows bf16[tm, K] by the visit's tile, weight f8[K, tn] by its group (VMEM), scales
-        f32[K / ga, tn / gb] by its group (SMEM), output f32[tm, tn] by its tile.
+        f32[K / ga, tn / gb, E] of every group by the column tile (SMEM: fetched once a column
+        tile), output f32[tm, tn] by its tile. The scales go in with the experts last: stored
+        [E, K / ga, M / gb], a device's [256, 48, 1] (GLM-5.2's gate and up on 16 devices) is laid
+        out by XLA:TPU with the experts innermost, and XLA copied it into the kernel's row-major
+        layout before every call (10 us a MoE layer in the compiler's figures); the
+        transposed view is that layout as it lies.
 VMEM:   2 * (tm * K * 2 + K * tn * w + tm * tn * 4)    (double-buffered blocks)
         + tm * tn * 4                                  (the accumulator)
 Per call (upper bound: every visit a whole tile; min(E, N) experts read):
@@ -65,7 +70,11 @@ def row_tile(num_rows: int, num_groups: int) -> int:
     """tm: about the rows a group has when the rows spread over every group they can reach (a
     power of two, ROW_ALIGN to ROW_TILE). Each visit computes a whole tile, so a tile much
     taller than a group wastes the MXU on masked rows: a decode step's 256 rows over 256
-    experts would compute 256 x 256 rows in tiles of 256, 16 x 271 in tiles of 16."""
+    experts would compute 256 x 256 rows in tiles of 256, 16 x 271 in tiles of 16. Fewer
+    rows than ROW_ALIGN are one tile of the next power of two (a block as tall as the array
+    needs no padding: a B = 1 decode step's 8 rows go in as they are)."""
+    if num_rows < ROW_ALIGN:
+        return 1 << (max(num_rows, 1) - 1).bit_length()
     per_group = cdiv(max(num_rows, 1), max(min(num_groups, num_rows), 1))
     return min(ROW_TILE, max(ROW_ALIGN, 1 << (per_group - 1).bit_length()))
 
@@ -211,13 +220,14 @@ def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
 def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
             rows_ref,                                        # [tm, K] bf16
             w_ref,                                           # [K, tn] fp8 (or any float)
-            s_ref,                                           # [K / ga, tn / gb] f32 SMEM
+            s_ref,                                           # [K / ga, tn / gb, E] f32 SMEM
             out_ref,                                         # [tm, tn] f32
             acc_ref):                                        # [tm, tn] f32 scratch
     v = pl.program_id(1)
     tm, tn = out_ref.shape
-    k_runs, n_runs = s_ref.shape
+    k_runs, n_runs, _ = s_ref.shape
     ga, gb = w_ref.shape[0] // k_runs, tn // n_runs
+    g = group_ref[v]
 
     @pl.when(v < counts_ref[0])
     def _():
@@ -230,11 +240,10 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
             x = rows_ref[:, pl.ds(k0, ga)]
             w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)].astype(jnp.bfloat16)
             part = jnp.dot(x, w, preferred_element_type=jnp.float32)
-            acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr]
+            acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr, g]
             return carry
 
         jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
-        g = group_ref[v]
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
@@ -278,13 +287,13 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
             in_specs=[
                 pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0)),
                 pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
-                pl.BlockSpec((None, scales.shape[1], tn // gb),
-                             lambda j, v, g, t, *_: (g[v], 0, j),
+                pl.BlockSpec((scales.shape[1], tn // gb, e),
+                             lambda j, v, g, t, *_: (0, j, 0),
                              memory_space=pltpu.SMEM),
             ],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, g, t, *_: (t[v], j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), jnp.float32),
         **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret),
-    )(*plan, padded, w, scales.astype(jnp.float32))
+    )(*plan, padded, w, jnp.transpose(scales.astype(jnp.float32), (1, 2, 0)))
     return out[:n]

@@ -34,6 +34,9 @@ __all__ = [
     "scaled_linear",
     "merge_values",
     "absorb_queries",
+    "route_topk",
+    "router",
+    "by_expert",
 ]
 
 NEG_INF = -jnp.inf
@@ -275,3 +278,61 @@ def absorb_queries(q: jax.Array, w: jax.Array, scales: jax.Array, nope: int) -> 
     w_uk = kv_b.reshape(heads, -1, kv_b.shape[-1])[:, :nope]               # [H', nope, Dv]
     q_nope = q[..., :nope].astype(jnp.bfloat16).astype(jnp.float32)
     return jnp.einsum("hrn,hnc->hrc", q_nope, w_uk, precision=lax.Precision.HIGHEST)
+
+
+def _limit_groups(biased: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """biased f32[..., E] with the experts outside the topk_group best of n_group groups set
+    to -inf. A group's score is the sum of its two best biased scores (its best one if a group
+    holds a single expert). -inf, not 0, fills the dropped groups: biased scores can be
+    negative."""
+    g = biased.reshape(*biased.shape[:-1], n_group, -1)                      # [..., G, E/G]
+    best = lax.top_k(g, min(2, g.shape[-1]))[0].sum(-1)                      # [..., G]
+    _, keep = lax.top_k(best, topk_group)                                    # [..., topk_group]
+    kept = jax.nn.one_hot(keep, n_group, dtype=jnp.bool_).any(-2)           # [..., G]
+    return jnp.where(kept[..., None], g, NEG_INF).reshape(biased.shape)
+
+
+def route_topk(logits: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk_group: int,
+               norm: bool, scale: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's noaux_tc routing: sigmoid scores s, biased b = s + bias (the bias picks,
+    never weighs); groups limit the choice (n_group > 1); the top k of b, lowest expert first
+    among equals (`lax.top_k`); their weights s, normalised when `norm`, times `scale`.
+
+    logits:  f32[..., E]    the router's
+    bias:    f32[E]         the correction bias
+    returns: (chosen i32[..., k], weights f32[..., k])
+    """
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + bias
+    if n_group > 1:
+        biased = _limit_groups(biased, n_group, topk_group)
+    _, chosen = lax.top_k(biased, k)
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return chosen, weights * scale
+
+
+def router(x: jax.Array, gate: jax.Array, bias: jax.Array, **routing
+           ) -> tuple[jax.Array, jax.Array]:
+    """x through the router gate, then `route_topk(logits, bias, **routing)`. The logits are
+    the bf16 matmul's, as the model's `linear` computes them: bf16 inputs, f32 sums, the
+    result rounded to bf16.
+
+    x:       f[T, hidden]
+    gate:    bf16[E, hidden]
+    bias:    f32[E]
+    returns: (chosen i32[T, k], weights f32[T, k])
+    """
+    logits = jnp.einsum("th,eh->te", x.astype(jnp.bfloat16).astype(jnp.float32),
+                        gate.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return by_expert(*route_topk(logits.astype(jnp.bfloat16).astype(jnp.float32), bias,
+                                 **routing))
+
+
+def by_expert(chosen: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each token's chosen experts i32[..., k] and weights f32[..., k] in ascending expert
+    order."""
+    order = jnp.argsort(chosen, axis=-1)
+    return (jnp.take_along_axis(chosen, order, axis=-1),
+            jnp.take_along_axis(weights, order, axis=-1))

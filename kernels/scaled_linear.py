@@ -23,7 +23,8 @@ Per call:
         bytes = N * K * w + (N / ga) * (K / gb) * 4 + (N / tn) * T' * K * 2 + T' * N * 4
 The dequantisation is ~3 VPU operations a weight value, left out of the estimate (the same
 work XLA's fused form does); a grid step's fixed overhead (a few hundred ns) is left out too.
-On a TPU the scale runs must be whole lane tiles (ga, gb multiples of 128: `supports`).
+On a TPU the scale runs must be whole tiles (gb a multiple of 128 lanes, ga of 32 fp8
+sublanes: `supports`).
 """
 
 from __future__ import annotations
@@ -38,20 +39,26 @@ from jax.experimental.pallas import tpu as pltpu
 from cp_runtime.kernels import expert_matmul
 from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.vmem import LANES, tiled_bytes
+from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
 
 __all__ = ["scaled_linear", "supports", "row_tile", "column_tile", "cost"]
 
 ROW_TILE = 256                  # rows per tile at most
+FP8_SUBLANES = 32               # rows of an fp8 (8-bit) sublane tile
 
 
 def supports(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
     """Whether a TPU compiles the kernel for a weight [N, K] with scales [N/ga, K/gb]: the
-    scale runs must be whole 128-lane tiles."""
+    scale runs along K must be whole 128-lane tiles and those along N whole fp8 sublane tiles
+    (32 rows: kv_a_proj's 576 rows have runs of 64), and the column tile must fit VMEM."""
     if len(w_shape) != 2 or len(s_shape) != 2:
         return False
-    ga, gb = w_shape[0] // s_shape[0], w_shape[1] // s_shape[1]
-    return ga % LANES == 0 and gb % LANES == 0
+    (n, k), (sn, sk) = w_shape, s_shape
+    if n % sn or k % sk:
+        return False
+    ga, gb = n // sn, k // sk
+    return (ga % FP8_SUBLANES == 0 and gb % LANES == 0
+            and cost(ROW_TILE, w_shape, s_shape)["vmem_bytes"] <= VMEM_BUDGET_BYTES)
 
 
 def row_tile(num_rows: int) -> int:
@@ -61,9 +68,14 @@ def row_tile(num_rows: int) -> int:
 
 
 def column_tile(n: int, k: int, ga: int, itemsize: int) -> int:
-    """tn: the widest run-aligned divisor of N whose weight block [tn, K] stays within the
-    experts' kernel's block budget (its `column_tile`, the same choice transposed)."""
-    return expert_matmul.column_tile(k, n, ga, itemsize)
+    """tn: the widest divisor of N that is whole scale runs and whole lane tiles (the output
+    block [tm, tn] must be, unless it is all of N) and whose weight block [tn, K] stays within
+    the experts' kernel's block budget; the narrowest such when none does (N itself for
+    kv_a_proj's 576 rows: 3.5 MB)."""
+    fits = [tn for tn in range(ga, n + 1, ga)
+            if n % tn == 0 and (tn % LANES == 0 or tn == n)]
+    within = [tn for tn in fits if tn * k * itemsize <= expert_matmul.WEIGHT_BLOCK_BYTES]
+    return max(within) if within else min(fits)
 
 
 def cost(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],

@@ -251,12 +251,13 @@ def test_weight_sharding_rules():
     dense = glm.first_k_dense_replace
     assert (weight_bytes_per_device(grown(glm, intermediate_size=d), d, "bf16") - base
             == dense * 3 * hid * 2)
-    # Features: 16 more q_lora ranks are one more q_a_proj row per device, the whole (norm, f32)
-    # q_a_layernorm's 16 values, and a column more in each local head of q_b and indexer wq_b.
+    # Features: 16 more q_lora ranks are 16 more rows of q_a_proj (whole on every device), the
+    # whole (norm, f32) q_a_layernorm's 16 values, and a column more in each local head of q_b
+    # and indexer wq_b.
     heads, index_heads = glm.num_attention_heads // d, glm.index_n_heads // d
     full = len(glm.full_layers)
     assert (weight_bytes_per_device(grown(glm, q_lora_rank=d), d, "bf16") - base
-            == 2 * (layers * (hid + heads * glm.qk_head_dim * d)
+            == 2 * (layers * (hid * d + heads * glm.qk_head_dim * d)
                     + full * index_heads * glm.index_head_dim * d) + 4 * layers * d)
 
 

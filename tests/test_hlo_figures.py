@@ -198,3 +198,24 @@ to_apply=%offloaded
     assert figures[(3, "merge")].collectives == 1
     assert figures[(3, "merge")].ici_bytes == 64 * 512 * 2 * 2 * 3 // 4
     assert all(f.collectives == 0 for key, f in figures.items() if key != (3, "merge"))
+
+
+def test_a_relayout_copy_of_a_layers_weight_counts_in_that_layer():
+    """XLA names a copy of a weight into another layout (before a kernel that wants it so) by
+    the parameter alone: it belongs to the layer and phase of the op that consumes it, so the
+    scaling counts it once per layer of its kind, not once a step."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[256,48,1]) -> f32[256,48,1] {
+  %p = f32[256,48,1]{0,2,1:T(1,128)} parameter(0), \
+metadata={op_name="params[\\'model.layers.3.mlp.experts.gate_proj.weight_scale_inv\\']"}
+  %c = f32[256,48,1]{2,1,0:T(8,128)} copy(%p), \
+metadata={op_name="params[\\'model.layers.3.mlp.experts.gate_proj.weight_scale_inv\\']"}, \
+backend_config={"estimated_cycles":"10383"}
+  ROOT %m = f32[256,48,1]{2,1,0:T(8,128)} negate(%c), \
+metadata={op_name="jit(step)/shard_map/layer3/dense/mul"}
+}
+"""
+    figures = layer_figures(text)
+    assert figures[(3, "dense")].cycles == 10383
+    assert (None, "other") not in figures

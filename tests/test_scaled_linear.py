@@ -38,6 +38,7 @@ def _weights(rng, n, k, runs):
     (8, (1024, 256), (128, 128)),         # two row runs a column tile... and a few rows
     (300, (384, 128), (128, 128)),        # 2 row tiles (256 + 44 padded)
     (5, (64, 96), (32, 16)),              # narrow runs (interpret mode only: not on a TPU)
+    (1, (576, 256), (64, 128)),           # kv_a_proj's rows: 64-row runs, one 576-row tile
 ])
 def test_kernel_matches_reference(rows, shape, runs):
     rng = np.random.default_rng(rows)
@@ -79,11 +80,11 @@ def device():
     return topology.compile_only_devices("tpu7x-16")[0]
 
 
-def _compiled(device, rows, n, k):
+def _compiled(device, rows, n, k, ga=128):
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     args = (struct((rows, k), jnp.bfloat16), struct((n, k), jnp.float8_e4m3fn),
-            struct((n // 128, k // 128), jnp.float32))
+            struct((n // ga, k // 128), jnp.float32))
     with jax.default_device(device):
         compiled = jax.jit(scaled_linear.scaled_linear).lower(*args).compile()
     return hlo.parse_module(compiled.as_text())
@@ -108,3 +109,27 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows):
     wide = [i.name for i in entry if not i.is_kernel and i.dtype not in ("f8e4m3fn", "")
             and int(np.prod(i.dims)) == n * k]
     assert not wide                   # no dequantised or broadcast copy of the weight
+
+
+def test_supports_the_down_projections_runs():
+    """The down projections are whole on every device (cp_runtime.weights.layout): kv_a_proj's
+    576 rows have scale runs of 64 (gcd with the 128-row block), taken as one column tile;
+    runs that are not whole sublane tiles are not."""
+    assert scaled_linear.supports((576, 6144), (9, 48))
+    assert scaled_linear.column_tile(576, 6144, 64, 1) == 576
+    assert scaled_linear.column_tile(2048, 6144, 128, 1) == 256
+    assert not scaled_linear.supports((576, 6144), (36, 48))           # runs of 16 rows
+    assert not scaled_linear.supports((576, 6144), (9, 96))            # 64-lane runs
+
+
+@needs_libtpu
+def test_compiles_for_tpu7x_at_kv_a_shape(device):
+    """GLM-5.2's kv_a_proj whole ([576, hidden], 64-row scale runs) for a B = 1 step: Mosaic
+    compiles the kernel with its 576-row output block, and its estimate reaches the module."""
+    cfg = load_model_config("glm-5.2")
+    n, k = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size
+    module = _compiled(device, 1, n, k, ga=64)
+    calls = [i for i in module.computations[module.entry] if i.is_kernel]
+    figures = scaled_linear.cost(1, (n, k), (n // 64, k // 128))
+    assert [i.kernel_cost for i in calls] == [(figures["flops"], figures["bytes"])]
+    assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES

@@ -43,34 +43,39 @@ def test_step_time_is_the_sum_of_its_terms(glm):
             assert t["ms"] >= 0 and t["bound"] in ("HBM", "MXU", "ICI", "latency", "-")
 
 
-def _router_weights(model) -> int:
-    """The routers' elements over the MoE layers: whole on every device."""
-    return (model.num_hidden_layers - model.first_k_dense_replace) * (
-        model.n_routed_experts * model.hidden_size)
+def _whole_weights(model) -> int:
+    """The elements every device holds whole: the routers of the MoE layers and every layer's
+    down projections (q_a, kv_a; the indexer's wk and weights_proj in full layers)."""
+    down = model.num_hidden_layers * (model.q_lora_rank + model.kv_lora_rank
+                                      + model.qk_rope_head_dim)
+    down += model.num_full_layers * (model.index_head_dim + model.index_n_heads)
+    return model.hidden_size * (down + (model.num_hidden_layers - model.first_k_dense_replace)
+                                * model.n_routed_experts)
 
 
 def test_prefill_sums_its_chunks(glm):
     """Two 8K chunks: the weights are read once per chunk and the projection flops are those of
-    16K tokens, split over the 16 devices, but the router's, which every device runs whole."""
+    16K tokens, split over the 16 devices, but the routers' and the down projections', which
+    every device runs whole."""
     terms = {t.name: t for t in tpu_model.prefill_terms(glm, HW, SETUP, length=16384)}
     one = projection_work(glm, 8192, logit_rows=1, param_bytes=1, replicas=1)
-    router = _router_weights(glm) * 15 / 16           # what a device holds beyond its 1/16
+    whole = _whole_weights(glm) * 15 / 16             # what a device holds beyond its 1/16
     proj = terms["weights + projections"]
-    assert proj.flops == pytest.approx(2 * (one.flops / 16 + 2 * 8192 * router))
-    assert proj.hbm_bytes == pytest.approx(2 * (one.bytes / 16 + router))
+    assert proj.flops == pytest.approx(2 * (one.flops / 16 + 2 * 8192 * whole))
+    assert proj.hbm_bytes == pytest.approx(2 * (one.bytes / 16 + whole))
     assert proj.precision == "fp8"
 
 
 def test_units_of_decode_terms(glm):
     """Batch 1 at 128K: weight bytes are the active weights + lm_head + one embedding row, fp8,
-    over 16 devices, and the whole routers; indexer bytes are every local key (padded to key
-    blocks) of the 21 full layers in bf16; attention reads ceil(129 / 16) = 9 fp8 pages of
-    16 x 640 per layer, plus its queries and partials."""
+    over 16 devices, and the whole routers and down projections; indexer bytes are every local
+    key (padded to key blocks) of the 21 full layers in bf16; attention reads ceil(129 / 16) =
+    9 fp8 pages of 16 x 640 per layer, plus its queries and partials."""
     terms = {t.name: t for t in tpu_model.decode_terms(glm, HW, SETUP, context=128 << 10,
                                                        batch=1)}
     hid, ps = glm.hidden_size, SETUP.page_size
     weights = ((matmul_weights(glm) + glm.vocab_size * hid + hid) / 16
-               + _router_weights(glm) * 15 / 16)
+               + _whole_weights(glm) * 15 / 16)
     assert terms["weights + projections"].hbm_bytes == pytest.approx(weights)
     # 8193 pages -> 513 local pages, padded by the kernel to whole 64-page key blocks: 576
     keys = glm.num_full_layers * 576 * ps * glm.index_head_dim * 2
@@ -87,10 +92,8 @@ def test_units_of_decode_terms(glm):
     # f32 whatever the wire dtype: the lse must arrive exact)
     merge = glm.num_hidden_layers * 15 / 16 * 64 * (512 * 4 + 4)
     assert terms["attention merge"].ici_bytes == pytest.approx(merge)
-    # the projections' one all-gather per layer, f32: q_a 2048 + kv_a 512 + 64, and the
-    # indexer's key 128 and head weights 32 in full layers
-    assert terms["projections all-gather"].ici_bytes == pytest.approx(
-        15 / 16 * 4 * (78 * (2048 + 576) + 21 * (128 + 32)))
+    # the down projections are whole on every device: their outputs are not gathered
+    assert "projections all-gather" not in terms
     # q heads: all-gather of f32[1, 64, 640] per layer, with the indexer's f32[1, 32, 128] in
     # the same gather in full layers (q in f32 there whatever the wire)
     heads = 15 / 16 * 4 * (78 * 64 * 640 + 21 * 32 * 128)
@@ -99,9 +102,9 @@ def test_units_of_decode_terms(glm):
     # (this row counted bf16 before Setup.wire_bytes; it doubled with the f32 default)
     assert terms["weight-shard all-reduce"].ici_bytes == pytest.approx(
         78 * 2 * 2 * 15 / 16 * 6144 * 4)
-    # per layer: projections, q heads (the indexer's with them), merge, two all-reduces; full
-    # layers: the top-k
-    assert terms["collective latency"].collectives == 5 * 78 + 21
+    # per layer: q heads (the indexer's with them), merge, two all-reduces; full layers: the
+    # top-k
+    assert terms["collective latency"].collectives == 4 * 78 + 21
 
 
 def test_doubling_hbm_bandwidth_halves_bandwidth_bound_terms(glm):
@@ -173,31 +176,36 @@ def test_units_of_gather_kv_terms(glm):
     # heads: 64 heads over the 9 entries a device owns, union 2 x 9 per 32-query block
     assert _chunk(glm, "gather_q")["selected-page attention"].flops == pytest.approx(
         L * 2 * (T // 32) * (2 * 9) * 32 * 64 * 16 * (640 + 512))
-    # per layer: q_a and kv_a gathers, KV, two all-reduces; full layers: the indexer's key
-    # and head weights, its q, the top-k
-    assert sum(t.collectives for t in terms.values()) == 5 * L + 4 * F
+    # per layer: KV, two all-reduces; full layers: the indexer's q, the top-k (the down
+    # projections are whole on every device: nothing to gather)
+    assert sum(t.collectives for t in terms.values()) == 3 * L + 2 * F
 
 
 def test_units_of_sequence_terms(glm):
     """8K tokens, 512 per device: experts' dispatch + combine of 512 x 8 rows of 6144 per MoE
     layer; the dense layers gather and scatter all 8K rows; each layer all-gathers its fp8
-    attention (and indexer) weights; candidates go to their queries' owners; no merge and no
-    all-reduce."""
+    attention (and indexer) weights but the down projections; candidates go to their queries'
+    owners; no merge and no all-reduce."""
     terms = _chunk(glm, "sequence")
     assert terms["expert all-to-all"].ici_bytes == pytest.approx(
         MOE * 2 * 15 / 16 * 512 * 8 * 6144 * 4)
     assert terms["dense MLP gather + scatter"].ici_bytes == pytest.approx(
         DENSE * 2 * 15 / 16 * T * 6144 * 4)
+    # less the down projections, whole on every device: q_a, kv_a (and wk, weights_proj)
+    down = L * (2048 + 512 + 64) * 6144 + F * (128 + 32) * 6144
     assert terms["weight all-gather"].ici_bytes == pytest.approx(
-        15 / 16 * (L * ATTENTION_W + F * INDEXER_W))
+        15 / 16 * (L * ATTENTION_W + F * INDEXER_W - down))
     assert terms["candidates all-to-all"].ici_bytes == pytest.approx(F * 15 / 16 * T * 128 * 8)
     assert terms["new rows all-to-all"].ici_bytes == pytest.approx(
         15 / 16 * 512 * (L * 640 + F * 128 * 2))
     assert terms["embedding reduce-scatter"].ici_bytes == pytest.approx(15 / 16 * T * 6144 * 4)
     assert "attention merge" not in terms and "weight-shard all-reduce" not in terms
-    # the projections' flops are the gather_q design's; its weights are read whole
+    # the projections' flops are the gather_q design's, but for the router and the down
+    # projections, which each device runs for its own T / S tokens only; its weights are read
+    # whole
     heads = _chunk(glm, "gather_q")["weights + projections"]
-    assert terms["weights + projections"].flops == pytest.approx(heads.flops)
+    assert terms["weights + projections"].flops == pytest.approx(
+        heads.flops - 15 / 16 * 2 * T * _whole_weights(glm))
     assert terms["weights + projections"].hbm_bytes > L * ATTENTION_W
     assert sum(t.collectives for t in terms.values()) == 5 * L + 5 * F + 1
 

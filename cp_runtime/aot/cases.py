@@ -16,9 +16,8 @@ offsets 0, N/2 and N - chunk it is taken by Simpson's rule (a chunk's cost grows
 context it sees: the indexer's keys, the page table), and from offsets 0 and N - chunk by the
 trapezoid rule where N/2 was not compiled (the shorter prompts).
 
-Measured with it (docs/performance.md): GLM-5.2's decode at 1M and B = 1 is 81 ms a step by
-the compiler's figures (the experts' fp8 weights, every local one, read each step), its 1M
-prefill 226 s (the attention kernel's static bound and the experts' dequantised copies).
+Measured with it: docs/performance.md, "The TPU programs by phase", each change to the step
+programs before and after.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ holds the layer (`layer7`, cp_runtime.model.phases.layer_scope) and the phase
 (cp_runtime.model.phases). An instruction belongs to the innermost phase in its op_name (one
 under none is "other") and to the layer named there (None outside the layer stack: embedding,
 lm head, sampling). An entry instruction XLA made without an op_name (a multi-output fusion,
-an inserted copy) belongs where its nearest named consumer, else producer, does. Summed per
+an inserted copy), or named by a layer's weight alone (a relayout copy of it), belongs where
+its nearest named consumer, else producer, does. Summed per
 (layer, phase), from the entry computation (cp_runtime.aot.hlo says how each figure is read):
 
     instructions     entry instructions
@@ -46,6 +47,9 @@ __all__ = ["COLLECTIVES", "PhaseFigures", "layer_figures", "phase_figures", "lay
 
 COLLECTIVES = hlo.COLLECTIVES
 _LAYER = re.compile(r"/layer(\d+)(?:/|$)")
+# A copy XLA makes of a layer's weight (a relayout before a kernel) is named by the parameter
+# alone, `params['model.layers.3.mlp...']`: no scope, but the layer's own.
+_LAYER_WEIGHT = re.compile(r"^params\[\\?'model\.layers\.\d+\.")
 
 Key = tuple  # (layer or None, phase)
 
@@ -80,12 +84,14 @@ def _key(op_name: str) -> Key:
 
 def _keys(module: hlo.Module) -> dict[str, Key]:
     """(layer, phase) of each entry instruction. One that XLA left without an op_name (a
-    multi-output fusion it formed, a copy it inserted) takes the key of the nearest
-    instruction downstream whose op_name names a layer or phase (what consumes it is what it
-    was made for; a bare `reshape.722` says nothing), else upstream, else (None, "other")."""
+    multi-output fusion it formed, a copy it inserted), or named by a layer's weight alone (a
+    copy of it in another layout), takes the key of the nearest instruction downstream whose
+    op_name names a layer or phase (what consumes it is what it was made for; a bare
+    `reshape.722` says nothing), else upstream, else (None, "other")."""
     entry = module.computations[module.entry]
     users = module.users(module.entry)
-    named = {i.name: _key(i.op_name) for i in entry if i.op_name}
+    named = {i.name: _key(i.op_name) for i in entry
+             if i.op_name and not _LAYER_WEIGHT.search(i.op_name)}
     telling = {name: key for name, key in named.items() if key != (None, "other")}
 
     def search(start: hlo.Instruction, step) -> Key | None:

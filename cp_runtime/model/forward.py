@@ -19,13 +19,13 @@ context-parallel path share every line except attention itself.
 Weights are in the model layout (cp_runtime.weights.params.model_layout), whole or split over a mesh
 axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
-  projections to features (q_a, kv_a, the indexer's wk and weights_proj: one all-gather for
-  them all in a decode step, `projected_features`) and the lm head's logits are computed on
-  this device's rows and all-gathered (q's heads and the indexer's stay this device's: the
-  attention gathers them where it needs them, cp_runtime.model.attention); the router is whole
-  on every device (its logits need no gather); the embedding, the dense MLP (row-parallel
-  down), the routed experts (each device holds a slice of every expert's inner features:
-  gate/up column parallel, down row parallel) and o_proj give partial sums.
+  the down projections (q_a, kv_a, the indexer's wk and weights_proj) and the router are whole
+  on every device (their outputs need no gather); the lm head's logits are computed on this
+  device's rows and all-gathered (q's heads and the indexer's stay this device's: the
+  attention gathers them where it needs them, cp_runtime.model.attention); the embedding, the
+  dense MLP (row-parallel down), the routed experts (each device holds a slice of every
+  expert's inner features: gate/up column parallel, down row parallel) and o_proj give
+  partial sums.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.kernels import latent_heads, reference, scaled_linear
+from cp_runtime.kernels import latent_heads, reference, router, scaled_linear
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -65,6 +65,7 @@ __all__ = [
     "rope_frequencies",
     "route",
     "route_topk",
+    "routing",
     "embed",
     "weight",
 ]
@@ -253,26 +254,20 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
     return ws.psum(jnp.where(inside[..., None], rows, 0))
 
 
-def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, ws: WeightShards,
-                       *, indexer: bool) -> dict[str, jax.Array]:
-    """The projections of h[..., hidden] split by output features, gathered whole: q_a
-    [..., q_lora], kv_a [..., kv_lora + rope] and, for a layer with its own indexer, the
-    indexer's key [..., Di] and head weights [..., Hi]. A decode step joins them into one
-    all-gather (`WeightShards.gather_parts`; its 78 layers would otherwise pay for 2 to 4
-    gathers' latency each)."""
-    parts = {"q_a": (linear(p, "self_attn.q_a_proj.weight", h), cfg.q_lora_rank),
-             "kv_a": (linear(p, "self_attn.kv_a_proj_with_mqa.weight", h),
-                      cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, *, indexer: bool
+                       ) -> dict[str, jax.Array]:
+    """The down projections of h[..., hidden], whole on every device (cp_runtime.weights.layout:
+    no gather): q_a [..., q_lora], kv_a [..., kv_lora + rope] and, for a layer with its own
+    indexer, the indexer's key [..., Di] and head weights [..., Hi]."""
+    names = {"q_a": "self_attn.q_a_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight"}
     if indexer:
-        parts["index_k"] = (linear(p, "self_attn.indexer.wk.weight", h),
-                            cfg.index_head_dim)
-        parts["index_w"] = (linear(p, "self_attn.indexer.weights_proj.weight", h),
-                            cfg.index_n_heads)
-    return ws.gather_parts(parts)
+        names |= {"index_k": "self_attn.indexer.wk.weight",
+                  "index_w": "self_attn.indexer.weights_proj.weight"}
+    return {part: linear(p, name, h) for part, name in names.items()}
 
 
 def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
-               ws: WeightShards = WeightShards(), features: dict[str, jax.Array] | None = None
+               features: dict[str, jax.Array] | None = None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat],
     q_lora f[..., R]).
@@ -281,7 +276,7 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
     split weights (the attention gathers them where it needs every head). `features`: h's
     `projected_features`, when the caller has them already."""
     if features is None:
-        features = projected_features(p, cfg, h, ws, indexer=False)
+        features = projected_features(p, cfg, h, indexer=False)
     q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
     q = linear(p, "self_attn.q_b_proj.weight", q_lora)
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
@@ -362,7 +357,7 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
     `projected_features` with the indexer's, when the caller has them already."""
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     if features is None:
-        features = projected_features(p, cfg, h, ws, indexer=True)
+        features = projected_features(p, cfg, h, indexer=True)
     q = linear(p, "self_attn.indexer.wq_b.weight", q_lora)
     q = q.reshape(*q_lora.shape[:-1], -1, di)
     k = layer_norm(features["index_k"], p["self_attn.indexer.k_norm.weight"],
@@ -430,32 +425,39 @@ def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
     return linear(p, f"{prefix}.down_proj.weight", jax.nn.silu(g) * u)
 
 
-def _limit_groups(biased: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """biased f32[..., E] with the experts outside the topk_group best groups set to -inf.
-
-    A group's score is the sum of its two best biased scores (its best one if a group holds a
-    single expert). -inf, not 0, fills the dropped groups: biased scores can be negative."""
-    g = biased.reshape(*biased.shape[:-1], cfg.n_group, -1)                 # [..., G, E/G]
-    best = jax.lax.top_k(g, min(2, g.shape[-1]))[0].sum(-1)                 # [..., G]
-    _, keep = jax.lax.top_k(best, cfg.topk_group)                           # [..., topk_group]
-    kept = jax.nn.one_hot(keep, cfg.n_group, dtype=jnp.bool_).any(-2)       # [..., G]
-    return jnp.where(kept[..., None], g, -jnp.inf).reshape(biased.shape)
+def routing(cfg: ModelConfig) -> dict:
+    """The model's routing as `reference.route_topk`'s keywords."""
+    return dict(k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
 
 
 def route_topk(cfg: ModelConfig, logits: jax.Array, bias: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
     """Router logits f32[..., E] and correction bias f32[E] -> (chosen experts i32[..., k],
-    their weights f32[..., k]), k = num_experts_per_tok (noaux_tc: the bias picks, never
-    weighs)."""
-    scores = jax.nn.sigmoid(logits)                                          # [..., E]
-    biased = scores + bias
-    if cfg.n_group > 1:
-        biased = _limit_groups(biased, cfg)
-    _, chosen = jax.lax.top_k(biased, cfg.num_experts_per_tok)              # [..., k]
-    weights = jnp.take_along_axis(scores, chosen, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdims=True)
-    return chosen, weights * cfg.routed_scaling_factor
+    their weights f32[..., k]), k = num_experts_per_tok (`reference.route_topk`)."""
+    return reference.route_topk(logits, bias, **routing(cfg))
+
+
+# Steps of at most this many tokens route through the Pallas kernel on a TPU (`_routed`).
+ROUTER_KERNEL_MAX_ROWS = 64
+
+
+def _routed(p: Params, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
+    """x f[T, hidden] -> (chosen i32[T, k], weights f32[T, k], by_expert): the router (whole
+    on every device) and `route_topk`. On a TPU a step of few tokens with a bf16 gate takes
+    cp_runtime.kernels.router, one call where XLA ran a dozen small ops; such a step's
+    choices come in ascending expert order on every platform (by_expert: True)."""
+    gate, bias = p["mlp.gate.weight"], p["mlp.gate.e_score_correction_bias"]
+    if (x.shape[0] > ROUTER_KERNEL_MAX_ROWS
+            or not router.supports(x.shape[0], gate.shape, gate.dtype, cfg.num_experts_per_tok)):
+        return *route_topk(cfg, _linear(x, gate), bias), False
+
+    def xla(x, gate, bias):
+        return reference.by_expert(*route_topk(cfg, _linear(x, gate), bias))
+
+    chosen, weights = jax.lax.platform_dependent(
+        x, gate, bias, tpu=functools.partial(router.route, **routing(cfg)), default=xla)
+    return chosen, weights, True
 
 
 def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
@@ -478,7 +480,8 @@ ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Arra
 
 
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
-                    expert_matmul: ExpertMatmulFn | None = None) -> jax.Array:
+                    expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False
+                    ) -> jax.Array:
     """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: each token through
     its k experts, weighted. Split weights hold a slice of every expert's inner features, so
     this is the device's partial sum; the others add theirs.
@@ -493,11 +496,15 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
     those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
-    slower in XLA:TPU's estimate)."""
+    slower in XLA:TPU's estimate). `by_expert`: each token's choices come in ascending
+    expert order, so one token's are sorted already (XLA ran the sort as four ops)."""
     name = "mlp.experts.{}_proj.weight"
     n_experts = p[name.format("gate")].shape[0]
     flat = chosen.reshape(-1)                                    # [T*k]
-    order = jnp.argsort(flat, stable=True)
+    if by_expert and chosen.shape[0] == 1:
+        order = jnp.arange(flat.shape[0])
+    else:
+        order = jnp.argsort(flat, stable=True)
     token = order // chosen.shape[-1]                            # source token of each row
     sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
 
@@ -565,15 +572,12 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels)."""
     if not cfg.is_moe_layer(layer):
         return ws.join(_swiglu(p, "mlp", x))
-    router = linear(p, "mlp.gate.weight", x)                      # whole on every device
-    chosen, weights = route_topk(cfg, router.astype(jnp.float32),
-                                 p["mlp.gate.e_score_correction_bias"])       # [..., k] each
     flat = x.reshape(-1, x.shape[-1])
-    chosen, weights = chosen.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1)
+    chosen, weights, by_expert = _routed(p, cfg, flat)                  # [T, k] each
     if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
         out = _routed_experts(p, flat, chosen, weights)
     elif expert_matmul is not None:
-        out = _routed_experts(p, flat, chosen, weights, expert_matmul)
+        out = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert)
     elif flat.shape[0] <= EVERY_EXPERT_MAX_ROWS:
         out = _every_expert(p, flat, chosen, weights)
     else:
@@ -620,8 +624,8 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
     with phase("attention_inputs"):
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
         own_indexer = cfg.indexer_types[layer] == "full"
-        features = projected_features(p, cfg, h, ws, indexer=own_indexer)
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, ws, features)
+        features = projected_features(p, cfg, h, indexer=own_indexer)
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, features)
         index = indexer_inputs(p, cfg, h, q_lora, pos, ws, features) if own_indexer else None
     out, state = attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
     with phase("dense"):

@@ -10,11 +10,16 @@ The split of each tensor (model layout: HF names, routed experts stacked, see
 `cp_runtime.weights.params.model_layout`):
 
     embed_tokens, lm_head                  rows, by vocabulary
-    q_a_proj, kv_a_proj_with_mqa           rows (output features; gathered after the matmul)
+    q_a_proj, kv_a_proj_with_mqa,          replicated: the down projections from the hidden
+    indexer wk, weights_proj               state. Every device projects its tokens through
+                                           them itself (17 MB of fp8 a GLM-5.2 layer, 1.3 GB
+                                           its 78 layers), as vLLM and SGLang keep them, so a
+                                           decode step sends no gather of their few features
+                                           (a collective a layer: 0.8 ms of latency a GLM-5.2
+                                           step, docs/performance.md)
     q_b_proj, kv_b_proj                    rows, by attention head (whole heads per device)
     o_proj                                 columns, by attention head
     indexer wq_b                           rows, by indexer head
-    indexer wk, weights_proj               rows (output features / indexer heads)
     dense MLP and shared experts           gate/up by rows (column parallel), down by columns
                                            (row parallel)
     router gate                            replicated: every device scores every expert for
@@ -68,20 +73,16 @@ def _by_suffix(model: ModelConfig) -> dict[str, tuple[int, int]]:
     return {
         "embed_tokens.weight": (0, model.vocab_size),
         "lm_head.weight": (0, model.vocab_size),
-        "self_attn.q_a_proj.weight": (0, model.q_lora_rank),
-        "self_attn.kv_a_proj_with_mqa.weight": (0, model.kv_lora_rank + model.qk_rope_head_dim),
         "self_attn.q_b_proj.weight": (0, h),
         "self_attn.kv_b_proj.weight": (0, h),
         "self_attn.o_proj.weight": (1, h),
         "indexer.wq_b.weight": (0, hi),
-        "indexer.wk.weight": (0, model.index_head_dim),
-        "indexer.weights_proj.weight": (0, hi),
     }
 
 
 def split_of(name: str, shape: tuple[int, ...], model: ModelConfig) -> Split | None:
     """How tensor `name` (model layout) of `shape` is split over the devices; None: replicated
-    (norms, biases, the router and its correction bias)."""
+    (norms, biases, the router and its correction bias, the down projections)."""
     if name.endswith(EXPERT_STACKS):                                # gate/up [E, hid, inner]
         inner = 1 if name.endswith("down_proj.weight") else 2      # down [E, inner, hid]
         return Split(inner, shape[inner])

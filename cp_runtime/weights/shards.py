@@ -24,7 +24,7 @@ __all__ = ["WeightShards", "WIRE_DTYPES", "FUSED_GATHER_MAX_ROWS"]
 
 WIRE_DTYPES = ("f32", "bf16")
 
-# The most rows a `gather_parts` joins into one all-gather (a decode step's batch).
+# The most rows `gather_heads` joins into one all-gather (a decode step's batch).
 FUSED_GATHER_MAX_ROWS = 64
 
 
@@ -82,28 +82,6 @@ class WeightShards:
         heads = every[..., :split].reshape(*lead, -1, wired.shape[-1])
         rest = every[..., split:].reshape(*lead, -1, exact.shape[-1])
         return heads[..., :wired_heads, :], rest[..., :exact_heads, :]
-
-    def gather_parts(self, parts: dict[str, tuple[jax.Array, int]]) -> dict[str, jax.Array]:
-        """`gather(x, -1, size)` of each {name: (x [..., local], size)} (same leading shape
-        and dtype), in one all-gather when there are at most FUSED_GATHER_MAX_ROWS rows: one
-        collective's latency instead of one each. With more rows the bytes dominate, and
-        cutting the parts back out of the joined gather costs XLA:TPU relayout copies (an
-        8,192-row prefill chunk of GLM-5.2: 185 ms a chunk against 79 ms for separate
-        gathers, in the compiler's estimate), so each part is gathered on its own."""
-        if self.axis is None:
-            return {name: x[..., :size] for name, (x, size) in parts.items()}
-        first = next(iter(parts.values()))[0]
-        if first.size // first.shape[-1] > FUSED_GATHER_MAX_ROWS:
-            return {name: self.gather(x, -1, size) for name, (x, size) in parts.items()}
-        joined = jnp.concatenate([x for x, _ in parts.values()], -1)       # [..., sum local]
-        every = lax.all_gather(joined, self.axis, axis=joined.ndim - 1)   # [..., S, sum local]
-        out, start = {}, 0
-        for name, (x, size) in parts.items():
-            width = x.shape[-1]
-            part = every[..., start:start + width]                         # [..., S, local]
-            out[name] = part.reshape(*part.shape[:-2], -1)[..., :size]
-            start += width
-        return out
 
     def psum(self, x: jax.Array) -> jax.Array:
         """Sum the devices' partial results exactly as computed (f32 stays f32)."""
