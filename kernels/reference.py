@@ -315,9 +315,9 @@ def route_topk(logits: jax.Array, bias: jax.Array, *, k: int, n_group: int, topk
 
 def router(x: jax.Array, gate: jax.Array, bias: jax.Array, **routing
            ) -> tuple[jax.Array, jax.Array]:
-    """x through the router gate, then `route_topk(logits, bias, **routing)`. The logits are
-    the bf16 matmul's, as the model's `linear` computes them: bf16 inputs, f32 sums, the
-    result rounded to bf16.
+    """x through the router gate, then `route_topk(logits, bias, **routing)`, each token's
+    choices in ascending expert order (`by_expert`). The logits are the bf16 matmul's, as the
+    model's `linear` computes them: bf16 inputs, f32 sums, the result rounded to bf16.
 
     x:       f[T, hidden]
     gate:    bf16[E, hidden]

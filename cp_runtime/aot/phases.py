@@ -6,8 +6,8 @@ holds the layer (`layer7`, cp_runtime.model.phases.layer_scope) and the phase
 under none is "other") and to the layer named there (None outside the layer stack: embedding,
 lm head, sampling). An entry instruction XLA made without an op_name (a multi-output fusion,
 an inserted copy), or named by a layer's weight alone (a relayout copy of it), belongs where
-its nearest named consumer, else producer, does. Summed per
-(layer, phase), from the entry computation (cp_runtime.aot.hlo says how each figure is read):
+its nearest named consumer, else producer, does. Summed per (layer, phase), from the entry
+computation (cp_runtime.aot.hlo says how each figure is read):
 
     instructions     entry instructions
     cycles           the TPU compiler's estimated cycles (XLA's own fusions; none on Mosaic
