@@ -13,14 +13,15 @@ rounded to bf16, then a bf16 matmul accumulated in f32. The output stays f32.
 
 Grid:   (N / tn column tiles, T / tm row tiles); column tiles parallel, row tiles in order, so
         a weight block crosses HBM once and is dequantised on its first row tile only.
-Blocks: rows bf16[tm, K] by row tile, weight f8[tn, K] by column tile (VMEM), output
-        f32[tm, tn]; every scale, flat, in SMEM (a few KB: a block of [tn / ga, K / gb] breaks
-        Mosaic's tiling when tn / ga is not a multiple of 8); scratch: the dequantised block
-        bf16[tn, K].
-VMEM:   2 * (tm * K * 2 + tn * K * w + tm * tn * 4) + tn * K * 2
+Blocks: rows [tm, K] by row tile in their own dtype (the model's f32: cast to bf16 in the
+        kernel, where XLA spent an op on the cast), weight f8[tn, K] by column tile (VMEM),
+        output f32[tm, tn]; every scale, flat, in SMEM (a few KB: a block of [tn / ga, K / gb]
+        breaks Mosaic's tiling when tn / ga is not a multiple of 8); scratch: the dequantised
+        block bf16[tn, K].
+VMEM:   2 * (tm * K * x + tn * K * w + tm * tn * 4) + tn * K * 2   (x, w: input, weight bytes)
 Per call:
         flops = 2 * T' * K * N                          (T' = T padded to tm)
-        bytes = N * K * w + (N / ga) * (K / gb) * 4 + (N / tn) * T' * K * 2 + T' * N * 4
+        bytes = N * K * w + (N / ga) * (K / gb) * 4 + (N / tn) * T' * K * x + T' * N * 4
 The dequantisation is ~3 VPU operations a weight value, left out of the estimate (the same
 work XLA's fused form does); a grid step's fixed overhead (a few hundred ns) is left out too.
 On a TPU the scale runs must be whole tiles (gb a multiple of 128 lanes, ga of 32 fp8
@@ -58,7 +59,8 @@ def supports(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
         return False
     ga, gb = n // sn, k // sk
     return (ga % FP8_SUBLANES == 0 and gb % LANES == 0
-            and cost(ROW_TILE, w_shape, s_shape)["vmem_bytes"] <= VMEM_BUDGET_BYTES)
+            and cost(ROW_TILE, w_shape, s_shape, x_itemsize=4)["vmem_bytes"]
+            <= VMEM_BUDGET_BYTES)
 
 
 def row_tile(num_rows: int) -> int:
@@ -79,22 +81,22 @@ def column_tile(n: int, k: int, ga: int, itemsize: int) -> int:
 
 
 def cost(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],
-         w_itemsize: int = 1) -> dict:
+         w_itemsize: int = 1, x_itemsize: int = 2) -> dict:
     """HBM bytes, flops and VMEM bytes of one call (module docstring)."""
     n, k = w_shape
     ga = n // s_shape[0]
     tm = row_tile(num_rows)
     rows = cdiv(num_rows, tm) * tm
     tn = column_tile(n, k, ga, w_itemsize)
-    vmem = (2 * (tiled_bytes((tm, k), 2) + tiled_bytes((tn, k), w_itemsize)
+    vmem = (2 * (tiled_bytes((tm, k), x_itemsize) + tiled_bytes((tn, k), w_itemsize)
                  + tiled_bytes((tm, tn), 4)) + tiled_bytes((tn, k), 2))
     return {"flops": 2 * rows * k * n,
             "bytes": (n * k * w_itemsize + s_shape[0] * s_shape[1] * 4
-                      + (n // tn) * rows * k * 2 + rows * n * 4),
+                      + (n // tn) * rows * k * x_itemsize + rows * n * 4),
             "vmem_bytes": vmem}
 
 
-def _kernel(x_ref,            # [tm, K] bf16
+def _kernel(x_ref,            # [tm, K] f32 or bf16
             w_ref,            # [tn, K] fp8 (or any float)
             s_ref,            # [N / ga * K / gb] f32 SMEM: every scale, row-major
             out_ref,          # [tm, tn] f32
@@ -117,7 +119,8 @@ def _kernel(x_ref,            # [tm, K] bf16
 
         jax.lax.fori_loop(0, n_runs * k_runs, run, 0)
 
-    out_ref[...] = jax.lax.dot_general(x_ref[...], w_bf16_ref[...], (((1,), (1,)), ((), ())),
+    out_ref[...] = jax.lax.dot_general(x_ref[...].astype(jnp.bfloat16), w_bf16_ref[...],
+                                       (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
 
@@ -126,7 +129,7 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                   interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.scaled_linear`.
 
-    x:       f[..., K]        cast to bf16 (the MXU's input)
+    x:       f[..., K]        cast to bf16 in the kernel (the MXU's input)
     w:       f8[N, K]         (or any float dtype) the checkpoint's [out, in] layout
     scales:  f32[N/ga, K/gb]  one scale per ga x gb block of w
     returns: f32[..., N]
@@ -142,10 +145,8 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array, *,
     t_pad = cdiv(t, tm) * tm
     ga = n // scales.shape[0]
     tn = column_tile(n, k, ga, w.dtype.itemsize)
-    padded = rows.astype(jnp.bfloat16)
-    if t_pad != t:
-        padded = jnp.pad(padded, ((0, t_pad - t), (0, 0)))
-    figures = cost(t, w.shape, scales.shape, w.dtype.itemsize)
+    padded = rows if t_pad == t else jnp.pad(rows, ((0, t_pad - t), (0, 0)))
+    figures = cost(t, w.shape, scales.shape, w.dtype.itemsize, rows.dtype.itemsize)
     out = pl.pallas_call(
         functools.partial(_kernel, k_runs=scales.shape[1], ga=ga),
         grid=(n // tn, t_pad // tm),
