@@ -41,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from cp_runtime.aot.deploy import CompilePlan, compile_plan  # noqa: E402
 from cp_runtime.aot.kernel_cases import (decode_cases, expert_cases, linear_cases,  # noqa: E402
-                                         indexer_cases, prefill_cases, write_cases)
+                                         indexer_cases, kernel_cases, latent_cases,
+                                         prefill_cases, router_cases, write_cases)
 from cp_runtime.aot.report import compile_figures  # noqa: E402
 from cp_runtime.aot.topology import compile_only_devices  # noqa: E402
 from cp_runtime.config import RuntimeConfig, load_model_config  # noqa: E402
@@ -158,6 +159,30 @@ def test_programs_compile_in_place_with_kernel_costs(model_name, compiled):
     rule, decode = result["capacity_weight_bytes_per_device"], rows["decode"]
     weights = decode["argument_bytes"] - decode["pool_argument_bytes"]
     assert abs(weights - rule) <= 0.01 * rule, (weights, rule)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_compile_kernels_lists_every_kernel(model_name, device):
+    """`cp-runtime compile --kernels` has a case for every Pallas kernel the step runs, each
+    with the cost figures its report prints (built, not compiled: the next test compiles the
+    two kinds the kernels' own tests do not reach through these cases)."""
+    model = load_model_config(model_name)
+    cases = kernel_cases(model, "fp8_e4m3", 64, device)
+    assert {c.kernel for c in cases} == {"cache_write", "sparse_decode", "sparse_prefill",
+                                         "indexer", "experts", "linear", "router", "latent"}
+    assert len({c.name for c in cases}) == len(cases)
+    for c in cases:
+        assert {"flops", "bytes", "vmem_bytes"} <= set(c.cost), c.name
+        assert c.cost["vmem_bytes"] <= VMEM_BUDGET_BYTES, c.name
+
+
+def test_router_and_latent_cases_compile(device):
+    """GLM-5.2's router and kv_b kernels as `compile --kernels` builds them, one row each."""
+    model = load_model_config("glm-5.2")
+    for case in router_cases(model, (1,), device) + latent_cases(model, (1,), device):
+        r = compile_figures(case.name, case.jitted(), case.args, {}, device)
+        assert r["compiled"], (case.name, r["error"])
+        assert r["flops"] >= case.cost["flops"] > 0, case.name
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The six Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
+"""The Pallas kernels at a model's per-shard shapes, as compile cases for one TPU device.
 
 Shapes per shard: the latent cache `[P + 1, ps, D_lat]` in the cache dtype, queries with every
 head (the step gathers q heads before the sparse attention), `N = index_topk / ps + 1` pages per
@@ -15,6 +15,12 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
     linear   a linear layer from fp8 blocks: one device's o_proj (every hidden row, its
              heads' columns), at decode steps' tokens (the model sends it at most 256) and
              a prefill chunk's
+    router   a MoE layer's routing (the router's matmul, the group limit, the top k), whole
+             on every device, at decode steps' tokens
+    latent   kv_b's per-head products from fp8 blocks at one device's heads: the queries
+             through W_uk and the exchanged partials' merge through W_uv, at decode rows
+
+(The experts' visit plan, a scalar-core kernel, compiles inside the experts' cases.)
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.kernels import (cache_write, expert_matmul, indexer, scaled_linear,
-                                sparse_decode, sparse_prefill)
+from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
+                                scaled_linear, sparse_decode, sparse_prefill)
 from cp_runtime.kernels.storage import cdiv
 
-__all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "linear_cases"]
+__all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
+           "linear_cases", "router_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -173,10 +180,53 @@ def linear_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
             for t in tokens]
 
 
+def router_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
+    """The routing kernel at the model's router (whole on every device), for steps of
+    `tokens` tokens (the model sends it at most 64)."""
+    gate = (model.n_routed_experts, model.hidden_size)
+    routing = dict(k=model.num_experts_per_tok, n_group=model.n_group,
+                   topk_group=model.topk_group, norm=model.norm_topk_prob,
+                   scale=model.routed_scaling_factor)
+
+    def fn(x, g, b):
+        return router.route(x, g, b, **routing)
+
+    return [KernelCase(f"router T={t}", "router", fn,
+                       _structs(device, ((t, model.hidden_size), jnp.float32),
+                                (gate, jnp.bfloat16), ((gate[0],), jnp.float32)),
+                       router.cost(t, gate, model.num_experts_per_tok))
+            for t in tokens]
+
+
+def latent_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[KernelCase]:
+    """kv_b's per-head kernels at one device's heads (H / S of them, fp8 in 128 x 128 blocks):
+    the queries through W_uk and the merge through W_uv, for steps of `rows` rows (the model
+    sends them at most 64)."""
+    heads, nope = cdiv(model.num_attention_heads, NUM_SHARDS), model.qk_nope_head_dim
+    dv, v = model.kv_lora_rank, model.v_head_dim
+    kv_b = (heads * (nope + v), dv)
+    scales = (cdiv(kv_b[0], 128), cdiv(dv, 128))
+    weights = ((kv_b, jnp.float8_e4m3fn), (scales, jnp.float32))
+    out = []
+    for r in rows:
+        queries, received = (heads, r, model.qk_head_dim), (NUM_SHARDS, heads, r, dv + 1)
+        out += [
+            KernelCase(f"absorb R={r}", "latent",
+                       lambda q, w, s: latent_heads.absorb_queries(q, w, s, nope=nope),
+                       _structs(device, (queries, jnp.float32), *weights),
+                       latent_heads.absorb_cost(queries, kv_b, scales, nope)),
+            KernelCase(f"merge R={r}", "latent",
+                       lambda x, w, s: latent_heads.merge_values(x, w, s, nope=nope),
+                       _structs(device, (received, jnp.float32), *weights),
+                       latent_heads.cost(received, kv_b, scales, v))]
+    return out
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
+                 router_tokens=(1, 64), latent_rows=(1, 64),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
@@ -186,4 +236,6 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + indexer_cases(model, kv_dtype, page_size, indexer_chunks, key_block_pages,
                             device)
             + expert_cases(model, expert_tokens, device)
-            + linear_cases(model, linear_tokens, device))
+            + linear_cases(model, linear_tokens, device)
+            + (router_cases(model, router_tokens, device) if model.n_routed_experts else [])
+            + latent_cases(model, latent_rows, device))

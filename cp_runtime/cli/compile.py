@@ -216,7 +216,7 @@ def _run_kernels(args) -> int:
         r = compile_figures(case.name, case.jitted(), case.args, {}, device)
         rows.append({**r, "kernel": case.kernel, "cost_flops": case.cost["flops"],
                      "cost_bytes": case.cost["bytes"], "vmem_bytes": case.cost["vmem_bytes"],
-                     "blocks": {k: list(v) for k, v in case.cost["blocks"].items()}})
+                     "blocks": {k: list(v) for k, v in case.cost.get("blocks", {}).items()}})
     if args.json:
         print(json.dumps({"model": model.name, "kv_cache_dtype": args.kv_cache_dtype,
                           "page_size": args.page_size, "device_kind": device.device_kind,
