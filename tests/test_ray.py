@@ -21,6 +21,7 @@ from cp_runtime.engine import Engine  # noqa: E402
 from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
 from cp_runtime.engine.requests import Done, Extend, Failed, Generate, SamplingParams  # noqa: E402
 from cp_runtime.model.source import WeightsSource  # noqa: E402
+from cp_runtime.weights.format import bytes_per_device, device_tensors  # noqa: E402
 from cp_runtime.serving.process import ServerProcess  # noqa: E402
 
 SOURCE = WeightsSource(model="tiny", seed=0)
@@ -229,8 +230,10 @@ def checkpoint(tmp_path_factory):
     tokens = [int(engine.extend(s.id, prompt, all_logits=True)[-1].argmax())]
     for _ in range(GENERATE - 1):
         tokens.append(int(engine.decode([s.id], [tokens[-1]])[0].argmax()))
+    shapes = {name: x.shape for name, x in expected.items()}
     return {"dir": str(d), "prompt": prompt, "tokens": tokens,
-            "whole_bytes": sum(4 * x.size for x in expected.values())}
+            "whole_bytes": sum(4 * x.size for x in expected.values()),
+            "device_bytes": bytes_per_device(device_tensors(shapes, cfg, "sharded", "f32", 16))}
 
 
 def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint):
@@ -255,6 +258,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
             assert sum(w["pages_used"] for w in workers) == 10     # 160 tokens, 16 a page
             per_device = [b for w in workers for b in w["weight_bytes_per_device"].values()]
             assert len(per_device) == 16 and len(set(per_device)) == 1
-            assert per_device[0] < checkpoint["whole_bytes"] / 8
+            # the layout rule's share (cp_runtime.weights.layout), a fraction of the whole
+            assert per_device[0] == checkpoint["device_bytes"] < checkpoint["whole_bytes"] / 4
     finally:
         assert server.stop() == 0, server.log()[-4000:]
