@@ -37,6 +37,7 @@ from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
                                 scaled_linear, sparse_decode, sparse_prefill)
 from cp_runtime.kernels.storage import cdiv
+from cp_runtime.model.forward import routing
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
            "linear_cases", "router_cases"]
@@ -184,12 +185,9 @@ def router_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
     """The routing kernel at the model's router (whole on every device), for steps of
     `tokens` tokens (the model sends it at most 64)."""
     gate = (model.n_routed_experts, model.hidden_size)
-    routing = dict(k=model.num_experts_per_tok, n_group=model.n_group,
-                   topk_group=model.topk_group, norm=model.norm_topk_prob,
-                   scale=model.routed_scaling_factor)
 
     def fn(x, g, b):
-        return router.route(x, g, b, **routing)
+        return router.route(x, g, b, **routing(model))
 
     return [KernelCase(f"router T={t}", "router", fn,
                        _structs(device, ((t, model.hidden_size), jnp.float32),
