@@ -17,6 +17,11 @@ and compute nothing. A visit writes only its group's rows of the output tile, an
 visit clears the rest; tiles past every group get one zeroing visit each, so rows past the
 groups come out zero.
 
+Gated. With `up` the call takes an expert's gate and up weights together and returns
+silu(rows . gate) * (rows . up): each row tile is read once for both, and the two [tm, tn]
+products are combined in VMEM (a MoE layer's first half in one call; its [T k, hidden] rows
+are its largest operand).
+
 Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs` in
 cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
@@ -31,11 +36,11 @@ Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core ker
         out by XLA:TPU with the experts innermost, and XLA copied it into the kernel's row-major
         layout before every call (10 us a MoE layer in the compiler's figures); the
         transposed view is that layout as it lies.
-VMEM:   2 * (tm * K * 2 + K * tn * w + tm * tn * 4)    (double-buffered blocks)
-        + tm * tn * 4                                  (the accumulator)
-Per call (upper bound: every visit a whole tile; min(E, N) experts read):
-        flops = 2 * V * tm * K * M
-        bytes = (M / tn) * N' * K * 2 + min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4
+VMEM:   2 * (tm * K * 2 + W * K * tn * w + tm * tn * 4)    (double-buffered blocks)
+        + W * tm * tn * 4                                  (the accumulators)
+Per call (upper bound: every visit a whole tile; min(E, N) experts read; W weights, 2 gated):
+        flops = 2 * V * tm * K * M * W
+        bytes = (M / tn) * N' * K * 2 + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
                 + N' * M * 4                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
 grid has (M / tn) * V steps, about 500 for an 8K-token chunk of GLM-5.2, 8 for a decode step.
@@ -201,53 +206,63 @@ def plan_visits(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int, 
 
 
 def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
-         w_itemsize: int = 1) -> dict:
-    """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring)."""
+         w_itemsize: int = 1, weights: int = 1) -> dict:
+    """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring), with
+    `weights` weights of w_shape (2: gated)."""
     e, k, m = w_shape
     ga, gb = k // s_shape[-2], m // s_shape[-1]
     tm = row_tile(num_rows, e)
     rows = cdiv(num_rows, tm) * tm
     tn = column_tile(k, m, gb, w_itemsize)
     visits = visits_bound(rows, e, tm)
-    weights = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
-    vmem = (2 * (tiled_bytes((tm, k), 2) + tiled_bytes((k, tn), w_itemsize)
-                 + tiled_bytes((tm, tn), 4)) + tiled_bytes((tm, tn), 4))
-    return {"flops": 2 * visits * tm * k * m,
-            "bytes": (m // tn) * rows * k * 2 + weights + rows * m * 4,
-            "vmem_bytes": vmem}
+    read = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
+    vmem = (2 * (tiled_bytes((tm, k), 2) + weights * tiled_bytes((k, tn), w_itemsize)
+                 + tiled_bytes((tm, tn), 4)) + weights * tiled_bytes((tm, tn), 4))
+    return {"flops": 2 * visits * tm * k * m * weights,
+            "bytes": (m // tn) * rows * k * 2 + weights * read + rows * m * 4,
+            "vmem_bytes": vmem,
+            "transcendentals": visits * tm * m if weights > 1 else 0}
 
 
 def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
             rows_ref,                                        # [tm, K] bf16
-            w_ref,                                           # [K, tn] fp8 (or any float)
-            s_ref,                                           # [K / ga, tn / gb, E] f32 SMEM
-            out_ref,                                         # [tm, tn] f32
-            acc_ref):                                        # [tm, tn] f32 scratch
+            *refs):
+    """refs: per weight (one; two when gated) its block w [K, tn] fp8 (or any float) and
+    scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn] f32 and an accumulator
+    [tm, tn] f32 scratch per weight."""
+    n_w = (len(refs) - 1) // 3
+    weights, out_ref, accs = refs[:2 * n_w], refs[2 * n_w], refs[2 * n_w + 1:]
     v = pl.program_id(1)
     tm, tn = out_ref.shape
-    k_runs, n_runs, _ = s_ref.shape
-    ga, gb = w_ref.shape[0] // k_runs, tn // n_runs
+    k_runs, n_runs, _ = weights[1].shape
+    ga, gb = weights[0].shape[0] // k_runs, tn // n_runs
     g = group_ref[v]
 
     @pl.when(v < counts_ref[0])
     def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        for acc_ref in accs:
+            acc_ref[...] = jnp.zeros_like(acc_ref)
 
         def run(i, carry):
             kr, nr = i // n_runs, i % n_runs
             k0 = pl.multiple_of(kr * ga, ga)
             n0 = pl.multiple_of(nr * gb, gb)
             x = rows_ref[:, pl.ds(k0, ga)]
-            w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)].astype(jnp.bfloat16)
-            part = jnp.dot(x, w, preferred_element_type=jnp.float32)
-            acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr, g]
+            for w_ref, s_ref, acc_ref in zip(weights[::2], weights[1::2], accs):
+                w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)].astype(jnp.bfloat16)
+                part = jnp.dot(x, w, preferred_element_type=jnp.float32)
+                acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr, g]
             return carry
 
         jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
+        if n_w == 1:
+            result = accs[0][...]
+        else:
+            result = jax.nn.silu(accs[0][...]) * accs[1][...]
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
-        out_ref[...] = jnp.where(mine, acc_ref[...], before)
+        out_ref[...] = jnp.where(mine, result, before)
 
     @pl.when((v >= counts_ref[0]) & (v < counts_ref[1]))
     def _():
@@ -256,7 +271,8 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes: jax.Array,
-                   *, interpret: bool = False) -> jax.Array:
+                   *, up: tuple[jax.Array, jax.Array] | None = None,
+                   interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.grouped_matmul`.
 
     rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input)
@@ -264,6 +280,10 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     scales:      f32[E, K/ga, M/gb] block scales of w
     group_sizes: i32[E]           rows of each group, in order; rows past their sum are not
                                   any group's and come out zero
+    up:          (w_up, scales_up) shaped as (w, scales), or None: with it the result is
+                 silu(rows . w) * (rows . w_up), an expert's gated product, from one pass over
+                 the rows (each row tile crosses HBM once for both weights, and the two
+                 products never leave VMEM)
     returns:     f32[N, M]
     """
     n, k = rows.shape
@@ -271,6 +291,10 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     if kw != k or scales.shape[0] != e or m % scales.shape[-1] or k % scales.shape[-2]:
         raise ValueError(f"rows {rows.shape}, weights {w.shape} and scales {scales.shape} do "
                          "not fit together")
+    pairs = [(w, scales)] if up is None else [(w, scales), up]
+    if any(uw.shape != w.shape or us.shape != scales.shape for uw, us in pairs[1:]):
+        raise ValueError(f"up {up[0].shape} / {up[1].shape} is not shaped as the gate "
+                         f"{w.shape} / {scales.shape}")
     gb = m // scales.shape[-1]
     tm = row_tile(n, e)
     m_tiles = cdiv(n, tm)
@@ -278,22 +302,24 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     num_visits = visits_bound(m_tiles * tm, e, tm)
     padded = jnp.pad(rows.astype(jnp.bfloat16), ((0, m_tiles * tm - n), (0, 0)))
     plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
-    figures = cost(n, w.shape, scales.shape, w.dtype.itemsize)
+    figures = cost(n, w.shape, scales.shape, w.dtype.itemsize, weights=len(pairs))
+    weight_specs = [
+        pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
+        pl.BlockSpec((scales.shape[1], tn // gb, e), lambda j, v, g, t, *_: (0, j, 0),
+                     memory_space=pltpu.SMEM),
+    ]
+    operands = [a for pw, ps in pairs
+                for a in (pw, jnp.transpose(ps.astype(jnp.float32), (1, 2, 0)))]
     out = pl.pallas_call(
         _kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(m // tn, num_visits),
-            in_specs=[
-                pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0)),
-                pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
-                pl.BlockSpec((scales.shape[1], tn // gb, e),
-                             lambda j, v, g, t, *_: (0, j, 0),
-                             memory_space=pltpu.SMEM),
-            ],
+            in_specs=[pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0)),
+                      *weight_specs * len(pairs)],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, g, t, *_: (t[v], j)),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * len(pairs)),
         out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), jnp.float32),
         **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret),
-    )(*plan, padded, w, jnp.transpose(scales.astype(jnp.float32), (1, 2, 0)))
+    )(*plan, padded, *operands)
     return out[:n]

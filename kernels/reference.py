@@ -209,7 +209,8 @@ def dequantize(w: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
-                   group_sizes: jax.Array) -> jax.Array:
+                   group_sizes: jax.Array, *, up: tuple[jax.Array, jax.Array] | None = None
+                   ) -> jax.Array:
     """Rows sorted by group through their group's block-scaled weight, in f32: a ragged dot
     over the dequantised weights (an f32 copy of every group's weight, never one per row).
 
@@ -217,13 +218,21 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     w:           f8[E, K, M]        (or any float dtype)
     scales:      f32[E, K/ga, M/gb] one scale per ga x gb block of w
     group_sizes: i32[E]             rows of each group in order; rows past their sum give zeros
+    up:          (w_up, scales_up) shaped as (w, scales), or None: the gated product
+                 silu(rows . w) * (rows . w_up)
     returns:     f32[N, M]          out[r] = rows[r] @ (w[g] * scales[g] per block), g = r's group
     """
-    full = dequantize(w, scales)
     x = rows.astype(jnp.bfloat16).astype(jnp.float32)
-    out = lax.ragged_dot(x, full, group_sizes, precision=lax.Precision.HIGHEST)
     past = jnp.arange(rows.shape[0]) >= group_sizes.sum()
-    return jnp.where(past[:, None], 0.0, out)
+
+    def through(weight, weight_scales):
+        out = lax.ragged_dot(x, dequantize(weight, weight_scales), group_sizes,
+                             precision=lax.Precision.HIGHEST)
+        return jnp.where(past[:, None], 0.0, out)
+
+    if up is None:
+        return through(w, scales)
+    return jax.nn.silu(through(w, scales)) * through(*up)
 
 
 def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:

@@ -32,7 +32,9 @@ VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
         V = 512, ps = 64, N = 33, fp8, bf16 q) runs qb = 32 in ~28 MiB; DeepSeek-V3.2's 128
         heads qb = 16. (qb = 64 at H = 64 asked the TPU7x compiler for 51 MiB and was refused.)
         SMEM: 4 * U * 4 bytes (two union lists, double-buffered) + 4 * B * nqb (counts).
-Per call (upper bound: every selected page distinct and visible, U = qb * N):
+Per call (upper bound: every selected page distinct and visible, U = min(qb * N, P + 1): a
+        block's union holds no more pages than the cache it indexes, so a chunk early in a
+        prompt, whose gathered tables (attention gather_kv) hold a few pages, is priced at them):
         bytes = B*Q*H*D*q + B*Q*N*4 + B*nqb*U*(ps*D*c + 8) + B*Q*H*(V + 1)*4
         flops = 2 * B*nqb*U * qb*H * ps * (D + V)
 """
@@ -283,11 +285,12 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
     qb = _query_block(q, kv_cache, n, value_dim, query_block)
     nqb = cdiv(nq, qb)
-    rows, union = qb * h, qb * n
+    rows = qb * h
+    union = min(qb * n, kv_cache.shape[0])        # distinct pages a block can reach
     vmem = _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi)
     return {
         "grid": (b, nqb),
-        "blocks": {"q": (qb, h, d), "sel_slots": (qb, n), "union": (union,),
+        "blocks": {"q": (qb, h, d), "sel_slots": (qb, n), "union": (qb * n,),
                    "page": (ps, d), "o": (qb, h, value_dim)},
         "vmem_bytes": vmem,
         "bytes": (b * nq * h * d * qi + b * nq * n * 4 + b * nqb * union * (ps * d * c + 8)

@@ -56,6 +56,30 @@ def test_kernel_matches_reference(rows, sizes, shape, runs):
     assert float(jnp.abs(got - want).max()) <= KERNEL_BOUND * scale
 
 
+
+@pytest.mark.parametrize("rows, sizes, shape, runs", [
+    (8, [3, 0, 5, 0], (4, 256, 256), (128, 128)),          # decode: a few rows, empty groups
+    (300, [100, 0, 190], (3, 128, 256), (128, 128)),      # 2 row tiles; rows past the groups
+])
+def test_gated_kernel_matches_reference(rows, sizes, shape, runs):
+    """silu(x . gate) * (x . up) in one call against the reference's (and against the two
+    products of the single-weight kernel, combined outside it)."""
+    rng = np.random.default_rng(rows + 1)
+    gate, up = _weights(rng, *shape, runs), _weights(rng, *shape, runs)
+    x = jnp.asarray(rng.standard_normal((rows, shape[1])), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    got = expert_matmul.grouped_matmul(x, *gate, sizes, up=up, interpret=True)
+    want = reference.grouped_matmul(x, *gate, sizes, up=up)
+    apart = (jax.nn.silu(expert_matmul.grouped_matmul(x, *gate, sizes, interpret=True))
+             * expert_matmul.grouped_matmul(x, *up, sizes, interpret=True))
+    assert not np.asarray(got[int(sizes.sum()):]).any()
+    scale = float(jnp.abs(want).max())
+    assert float(jnp.abs(got - want).max()) <= KERNEL_BOUND * scale
+    assert float(jnp.abs(got - apart).max()) <= KERNEL_BOUND * scale
+    with pytest.raises(ValueError, match="not shaped as the gate"):
+        expert_matmul.grouped_matmul(x, *gate, sizes, up=(up[0][:, :, :128], up[1]),
+                                     interpret=True)
+
 def test_visit_plan_reads_each_group_once():
     """Groups with rows, in order, each tile of theirs once; the tiles past the groups zeroed
     once; nothing after."""
@@ -131,35 +155,41 @@ def device():
     return topology.compile_only_devices("tpu7x-16")[0]
 
 
-def _compiled(device, rows, e, k, m):
+def _compiled(device, rows, e, k, m, gated=False):
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
-    args = (struct((rows, k), jnp.bfloat16), struct((e, k, m), jnp.float8_e4m3fn),
-            struct((e, k // 128, m // 128), jnp.float32), struct((e,), jnp.int32))
+    w, s = struct((e, k, m), jnp.float8_e4m3fn), struct((e, k // 128, m // 128), jnp.float32)
+    args = (struct((rows, k), jnp.bfloat16), w, s, struct((e,), jnp.int32))
+    fn = expert_matmul.grouped_matmul
+    if gated:                     # gate and up at once: up's weight and scales as the gate's
+        fn = lambda x, w, s, sizes, wu, su: expert_matmul.grouped_matmul(  # noqa: E731
+            x, w, s, sizes, up=(wu, su))
+        args = (*args, w, s)
     with jax.default_device(device):
-        compiled = jax.jit(expert_matmul.grouped_matmul).lower(*args).compile()
+        compiled = jax.jit(fn).lower(*args).compile()
     return hlo.parse_module(compiled.as_text())
 
 
 @needs_libtpu
 @pytest.mark.parametrize("rows", [8, 8192 * 8])     # a B = 1 decode step; an 8K prefill chunk
-@pytest.mark.parametrize("proj", ["gate", "down"])
+@pytest.mark.parametrize("proj", ["gate", "gate_up", "down"])
 def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     """GLM-5.2's routed experts per device of tpu7x-16 (256 experts, inner 2048 / 16 = 128):
     Mosaic compiles the kernel, its cost estimate reaches the module, and the HBM bytes it
     claims are only the chosen experts' at decode (8 rows: 8 of 256 experts)."""
     cfg = load_model_config("glm-5.2")
     e, hid, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size // 16
-    k, m = (hid, inner) if proj == "gate" else (inner, hid)
-    module = _compiled(device, rows, e, k, m)
+    k, m = (inner, hid) if proj == "down" else (hid, inner)
+    module = _compiled(device, rows, e, k, m, gated=proj == "gate_up")
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     assert sorted(i.name.split(".")[0] for i in calls) == ["expert_grouped_matmul",
                                                            "expert_visit_plan"]
     flops, nbytes = next(i for i in calls if i.name.startswith("expert_grouped")).kernel_cost
-    figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128))
+    n_w = 2 if proj == "gate_up" else 1
+    figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w)
     assert (flops, nbytes) == (figures["flops"], figures["bytes"])
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
-    weights = min(e, rows) * k * m
+    weights = n_w * min(e, rows) * k * m
     assert weights <= nbytes
     if rows == 8:
-        assert nbytes < 0.05 * e * k * m          # far below reading every expert
+        assert nbytes < 0.05 * n_w * e * k * m    # far below reading every expert

@@ -144,8 +144,12 @@ def test_case_matrix_and_the_prefill_sum():
     assert size_label(3000) == "3000"
     rows = [{"program": PREFILL_PROGRAM, "offset": o, "seconds": s}
             for o, s in ((0, 1.0), (120 << 10, 2.0), (512 << 10, 3.0), ((1 << 20) - 8192, 5.0))]
-    assert prefill_seconds(rows, 1 << 20, 8192) == pytest.approx(128 * (1 + 4 * 3 + 5) / 6)
     assert prefill_seconds(rows, 128 << 10, 8192) == pytest.approx(16 * (1 + 2) / 2)
+    linear = [{**r, "seconds": 1 + r["offset"] / (1 << 20)} for r in rows]
+    assert prefill_seconds(linear, 1 << 20, 8192) == pytest.approx(128 + 127 * 64 / 128)
+    # flat after 120K, as the attention kernel's bound: chunks 0..14 on the rising line
+    kinked = [{**r, "seconds": min(1 + r["offset"] / (120 << 10), 2.0)} for r in rows]
+    assert prefill_seconds(kinked, 1 << 20, 8192) == pytest.approx(15 + 7 + 113 * 2)
     assert prefill_seconds(rows[:1], 1 << 20, 8192) is None
 
 

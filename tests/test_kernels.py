@@ -7,6 +7,7 @@ does not mask) a row it should not see fails loudly.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from cp_runtime.kernels.indexer import indexer_page_scores
 from cp_runtime.kernels.packing import check_page_size, packing, tile_rows
 from cp_runtime.kernels.sparse_decode import sparse_decode
 from cp_runtime.kernels.sparse_prefill import block_union, sparse_prefill
+from cp_runtime.kernels.sparse_prefill import cost as sparse_prefill_cost
 
 PS, D, H, V = 16, 256, 4, 192    # page size, cached row width, heads, value width
 HI, DI = 4, 128                  # indexer heads and head width
@@ -275,6 +277,24 @@ def test_block_union_matches_sets():
             got = set(zip(np.asarray(us[b, i, :c]).tolist(), np.asarray(up[b, i, :c]).tolist()))
             assert c == len(want) and got == want
 
+
+def test_prefill_cost_bounds_the_union_by_the_cache():
+    """The estimate's pages a block: qb * N where the cache holds more, the cache's pages
+    where it holds fewer (a block's union is distinct slots of it), and never below a union
+    the kernel really visits."""
+    q, cache, slots, pages, q_pos = prefill_case(jnp.bfloat16)
+    b, nq, h, d = q.shape
+    n, per_page = slots.shape[-1], cache.shape[1] * (d + V)
+
+    def unions(pool_pages: int) -> int:
+        pool = jax.ShapeDtypeStruct((pool_pages, *cache.shape[1:]), cache.dtype)
+        figures = sparse_prefill_cost(q, pool, slots, pages, q_pos, value_dim=V, query_block=4)
+        return figures["flops"] // (2 * b * cdiv(nq, 4) * 4 * h * per_page)
+
+    assert (unions(40), unions(cache.shape[0]), unions(3)) == (4 * n, cache.shape[0], 3)
+    *_, count = block_union(slots[:, :8], pages[:, :8], q_pos[:, :8],
+                            page_size=cache.shape[1], query_block=4)
+    assert 0 < int(np.max(count)) <= unions(cache.shape[0])
 
 def prefill_case(dtype):
     """Sessions of 70, 9 and 40 tokens; 10 queries each, blocks of 4 (the last one padded).

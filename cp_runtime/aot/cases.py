@@ -11,10 +11,11 @@ the compiled module (cp_runtime.aot.phases), scales them to the whole model kind
 prices each phase (cp_runtime.aot.roofline: the compiler's cycles at its own clock, kernels at
 their roofline, collectives at ICI rate), beside its floor.
 
-A whole prefill of N tokens is the sum of its N / chunk chunk steps; from the chunks compiled at
-offsets 0, N/2 and N - chunk it is taken by Simpson's rule (a chunk's cost grows with the
-context it sees: the indexer's keys, the page table), and from offsets 0 and N - chunk by the
-trapezoid rule where N/2 was not compiled (the shorter prompts).
+A whole prefill of N tokens is the sum of its N / chunk chunk steps, each read off the line
+through the chunks compiled at offsets from 0 to N - chunk (a chunk's cost grows with the
+context it sees: the indexer's keys, the page table; the attention kernel's bound grows with the
+pages until a query block's selections could fill it, about 128K tokens into a GLM-5.2 prompt,
+and stays flat after, which is why the default cases hold a chunk at 120K).
 
 Measured with it: docs/performance.md, "The TPU programs by phase", each change to the step
 programs before and after.
@@ -23,6 +24,8 @@ programs before and after.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from cp_runtime.aot.deploy import CompilePlan, compile_plan
 from cp_runtime.aot.phases import PhaseFigures, layers_covering_kinds, model_figures
@@ -144,11 +147,9 @@ def prefill_seconds(rows: list[dict], length: int, chunk: int) -> float | None:
     the chunks at 0 and length - chunk are not among `rows`."""
     at = {r["offset"]: r["seconds"] for r in rows
           if r["program"] == PREFILL_PROGRAM and r.get("seconds") is not None}
-    first, last = at.get(0), at.get(length - chunk)
-    if first is None or last is None:
+    last = length - chunk
+    if 0 not in at or last not in at:
         return None
-    chunks = length // chunk
-    middle = at.get(length // 2)
-    if middle is None:
-        return chunks * (first + last) / 2
-    return chunks * (first + 4 * middle + last) / 6
+    known = sorted(o for o in at if o <= last)
+    offsets = np.arange(length // chunk) * chunk
+    return float(np.interp(offsets, known, [at[o] for o in known]).sum())

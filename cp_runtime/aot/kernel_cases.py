@@ -152,20 +152,29 @@ def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tup
     return out
 
 
+def _gated_experts(rows, w, scales, group_sizes, w_up, scales_up):
+    return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, up=(w_up, scales_up))
+
+
 def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
     """The experts' kernel for steps of `tokens` tokens (each row one (token, expert) pair),
-    fp8 weights in 128 x 128 blocks, as the public checkpoints hold them."""
+    fp8 weights in 128 x 128 blocks, as the public checkpoints hold them: gate and up in one
+    call, as the model runs them, and down."""
     e, hid = model.n_routed_experts, model.hidden_size
     inner = cdiv(model.moe_intermediate_size, NUM_SHARDS)
     out = []
     for t in tokens:
         rows = t * model.num_experts_per_tok
-        for proj, (k, m) in (("gate", (hid, inner)), ("down", (inner, hid))):
-            args = _structs(device, ((rows, k), jnp.bfloat16), ((e, k, m), jnp.float8_e4m3fn),
-                            ((e, cdiv(k, 128), cdiv(m, 128)), jnp.float32), ((e,), jnp.int32))
-            out.append(KernelCase(f"experts {proj} T={t}", "experts",
-                                  expert_matmul.grouped_matmul, args,
-                                  expert_matmul.cost(rows, (e, k, m), args[2].shape)))
+        for proj, (k, m) in (("gate_up", (hid, inner)), ("down", (inner, hid))):
+            weight = (((e, k, m), jnp.float8_e4m3fn),
+                      ((e, cdiv(k, 128), cdiv(m, 128)), jnp.float32))
+            gated = proj == "gate_up"
+            args = _structs(device, ((rows, k), jnp.bfloat16), *weight, ((e,), jnp.int32),
+                            *(weight if gated else ()))
+            fn = _gated_experts if gated else expert_matmul.grouped_matmul
+            out.append(KernelCase(f"experts {proj} T={t}", "experts", fn, args,
+                                  expert_matmul.cost(rows, (e, k, m), args[2].shape,
+                                                     weights=2 if gated else 1)))
     return out
 
 

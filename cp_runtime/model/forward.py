@@ -474,8 +474,10 @@ def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 # expert_matmul(rows f[N, in], w f8[E, in, out], scales f32[E, in/ga, out/gb], group_sizes
-# i32[E]) -> f32[N, out]: rows sorted by expert through their expert's block-scaled weights,
-# read as fp8 (cp_runtime.kernels.expert_matmul); None: the XLA paths below.
+# i32[E], *, up=None) -> f32[N, out]: rows sorted by expert through their expert's
+# block-scaled weights, read as fp8 (cp_runtime.kernels.expert_matmul); with up=(w_up,
+# scales_up), silu(rows . w) * (rows . w_up) from one pass over the rows. None: the XLA paths
+# below.
 ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -486,13 +488,15 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     its k experts, weighted. Split weights hold a slice of every expert's inner features, so
     this is the device's partial sum; the others add theirs.
 
-    The T*k (token, expert) pairs are sorted by expert and one grouped matmul per projection
-    runs each group through its expert: `expert_matmul` straight from the fp8 blocks, or
-    `jax.lax.ragged_dot` over the weights in their dtype (bf16 dequantised, when
-    block-scaled). The kernel's rows are gathered in bf16, its input dtype: the [T*k, hidden]
-    arrays are the layer's largest (k rows a token). Its f32 outputs are summed as they are
-    (bf16 outputs cost more: XLA:TPU converted them back to f32 in a pass of their own, 233
-    against 196 ms of `dense` for GLM-5.2's 8K-token chunk). The routing weights scale the
+    The T*k (token, expert) pairs are sorted by expert and grouped matmuls run each group
+    through its expert: `expert_matmul` straight from the fp8 blocks (gate and up in one
+    call, which reads the rows once), or `jax.lax.ragged_dot` over the weights in their dtype
+    (bf16 dequantised, when block-scaled). The kernel's rows are gathered in bf16, its input
+    dtype: the [T*k, hidden] arrays are the layer's largest (k rows a token). Its f32 outputs
+    are summed as they are (bf16 outputs cost more: XLA:TPU converted them back to f32 in a
+    pass of their own, 233 against 196 ms of `dense` for GLM-5.2's 8K-token chunk; gathered
+    back to token order and summed in f32, the gather fused into the sum ran 2.8 ms a layer,
+    1.46 against 1.26 s for that chunk). The routing weights scale the
     down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
     those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
@@ -501,22 +505,26 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     name = "mlp.experts.{}_proj.weight"
     n_experts = p[name.format("gate")].shape[0]
     flat = chosen.reshape(-1)                                    # [T*k]
-    if by_expert and chosen.shape[0] == 1:
-        order = jnp.arange(flat.shape[0])
-    else:
-        order = jnp.argsort(flat, stable=True)
+    presorted = by_expert and chosen.shape[0] == 1
+    order = jnp.arange(flat.shape[0]) if presorted else jnp.argsort(flat, stable=True)
     token = order // chosen.shape[-1]                            # source token of each row
     sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
 
-    def through(proj: str, rows: jax.Array) -> jax.Array:
-        key = name.format(proj)
-        if expert_matmul is None:
-            return _grouped(rows, weight(p, key), sizes)
-        return expert_matmul(rows, p[key], p[key + SCALE_SUFFIX], sizes)
+    gate, up, down = (name.format(proj) for proj in ("gate", "up", "down"))
+    routing = weights.reshape(-1)[order, None]                   # scales down's inputs
+    if expert_matmul is None:
+        rows = x[token]                                          # [T*k, hidden]
+        h = jax.nn.silu(_grouped(rows, weight(p, gate), sizes)) * _grouped(
+            rows, weight(p, up), sizes)                          # [T*k, inner] f32
+        y = _grouped(h * routing, weight(p, down), sizes)        # weighted: down is linear
+        return jnp.zeros_like(x).at[token].add(y)
 
-    rows = (x if expert_matmul is None else x.astype(jnp.bfloat16))[token]   # [T*k, hidden]
-    h = jax.nn.silu(through("gate", rows)) * through("up", rows)  # [T*k, inner] f32
-    y = through("down", h * weights.reshape(-1)[order, None])    # weighted: down is linear
+    def blocks(key: str) -> tuple[jax.Array, jax.Array]:
+        return p[key], p[key + SCALE_SUFFIX]
+
+    rows = x.astype(jnp.bfloat16)[token]
+    h = expert_matmul(rows, *blocks(gate), sizes, up=blocks(up))       # gate and up at once
+    y = expert_matmul(h * routing, *blocks(down), sizes)
     return jnp.zeros_like(x).at[token].add(y)
 
 
