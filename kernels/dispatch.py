@@ -18,6 +18,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, native_indexer, reference,
                                sparse_decode, sparse_prefill, xla_sparse)
@@ -64,9 +65,20 @@ def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=Non
     return from_storage(out, cache.dtype)
 
 
+# The indexer kernel takes its queries in bf16: with f32 queries it ran an f32 dot, which
+# Mosaic issues as f32-format MXU matmuls, twice the instructions of bf16 ones
+# (docs/performance.md); bf16 queries against the bf16 keys have products exact in f32. The
+# rounding is this path's alone (the XLA and reference paths keep f32 queries); with it the
+# tiny model's logits through the kernels stay 3.9e-7 / 4.1e-7 rel-L2 from the reference's at
+# S = 1 / 16 (tests/test_kernel_path.py). The attention kernels keep f32 queries: rounding
+# theirs as well moved those logits 5.4e-3 from the reference's.
+INDEXER_QUERY_DTYPE = jnp.bfloat16
+
+
 def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, num_shards: int,
                    key_block_pages: int, cache_dtype=None, interpret: bool):
-    return indexer.indexer_page_scores(q, w, _values(k_cache, cache_dtype), local_pages, q_pos,
+    return indexer.indexer_page_scores(q.astype(INDEXER_QUERY_DTYPE), w,
+                                       _values(k_cache, cache_dtype), local_pages, q_pos,
                                        shard, rotation, num_shards=num_shards,
                                        key_block_pages=key_block_pages, interpret=interpret)
 
