@@ -15,6 +15,7 @@ import pytest
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.kernels import reference
 from cp_runtime.kernels.cache_write import tiles_bound, write_kv, write_tile_rows
+from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.indexer import indexer_page_scores
 from cp_runtime.kernels.packing import check_page_size, packing, tile_rows
 from cp_runtime.kernels.sparse_decode import sparse_decode
@@ -257,6 +258,21 @@ def test_indexer_spans_query_blocks():
     assert_matches(out, ref, "indexer", "bf16")
 
 
+
+def test_tpu_path_scores_the_indexer_queries_in_bf16():
+    """The Pallas kernel set hands the indexer its f32 queries as bf16 (kernels/dispatch.py):
+    its scores are the kernel's at the rounded queries, to the bit, and not the f32 ones'."""
+    q, *rest = indexer_inputs(jnp.bfloat16, shard=0, num_shards=1, nq=6)
+    q = q.astype(jnp.float32) * jnp.float32(1 + 2 ** -12)   # off the bf16 grid
+    statics = dict(num_shards=1, key_block_pages=2)
+    got = select_kernels("pallas_interpret").indexer_page_scores(q, *rest, jnp.int32(0),
+                                                                   **statics)
+    rounded = indexer_page_scores(q.astype(jnp.bfloat16), *rest, jnp.int32(0), **statics,
+                                  interpret=True)
+    unrounded = indexer_page_scores(q, *rest, jnp.int32(0), **statics, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rounded))
+    assert not np.array_equal(np.asarray(got), np.asarray(unrounded))
+
 # ---- sparse prefill ---------------------------------------------------------------------------
 
 def test_block_union_matches_sets():
@@ -295,6 +311,7 @@ def test_prefill_cost_bounds_the_union_by_the_cache():
     *_, count = block_union(slots[:, :8], pages[:, :8], q_pos[:, :8],
                             page_size=cache.shape[1], query_block=4)
     assert 0 < int(np.max(count)) <= unions(cache.shape[0])
+
 
 def prefill_case(dtype):
     """Sessions of 70, 9 and 40 tokens; 10 queries each, blocks of 4 (the last one padded).
