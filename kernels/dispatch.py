@@ -65,19 +65,19 @@ def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=Non
     return from_storage(out, cache.dtype)
 
 
-# The indexer kernel takes its queries in bf16: with f32 queries it ran an f32 dot, which
-# Mosaic issues as f32-format MXU matmuls, twice the instructions of bf16 ones
-# (docs/performance.md); bf16 queries against the bf16 keys have products exact in f32. The
-# rounding is this path's alone (the XLA and reference paths keep f32 queries); with it the
-# tiny model's logits through the kernels stay 3.9e-7 / 4.1e-7 rel-L2 from the reference's at
-# S = 1 / 16 (tests/test_kernel_path.py). The attention kernels keep f32 queries: rounding
-# theirs as well moved those logits 5.4e-3 from the reference's.
-INDEXER_QUERY_DTYPE = jnp.bfloat16
+# The TPU kernels take their queries in bf16: an f32 dot is issued by Mosaic as f32-format MXU
+# matmuls, twice the instructions of bf16 ones (docs/performance.md). The indexer's bf16 queries
+# against its bf16 keys have products exact in f32; the attention kernels' bf16 queries meet
+# pages upcast exactly from fp8, and their probabilities are rounded to bf16 for PV
+# (kernels/sparse_prefill.py). The rounding is this path's alone: the XLA and reference paths
+# keep f32 queries. What it costs, measured against f32 (tests/test_kernels.py,
+# tests/test_kernel_path.py), is recorded beside those tests' bounds.
+QUERY_DTYPE = jnp.bfloat16
 
 
 def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, num_shards: int,
                    key_block_pages: int, cache_dtype=None, interpret: bool):
-    return indexer.indexer_page_scores(q.astype(INDEXER_QUERY_DTYPE), w,
+    return indexer.indexer_page_scores(q.astype(QUERY_DTYPE), w,
                                        _values(k_cache, cache_dtype), local_pages, q_pos,
                                        shard, rotation, num_shards=num_shards,
                                        key_block_pages=key_block_pages, interpret=interpret)
@@ -86,7 +86,7 @@ def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, n
 def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,
                       query_block: int, cache_dtype=None, interpret: bool):
     """Decode kernel for one query per row, the query-block prefill kernel otherwise."""
-    kv_cache = _values(kv_cache, cache_dtype)
+    kv_cache, q = _values(kv_cache, cache_dtype), q.astype(QUERY_DTYPE)
     if q.shape[1] == 1:
         return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
                                            value_dim=value_dim, scale=scale, interpret=interpret)

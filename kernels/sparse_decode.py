@@ -5,7 +5,8 @@ in SMEM, the entries that have a visible key (slot >= 0 and page start <= positi
 ring (`packing.page_ring`) only ever waits on pages it uses. Each page is upcast to the query
 dtype in VMEM and folded into an online softmax over the H query rows (shared with
 `sparse_prefill`). Entries are processed one by one, so a page listed twice counts twice, as in
-the reference. Keys past the query's position are zeroed before the dot.
+the reference. Keys past the query's position are zeroed before the dot. The products' dtypes
+are those of `sparse_prefill`: the query dtype, f32 accumulation.
 
 Grid:   (B,), parallel.
 Blocks: q [H, D] VMEM; sel_slots, sel_pages i32[B * N] and q_pos i32[B] scalar prefetch (SMEM);
@@ -16,7 +17,7 @@ VMEM:   c = cache itemsize, q = query itemsize
           inputs    2 * H * D * q
           outputs   2 * H * (V + 1) * 4
           scratch   H * (V + 2) * 4                 (acc, m, l)
-          temps     3 * H * ps * 4 + ps * D * (q + 4) + H * V * 4
+          temps     3 * H * ps * 4 + H * ps * q + ps * D * q + H * V * 4
         each counted as Mosaic pads it (vmem.tiled_bytes); e.g. H = 128, D = 640, V = 512,
         ps = 64, fp8, bf16 q: ~1.9 MiB.
 SMEM:   (2 * B * N + B + N) * 4 bytes (the whole page tables are prefetched).
@@ -87,8 +88,7 @@ def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM 
                             preferred_element_type=jnp.float32) * scale  # [H, ps]
         key_pos = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
         s = jnp.where(key_pos <= pos, s, NEG_INF)
-        v = kv[:, :value_dim].astype(jnp.float32)                  # [ps, V]
-        online_softmax_step(s, 1.0, v, m_ref, l_ref, acc_ref)
+        online_softmax_step(s, 1.0, kv[:, :value_dim], m_ref, l_ref, acc_ref)
 
     page_ring(count, num_buffers, copies, step)
     o, lse = finalize_softmax(m_ref, l_ref, acc_ref)
@@ -167,7 +167,7 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
     vmem = (NUM_BUFFERS * tiled_bytes((ps, d), c) + 2 * tiled_bytes((h, d), qi)
             + 2 * (tiled_bytes((h, value_dim), 4) + tiled_bytes((h, 1), 4))
             + tiled_bytes((h, value_dim), 4) + 2 * tiled_bytes((h, 1), 4)
-            + 3 * tiled_bytes((h, ps), 4) + tiled_bytes((ps, d), qi) + tiled_bytes((ps, d), 4)
+            + 3 * tiled_bytes((h, ps), 4) + tiled_bytes((h, ps), qi) + tiled_bytes((ps, d), qi)
             + tiled_bytes((h, value_dim), 4))
     return {
         "grid": (b,),

@@ -8,6 +8,11 @@ softmax over it for all qb * H query rows at once. Each query weighs a page's ke
 times its own list names the page (0: not selected, 2: listed twice, as the reference counts it)
 and hides keys after its position. Keys past the block's last position are zeroed before the dot,
 so stray rows (a partial last page, a NaN-poisoned tail) never reach the accumulators.
+Both products run in the query dtype with f32 accumulation: QK of the query and the upcast page,
+PV of the probabilities rounded to the query dtype and the page's values. With bf16 queries (the
+TPU path, kernels/dispatch.py) both are bf16 MXU matmuls; fp8 and bf16 pages upcast to bf16
+exactly, so the rounding is the query's and the probabilities' alone. With f32 queries the
+kernel is an f32 one, equal to the reference up to the order of f32 sums.
 Assumes one logical page per slot within a sequence (true of any page table).
 
 Neighbouring queries select mostly the same pages, so the union is close to N pages and each page
@@ -26,7 +31,8 @@ VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
           inputs    2 * (R * D * q + qb * N * 4 + qb * 4)  (pipeline double buffers)
           outputs   2 * R * (V + 1) * 4
           scratch   R * (V + 2) * 4                      (acc, m, l)
-          temps     3 * R * ps * 4 + ps * D * (q + 4) + R * V * 4  (scores, probs, a page, acc)
+          temps     3 * R * ps * 4 + R * ps * q + ps * D * q + R * V * 4
+                    (scores, probs, probs for PV and the page in the query dtype, acc)
         each array counted as Mosaic pads it (vmem.tiled_bytes: an [R, 1] column takes 128
         lanes), and qb halved while the sum exceeds the budget: GLM-5.2 (H = 64, D = 640,
         V = 512, ps = 64, N = 33, fp8, bf16 q) runs qb = 32 in ~28 MiB; DeepSeek-V3.2's 128
@@ -99,7 +105,7 @@ def online_softmax_step(s: jax.Array, weight: jax.Array | float, v: jax.Array, m
 
     s:      f32[R, ps]  scaled scores, -inf where hidden
     weight: f32[R, 1]   multiplicity of the page in each row's list (or the scalar 1.0)
-    v:      f32[ps, V]  values, zero where no row sees the key
+    v:      f[ps, V]    values in the query dtype, zero where no row sees the key
     m_ref, l_ref: f32[R, 1] VMEM, running max and denominator; acc_ref: f32[R, V] VMEM
     """
     m_prev = m_ref[...]
@@ -109,7 +115,11 @@ def online_softmax_step(s: jax.Array, weight: jax.Array | float, v: jax.Array, m
     alpha = jnp.exp(m_prev - m_safe)
     p = jnp.exp(s - m_safe) * weight
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    # p meets v in v's dtype: bf16 on the TPU path, so PV is a bf16 MXU product with f32
+    # accumulation (an f32 dot is issued as f32-format matmuls, twice the instructions); the
+    # denominator above keeps p in f32.
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
     m_ref[...] = m_new
 
 
@@ -164,8 +174,7 @@ def _prefill_kernel(count_ref,                # [B * nqb] SMEM (scalar prefetch)
         visible = (weight > 0) & (key_pos <= pos)                  # [qb, ps]
         s = jnp.where(visible[:, None, :], s.reshape(qb, h, ps), NEG_INF).reshape(qb * h, ps)
         weight = jnp.broadcast_to(weight[:, None, :], (qb, h, 1)).reshape(qb * h, 1)
-        v = kv[:, :value_dim].astype(jnp.float32)                  # [ps, V]
-        online_softmax_step(s, weight, v, m_ref, l_ref, acc_ref)
+        online_softmax_step(s, weight, kv[:, :value_dim], m_ref, l_ref, acc_ref)
 
     page_ring(count, num_buffers, copies, step)
     o, lse = finalize_softmax(m_ref, l_ref, acc_ref)
@@ -258,18 +267,54 @@ def _vmem_bytes(qb: int, h: int, d: int, n: int, ps: int, value_dim: int, c: int
                   + tiled_bytes((qb, 1), 4))
     outputs = 2 * (tiled_bytes((qb, h, value_dim), 4) + tiled_bytes((qb, h, 1), 4))
     scratch = tiled_bytes((rows, value_dim), 4) + 2 * tiled_bytes((rows, 1), 4)
-    temps = (3 * tiled_bytes((rows, ps), 4) + tiled_bytes((ps, d), qi) + tiled_bytes((ps, d), 4)
-             + tiled_bytes((rows, value_dim), 4))
+    temps = (3 * tiled_bytes((rows, ps), 4) + tiled_bytes((rows, ps), qi)
+             + tiled_bytes((ps, d), qi) + tiled_bytes((rows, value_dim), 4))
     return ring + inputs + outputs + scratch + temps
 
 
+# v7x's bf16 MXU flops per byte of HBM: 2,307 TFLOP/s against 7.37 TB/s a chip (the rates
+# cp_runtime/aot/roofline.py prices with; tests/test_kernels.py holds the two equal).
+MXU_FLOPS_PER_HBM_BYTE = 313
+
+
+def _bound(qb: int, b: int, nq: int, h: int, d: int, n: int, pool_pages: int, ps: int,
+           value_dim: int, c: int, qi: int) -> tuple[int, int]:
+    """(HBM bytes, flops) of one call at the union's upper bound, for query blocks of qb
+    (the module doc's formulas)."""
+    nqb = cdiv(nq, qb)
+    union = min(qb * n, pool_pages)        # distinct pages a block can reach
+    nbytes = (b * nq * h * d * qi + b * nq * n * 4 + b * nqb * union * (ps * d * c + 8)
+              + b * nq * h * (value_dim + 1) * 4)
+    return nbytes, 2 * b * nqb * union * qb * h * ps * (d + value_dim)
+
+
 def _query_block(q, kv_cache, n: int, value_dim: int, query_block: int) -> int:
-    """min(query_block, Q), halved by `vmem.fit_block` while the step's VMEM exceeds the v7x
-    budget: DeepSeek-V3.2's 128 heads x 640 lanes take 64 -> 32 queries; GLM-5.2 keeps 64."""
-    _, nq, h, d = q.shape
+    """The query block whose bound costs least: of min(query_block, Q), its halves down to 8,
+    those within the v7x VMEM budget, the one with the smallest max(flops / MXU rate, bytes /
+    HBM rate) at the union's bound (the larger on a tie: neighbouring queries share pages, so
+    real unions favour larger blocks).
+
+    Why not simply the largest: a block's union may be qb * N distinct pages, each scored for
+    all qb * H rows, so once scoring a page takes the MXU longer than fetching it, the bound's
+    flops grow with qb while its bytes do not. GLM-5.2's gather_kv prefill (4 heads a device,
+    64 x 640 fp8 pages) breaks even at ~87 rows: 16 queries, not 64 (4x the flops, 2.9x the
+    time of a late chunk's bound); a chunk early in a prompt, whose cache holds fewer pages
+    than 16 blocks reach, keeps larger blocks.
+    """
+    b, nq, h, d = q.shape
+    ps, pool_pages = kv_cache.shape[1], kv_cache.shape[0]
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
-    return fit_block(lambda qb: _vmem_bytes(qb, h, d, n, kv_cache.shape[1], value_dim, c, qi),
-                     min(query_block, nq))
+    largest = fit_block(lambda qb: _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi),
+                        min(query_block, nq))
+    blocks = [largest]
+    while blocks[-1] > 8:
+        blocks.append(max(8, blocks[-1] // 2))
+
+    def priced(qb: int) -> float:
+        nbytes, flops = _bound(qb, b, nq, h, d, n, pool_pages, ps, value_dim, c, qi)
+        return max(flops / MXU_FLOPS_PER_HBM_BYTE, nbytes)
+
+    return min(blocks, key=lambda qb: (priced(qb), -qb))
 
 
 def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,
@@ -284,17 +329,13 @@ def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: flo
     ps = kv_cache.shape[1]
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
     qb = _query_block(q, kv_cache, n, value_dim, query_block)
-    nqb = cdiv(nq, qb)
-    rows = qb * h
-    union = min(qb * n, kv_cache.shape[0])        # distinct pages a block can reach
-    vmem = _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi)
+    nbytes, flops = _bound(qb, b, nq, h, d, n, kv_cache.shape[0], ps, value_dim, c, qi)
     return {
-        "grid": (b, nqb),
+        "grid": (b, cdiv(nq, qb)),
         "blocks": {"q": (qb, h, d), "sel_slots": (qb, n), "union": (qb * n,),
                    "page": (ps, d), "o": (qb, h, value_dim)},
-        "vmem_bytes": vmem,
-        "bytes": (b * nq * h * d * qi + b * nq * n * 4 + b * nqb * union * (ps * d * c + 8)
-                  + b * nq * h * (value_dim + 1) * 4),
-        "flops": 2 * b * nqb * union * rows * ps * (d + value_dim),
-        "transcendentals": b * nqb * union * rows * ps,
+        "vmem_bytes": _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi),
+        "bytes": nbytes,
+        "flops": flops,
+        "transcendentals": flops // (2 * (d + value_dim)),
     }

@@ -11,11 +11,13 @@ import pytest
 
 from conftest import make_engine, random_tokens, rel_l2
 
-# Kernel vs reference differ by f32 summation order and by the indexer's queries, which the
-# Pallas path rounds to bf16 (kernels/dispatch.py; tests/test_kernels.py measures ~1e-7 per
-# kernel); through 4 layers and the lm head the logits' rel-L2 measured 3.9e-7 at S = 1 and
-# 4.1e-7 at S = 16.
-KERNEL_PATH_BOUND = 1e-5
+# Kernel vs reference differ by f32 summation order and by the TPU path's bf16 rounding
+# (kernels/dispatch.py): the indexer's and the attention kernels' queries, and the attention's
+# probabilities before PV (tests/test_kernels.py bounds each kernel). Through 4 layers and the lm
+# head the logits' rel-L2 measured 5.25e-3 at S = 1 and 5.22e-3 at S = 16 (3.9e-7 / 4.1e-7 with
+# f32 attention); storing the same run's cache in fp8 rather than bf16 moves them 5.3e-2 on the
+# reference path, ten times more. A misread page or a wrong mask moves whole positions' logits.
+KERNEL_PATH_BOUND = 1e-2
 
 
 # S = 1 runs with the slow tests: S = 16 runs the same kernels through the same step, sharded,
