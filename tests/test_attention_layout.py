@@ -78,6 +78,23 @@ def test_gathering_the_pages_gives_the_logits_of_gathering_q():
     assert kv_tokens == q_tokens
 
 
+def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():
+    """Two sessions (40 and 70 tokens, both ending inside a page) decoded together, gather_kv
+    against gather_q: each row finds its own table's pages among the gathered ones, and its
+    new row written into its partly filled page; bound as above."""
+    logits = {}
+    for attention in ("gather_q", "gather_kv"):
+        engine = make_engine(MINI, init_params(MINI, seed=0), kv_cache_dtype="fp8_e4m3",
+                             num_shards=16, pages_per_shard=4, page_size=16, chunk_size=64,
+                             weights="sharded", attention=attention)
+        a, b = engine.create_session(), engine.create_session()
+        engine.extend(a.id, random_tokens(MINI, 40, seed=1))
+        engine.extend(b.id, random_tokens(MINI, 70, seed=2))
+        logits[attention] = np.concatenate([engine.decode([a.id, b.id], [3, 4]),
+                                            engine.decode([a.id, b.id], [5, 6])])
+    assert rel_l2(logits["gather_kv"], logits["gather_q"]) <= 1e-5
+
+
 def test_bf16_on_the_wire_rounds_only_the_joined_activations():
     """wire_dtype bf16 (what auto gives on a TPU) against f32 (auto on the CPU), gather_kv, f32
     cache, 48 tokens: the joined sums cross in bf16, so a query's logits move by bf16 rounding:

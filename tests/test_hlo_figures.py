@@ -223,3 +223,51 @@ metadata={op_name="jit(step)/shard_map/layer3/dense/mul"}
     figures = layer_figures(text)
     assert figures[(3, "dense")].cycles == 10383
     assert (None, "other") not in figures
+
+
+def test_a_collective_is_hidden_by_the_work_scheduled_beside_it():
+    """An async collective's window is the work XLA scheduled between its start and its done;
+    each instruction hides at most one collective (the first window holding it), and a phase's
+    hidden time is, per collective, the lesser of its own time and its window's."""
+    group = "replica_groups={{" + ",".join(map(str, range(16))) + "}}"
+    text = f"""HloModule m
+
+%offloaded (x: f8e4m3fn[64,64,640], t: token[]) -> f8e4m3fn[1024,64,640] {{
+  %x = f8e4m3fn[64,64,640]{{2,1,0}} parameter(0)
+  %t = token[] parameter(1)
+  ROOT %all-gather.1 = f8e4m3fn[1024,64,640]{{2,1,0}} all-gather(%x), {group}, dimensions={{0}}
+}}
+
+ENTRY %main (p: f8e4m3fn[64,64,640], q: f32[128,128]) -> f32[128,128] {{
+  %p = f8e4m3fn[64,64,640]{{2,1,0}} parameter(0)
+  %q = f32[128,128]{{1,0}} parameter(1)
+  %tok = token[] after-all()
+  %start = ((f8e4m3fn[64,64,640]{{2,1,0}}, token[]), f8e4m3fn[1024,64,640]{{2,1,0}}) \
+call-start(%p, %tok), to_apply=%offloaded, \
+metadata={{op_name="jit(step)/shard_map/layer2/kv_gather/all_gather"}}
+  %work = f32[128,128]{{1,0}} negate(%q), backend_config={{"estimated_cycles":"1000"}}, \
+metadata={{op_name="jit(step)/shard_map/layer2/indexer/neg"}}
+  %ar = f32[128,128]{{1,0}} all-reduce-start(%work), {group}, to_apply=%add, \
+metadata={{op_name="jit(step)/shard_map/layer2/merge/psum"}}
+  %more = f32[128,128]{{1,0}} negate(%work), backend_config={{"estimated_cycles":"500"}}, \
+metadata={{op_name="jit(step)/shard_map/layer2/indexer/neg"}}
+  %done = f8e4m3fn[1024,64,640]{{2,1,0}} call-done(%start)
+  %ar.done = f32[128,128]{{1,0}} all-reduce-done(%ar)
+  ROOT %out = f32[128,128]{{1,0}} add(%ar.done, %more), \
+metadata={{op_name="jit(step)/shard_map/layer2/merge/add"}}
+}}
+"""
+    figures = layer_figures(text)
+    module = hlo.parse_module(text)
+    gather_ici = hlo.ici_bytes(module.by_name["all-gather.1"])[1]
+    assert figures[(2, "kv_gather")].windows == [[1, gather_ici, 1, 1500, 0, 0]]
+    assert figures[(2, "merge")].windows == [[1, 128 * 128 * 4 * 2 * 15 // 16, 1, 0, 0, 0]]
+    r, clock = TPU7X_DEVICE, 1e9
+    gather = phase_time(figures[(2, "kv_gather")], r, clock)
+    assert gather.hidden_s == pytest.approx(min(gather.collective_s, 1500 / clock))
+    assert gather.overlapped_s == pytest.approx(gather.seconds - gather.hidden_s)
+    assert phase_time(figures[(2, "merge")], r, clock).hidden_s == 0
+    # scaled as every other figure: a window weighs as many layers as its layer stands for
+    scaled = PhaseFigures()
+    scaled.add(figures[(2, "kv_gather")], 3)
+    assert phase_time(scaled, r, clock).hidden_s == pytest.approx(3 * gather.hidden_s)

@@ -29,9 +29,9 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Instruction", "Module", "parse_module", "shape_bytes", "array_bytes",
-           "last_array_bytes", "ici_bytes", "COLLECTIVES",
-           "matmul_flops", "hbm_bytes", "FREE_OPS"]
+__all__ = ["Instruction", "Module", "parse_module", "called_computations", "shape_bytes",
+           "array_bytes", "last_array_bytes", "ici_bytes", "COLLECTIVES", "matmul_flops",
+           "hbm_bytes", "FREE_OPS"]
 
 _HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(
@@ -191,6 +191,11 @@ class Module:
             for operand in ins.operands:
                 out.setdefault(operand, []).append(ins)
         return out
+
+
+def called_computations(ins: Instruction) -> list[str]:
+    """The computations an instruction calls (`calls=`, `to_apply=`)."""
+    return _CALLEES.findall(ins.line)
 
 
 def _operands(line: str, start: int) -> tuple[str, ...]:

@@ -24,13 +24,22 @@ computation (cp_runtime.aot.hlo says how each figure is read):
     collective_bytes the bytes they produce per device (their result arrays)
     ici_bytes        the bytes each device sends for them (ring algorithms, cp_runtime.aot.hlo.
                      ici_bytes)
+    windows          per async collective in the entry (a `<collective>-start`, or a
+                     `call-start` of the SparseCore computation holding one): [weight, its ICI
+                     bytes, its collectives, and the cycles, kernel flops and kernel bytes of
+                     the work XLA scheduled between its start and its done], each instruction
+                     beside at most one collective (the first whose window holds it). The
+                     schedule is the module's order: the work in a window is what the
+                     TensorCore can run while the collective moves (cp_runtime.aot.roofline
+                     prices how much of the collective that hides).
 
 `model_figures` scales the figures of a model cut to its first layers (cp_runtime.aot.programs.
 cut_model) to the whole model: each layer of the whole model counts as the mean of the cut's
 layers of its kind (dense or MoE MLP, full or shared indexer), the rest once.
 
 What this cannot give: the time of a Mosaic call or of a real collective (cp_runtime.aot.
-roofline prices those from their bytes and flops), and whether XLA overlaps them.
+roofline prices those from their bytes and flops), and whether a collective and the work beside
+it slow each other on the chip (both may use HBM).
 """
 
 from __future__ import annotations
@@ -69,10 +78,13 @@ class PhaseFigures:
     collectives: float = 0
     collective_bytes: float = 0
     ici_bytes: float = 0
+    windows: list = dataclasses.field(default_factory=list)
 
     def add(self, other: "PhaseFigures", times: float = 1) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
+            if f.name != "windows":
+                setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
+        self.windows = self.windows + [[times * w[0], *w[1:]] for w in other.windows]
 
 
 def _key(op_name: str) -> Key:
@@ -156,15 +168,63 @@ def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
             f.kernel_flops += kernel_flops
             f.kernel_bytes += kernel_bytes
     caller_in_entry = _entry_callers(module)
+
+    def named(computation: str, ins: hlo.Instruction) -> hlo.Instruction:
+        """The instruction whose key a collective takes: its own, or its caller's."""
+        caller = caller_in_entry.get(computation)
+        return ins if ins.op_name or caller is None else caller
+
     for computation, instructions in module.computations.items():
         for ins in instructions:
             if ins.op.removesuffix("-start") in COLLECTIVES:
-                caller = caller_in_entry.get(computation)
-                f = at(ins if ins.op_name or caller is None else caller)
+                f = at(named(computation, ins))
                 produced, sent = hlo.ici_bytes(ins)
                 f.collectives += 1
                 f.collective_bytes += produced
                 f.ici_bytes += sent
+    for window in _windows(module):
+        computation, first = window["collectives"][0]
+        at(named(computation, first)).windows.append(window["figures"])
+    return out
+
+
+def _collectives_run_by(module: hlo.Module, start: hlo.Instruction) -> list[tuple]:
+    """(computation, collective) pairs an entry async start runs: itself, or those of the
+    computations a `call-start` calls (the SparseCores' offloaded collectives)."""
+    if start.op.removesuffix("-start") in COLLECTIVES:
+        return [(module.entry, start)]
+    if start.op != "call-start":
+        return []
+    found, seen, pending = [], set(), list(hlo.called_computations(start))
+    while pending:
+        computation = pending.pop()
+        if computation in seen or computation not in module.computations:
+            continue
+        seen.add(computation)
+        for ins in module.computations[computation]:
+            if ins.op.removesuffix("-start") in COLLECTIVES:
+                found.append((computation, ins))
+            pending.extend(hlo.called_computations(ins))
+    return found
+
+
+def _windows(module: hlo.Module) -> list[dict]:
+    """Each async collective of the entry with the figures of its window (module docstring)."""
+    entry = module.computations[module.entry]
+    claimed: set[str] = set()
+    out = []
+    for n, start in enumerate(entry):
+        collectives = _collectives_run_by(module, start)
+        done = next((k for k in range(n + 1, len(entry)) if entry[k].op.endswith("-done")
+                     and start.name in entry[k].operands), None)
+        if not collectives or done is None:
+            continue
+        beside = [i for i in entry[n + 1:done] if i.name not in claimed]
+        claimed.update(i.name for i in beside)
+        kernels = [i.kernel_cost for i in beside if i.is_kernel]
+        out.append({"collectives": collectives, "figures": [
+            1, sum(hlo.ici_bytes(c)[1] for _, c in collectives), len(collectives),
+            sum(i.cycles for i in beside), sum(k[0] for k in kernels), sum(k[1] for k in kernels)]})
     return out
 
 

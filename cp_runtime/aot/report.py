@@ -165,16 +165,18 @@ def _ms(seconds: float) -> str:
 
 def format_case(row: dict) -> str:
     """One case of `compile --matrix` (cp_runtime.aot.cases): per phase, the estimate (the
-    TensorCore's part, the collectives'), the floor, what bounds it and the fraction, and the
-    compiled flops and bytes, all per device and at the whole model's size."""
+    TensorCore's part, the collectives', what of those the schedule has work beside), the
+    floor, what bounds it and the fraction, and the compiled flops and bytes, all per device
+    and at the whole model's size."""
     scaled = (f"scaled from {row['layers_compiled']} compiled"
               if row["layers_compiled"] != row["layers_of_model"] else "as compiled")
     title = (f"{row['case']}: {row['layers_of_model']} layers, {scaled}; attention "
              f"{row.get('attention', '-')}")
     if not row["compiled"]:
         return f"{title}\n  did not compile: {row['error']}"
-    head = (f"{'phase':<17} {'est. ms':>10} {'TC ms':>10} {'ICI ms':>9} {'floor ms':>10} "
-            f"{'bound':>5} {'floor/est':>9} {'GFLOP':>10} {'HBM GB':>9} {'ICI GB':>8}")
+    head = (f"{'phase':<17} {'est. ms':>10} {'TC ms':>10} {'ICI ms':>9} {'hidden':>9} "
+            f"{'floor ms':>10} {'bound':>5} {'floor/est':>9} {'GFLOP':>10} {'HBM GB':>9} "
+            f"{'ICI GB':>8}")
     lines = [title, head, "-" * len(head)]
     for name, p in row["phases"].items():
         if not (p["instructions"] or p["collectives"]):
@@ -184,9 +186,13 @@ def format_case(row: dict) -> str:
         fraction = "-" if p["fraction"] is None else f"{p['fraction']:.2f}"
         lines.append(
             f"{name:<17} {_ms(p['seconds']):>10} {_ms(p['xla_s'] + p['kernel_s']):>10} "
-            f"{_ms(p['collective_s']):>9} {_ms(p['floor_s']):>10} {p['bound']:>5} "
+            f"{_ms(p['collective_s']):>9} {_ms(p.get('hidden_s', 0.0)):>9} "
+            f"{_ms(p['floor_s']):>10} {p['bound']:>5} "
             f"{fraction:>9} {flops / 1e9:>10,.1f} {hbm / 1e9:>9,.2f} "
             f"{p['ici_bytes'] / 1e9:>8,.3f}")
-    lines.append(f"{'total':<17} {_ms(row['seconds']):>10} {'':>10} {'':>9} "
+    lines.append(f"{'total':<17} {_ms(row['seconds']):>10} {'':>10} {'':>9} {'':>9} "
                  f"{_ms(row['floor_s']):>10} {'':>5} {row['floor_s'] / row['seconds']:>9.2f}")
+    if "overlapped_s" in row:
+        lines.append(f"overlapped: {_ms(row['overlapped_s'])} ms if each collective ran beside "
+                     "the work the schedule puts between its start and its done (`hidden`)")
     return "\n".join(lines)

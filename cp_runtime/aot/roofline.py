@@ -19,6 +19,11 @@ Per phase:
                gives no collective time; COLLECTIVE_LATENCY_S is an assumption);
                seconds = tensor_core_s + collective_s (collectives run on the SparseCores and
                may overlap the TensorCore's work; the sum is the bound without overlap)
+    hidden     what of collective_s the compiled schedule has work beside: per async
+               collective, the lesser of its own time and the TensorCore time (priced as
+               above) of the work XLA scheduled between its start and its done (phases'
+               `windows`); overlapped_s = seconds - hidden_s, the estimate if the SparseCores
+               moved the bytes while the TensorCore ran that work, neither slowing the other
     floor      the longest of: flops at the MXU rate of their dtype (fp8 x fp8 at the fp8 rate,
                everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate
     fraction   floor / seconds (1.0: the phase runs at the speed of its own bytes or flops)
@@ -38,7 +43,7 @@ from jax.sharding import SingleDeviceSharding
 from cp_runtime.aot import hlo
 
 __all__ = ["DeviceRates", "TPU7X_CHIP", "TPU7X_DEVICE", "COLLECTIVE_LATENCY_S", "PhaseTime",
-           "phase_time", "compiler_clock_hz"]
+           "hidden_seconds", "phase_time", "compiler_clock_hz"]
 
 TFLOP = 1e12
 # Per chip. Cloud TPU docs, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x): peak
@@ -80,10 +85,15 @@ class PhaseTime:
     mxu_floor_s: float
     hbm_floor_s: float
     ici_floor_s: float
+    hidden_s: float = 0.0
 
     @property
     def seconds(self) -> float:
         return self.xla_s + self.kernel_s + self.collective_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return self.seconds - self.hidden_s
 
     @property
     def floor_s(self) -> float:
@@ -100,20 +110,35 @@ class PhaseTime:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "seconds": self.seconds, "floor_s": self.floor_s,
-                "bound": self.bound, "fraction": self.fraction}
+                "bound": self.bound, "fraction": self.fraction,
+                "overlapped_s": self.overlapped_s}
+
+
+def _kernel_s(flops: float, nbytes: float, rates: DeviceRates) -> float:
+    return max(flops / rates.bf16_flops, nbytes / rates.hbm_bytes_per_s)
+
+
+def _collective_s(ici_bytes: float, collectives: float, rates: DeviceRates) -> float:
+    return ici_bytes / rates.ici_bytes_per_s + collectives * rates.collective_latency_s
+
+
+def hidden_seconds(windows, rates: DeviceRates, clock_hz: float) -> float:
+    """Collective time with work beside it (module docstring), over phases' `windows`."""
+    return sum(weight * min(_collective_s(ici, count, rates),
+                            cycles / clock_hz + _kernel_s(kflops, kbytes, rates))
+               for weight, ici, count, cycles, kflops, kbytes in windows)
 
 
 def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
     """The estimate and floor of one phase's figures `f` (cp_runtime.aot.phases.PhaseFigures)."""
-    kernel_s = max(f.kernel_flops / rates.bf16_flops, f.kernel_bytes / rates.hbm_bytes_per_s)
     bf16_flops = f.mxu_flops - f.mxu_flops_f8 + f.kernel_flops
     return PhaseTime(
-        xla_s=f.cycles / clock_hz, kernel_s=kernel_s,
-        collective_s=f.ici_bytes / rates.ici_bytes_per_s
-        + f.collectives * rates.collective_latency_s,
+        xla_s=f.cycles / clock_hz, kernel_s=_kernel_s(f.kernel_flops, f.kernel_bytes, rates),
+        collective_s=_collective_s(f.ici_bytes, f.collectives, rates),
         mxu_floor_s=bf16_flops / rates.bf16_flops + f.mxu_flops_f8 / rates.fp8_flops,
         hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
-        ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s)
+        ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s,
+        hidden_s=hidden_seconds(f.windows, rates, clock_hz))
 
 
 def compiler_clock_hz(device) -> float:
