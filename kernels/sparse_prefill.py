@@ -19,7 +19,8 @@ Neighbouring queries select mostly the same pages, so the union is close to N pa
 is read once per block instead of once per query; the price is that every query row scores every
 union page (masked), so flops grow with the union size U <= qb * N.
 
-Grid:   (B, nqb = ceil(Q / qb)), both parallel.
+Grid:   (B, nqb = ceil(Q / qb)), both parallel; qb by `_query_block` (the block whose bound
+        costs least, at most `query_block`).
 Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM;
         union slots and pages i32[1, U] SMEM per block (U = qb * N; a row of a
         [B * nqb, 1, U] array, so a block's last two dims are the array's, as Pallas requires);
@@ -34,9 +35,10 @@ VMEM:   R = qb * H rows, c = cache itemsize, q = query itemsize
           temps     3 * R * ps * 4 + R * ps * q + ps * D * q + R * V * 4
                     (scores, probs, probs for PV and the page in the query dtype, acc)
         each array counted as Mosaic pads it (vmem.tiled_bytes: an [R, 1] column takes 128
-        lanes), and qb halved while the sum exceeds the budget: GLM-5.2 (H = 64, D = 640,
-        V = 512, ps = 64, N = 33, fp8, bf16 q) runs qb = 32 in ~28 MiB; DeepSeek-V3.2's 128
-        heads qb = 16. (qb = 64 at H = 64 asked the TPU7x compiler for 51 MiB and was refused.)
+        lanes); blocks over the budget are not taken (`_query_block`): GLM-5.2 with every
+        head (H = 64, D = 640, V = 512, ps = 64, N = 33, fp8, bf16 q) fits qb = 32 in ~29 MiB,
+        DeepSeek-V3.2's 128 heads qb = 16. (qb = 64 at H = 64 asked the TPU7x compiler for
+        51 MiB and was refused.)
         SMEM: 4 * U * 4 bytes (two union lists, double-buffered) + 4 * B * nqb (counts).
 Per call (upper bound: every selected page distinct and visible, U = min(qb * N, P + 1): a
         block's union holds no more pages than the cache it indexes, so a chunk early in a
