@@ -13,8 +13,9 @@ then the queries meet the pages one of two ways (runtime field `attention`):
                 (cp_runtime.parallel.merge.combine: where they meet depends on the merge
                 variant and weight split).
   gather_kv  4. every shard gets the cached pages of the rows' page tables (one all-gather of
-                this layer's pages); each attends its own heads over all K + 1 selected pages:
-                its partials are already whole;
+                this layer's pages as the step found them, the step's rows written into the
+                gathered copy after); each attends its own heads over all K + 1 selected
+                pages: its partials are already whole;
              5. its heads are projected (W_uv, o_proj columns) and a psum in hidden space
                 joins the heads.
 Bytes each shard receives per layer, for R query rows of H heads and page tables of M pages:
@@ -157,7 +158,8 @@ class ShardAttention:
         elif index is not None:
             with phase("attention_inputs"):
                 index = index.gathered(self.ws)
-        latent[layer] = self._write(latent[layer], kv_row, self.pool.latent_dtype)
+        before = latent[layer]
+        latent[layer] = self._write(before, kv_row, self.pool.latent_dtype)
         indexer, selection = state.indexer, state.selection
         if index is not None:
             slot = self.model.indexer_slot(layer)
@@ -169,7 +171,8 @@ class ShardAttention:
         if gather_q:
             out = self._attend_own_pages(q_row, latent[layer], pages, project)
         else:
-            out = self._attend_every_page(q_row, latent[layer], pages, project)
+            out = self._attend_every_page(q_row, self._every_page(before, kv_row), pages,
+                                          project)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
 
     def _layout(self, cache: jax.Array) -> str:
@@ -206,20 +209,49 @@ class ShardAttention:
             return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
                                 self.runtime.gathers)
 
-    def _attend_every_page(self, q_row, cache, pages, project) -> jax.Array:
-        """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of the
-        pages gathered from all shards; the heads' projections joined by a psum."""
-        b, m_local = self.local_table.shape
+    def _every_page(self, before: jax.Array, kv_row: jax.Array) -> jax.Array:
+        """gather_kv: the pages of the rows' tables from every shard, with this step's rows.
+
+        before: this shard's cache T[P + 1, ps, D] as the step found it; kv_row f[B, Q, D]
+        returns: T[S * (B * M/S + 1), ps, D]: shard s's block holds its B * M/S table pages
+                 then one spare page (the last block's spare takes the discarded rows of
+                 the write below, `_every_slot`)
+        The pages are gathered from the cache before this layer's write, which the step's
+        inputs alone determine, and the step's rows (every shard holds them all) are written
+        into the gathered copy after: nothing of the layer's own work comes before the
+        all-gather, so XLA can issue it early and run it beside the layer's work (at 1M
+        tokens the schedule then has the indexer's kernel beside it: docs/performance.md).
+        """
+        sentinel = before.shape[0] - 1
+        table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]
         with phase("kv_gather"):
-            mine = cache[self.local_table]                          # [B, M/S, ps, D]
-            every = lax.all_gather(mine, self.axis_name)            # [S, B, M/S, ps, D]
-            every = every.reshape(-1, *cache.shape[1:])             # [S * B * M/S, ps, D]
+            every = lax.all_gather(before[table], self.axis_name, tiled=True)
+        with phase("cache_write"):
+            page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
+            b, q = self.pos.shape
+            max_tiles = tiles_bound(b, q, write_tile_rows(every.shape, self.pool.latent_dtype))
+            return self.kernels.write_kv(
+                every, kv_row.reshape(-1, kv_row.shape[-1]),
+                self._every_slot(page, every.shape[0]).reshape(-1),
+                (jnp.maximum(self.pos, 0) % self.page_size).reshape(-1),
+                cache_dtype=self.pool.latent_dtype, max_tiles=max_tiles)
+
+    def _every_slot(self, pages: jax.Array, every_pages: int) -> jax.Array:
+        """Where logical pages i32[B, ...] sit among `_every_page`'s pages: the owner's block,
+        row b's table in it, the local page; -1 pages at the last (discard) page."""
+        b, m_local = self.local_table.shape
+        rot = self.rotation.reshape((b,) + (1,) * (pages.ndim - 1))
+        owner = owner_shard_jnp(pages, self.num_shards, rot)
+        local = local_page_jnp(pages, self.num_shards, rot)
+        row = jnp.arange(b, dtype=jnp.int32).reshape(rot.shape)
+        return jnp.where(pages >= 0, owner * (b * m_local + 1) + row * m_local + local,
+                         every_pages - 1)
+
+    def _attend_every_page(self, q_row, every, pages, project) -> jax.Array:
+        """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of
+        `_every_page`'s pages; the heads' projections joined by a psum."""
         with phase("sparse_attention"):
-            rot = self.rotation[:, None, None]
-            owner = owner_shard_jnp(pages, self.num_shards, rot)
-            local = local_page_jnp(pages, self.num_shards, rot)
-            row = jnp.arange(b, dtype=jnp.int32)[:, None, None]
-            slots = jnp.where(pages >= 0, (owner * b + row) * m_local + local, -1)
+            slots = jnp.where(pages >= 0, self._every_slot(pages, every.shape[0]), -1)
             o, _ = self._every_page_kernels.sparse_attention(
                 q_row, every, slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
                 scale=self.model.softmax_scale, query_block=self.runtime.query_block,
