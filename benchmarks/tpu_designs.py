@@ -24,7 +24,12 @@ and its own collectives (ICI bytes each device sends; ring algorithms: an all-ga
   gather_kv  gather_q's split, but the pages go to the queries (runtime attention "gather_kv",
              which `auto` picks for long-context prefill chunks): one all-gather of the layer's
              latent cache, (S-1)/S C D c, replaces the q-heads gather and the merge; each
-             device attends its H/S heads over all K+1 entries of every query.
+             device attends its H/S heads over all K+1 entries of every query. The residual
+             stream is split by row between layers (runtime `residual` auto): the two
+             all-reduces become a reduce-scatter of the heads' sums, an all-gather and a
+             reduce-scatter around the MLP, and all-gathers of the rows' q_lora and cached
+             row features, 3 (S-1)/S R hid w + (S-1)/S R (q_lora w + 4 (D + [F] (Di + Hi)))
+             a layer, and the down projections run on each device's R/S rows.
   sequence   tokens split: each device takes R/S of the chunk's rows and all-gathers each
              layer's attention weights; no merge and no weight-shard all-reduce, all-to-alls
              for the new cache rows, the top-k candidates and the experts.
@@ -221,7 +226,7 @@ def _schedule(groups: list[LayerGroup], hw: Hardware) -> dict[str, dict]:
 
 # -- projections ----------------------------------------------------------------------------
 def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str, tokens: int,
-                       *, gathered: bool = False) -> Term:
+                       *, gathered: bool = False, rows_split: bool = False) -> Term:
     """One layer's matmuls over `tokens` tokens and the weights it reads, split evenly over the
     S devices (throughput.projection_work's formulas, one layer), but the router and the down
     projections, which every device holds and runs whole for its tokens (W' = W less the
@@ -237,7 +242,9 @@ def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str
     to forward them) and read whole by the matmuls, and the shared experts, kept whole on every
     device, are read whole: bytes = pb * (mlp_step / S + R + P + shared + 3 * (attention +
     indexer - P)), and every matmul runs on the device's own tokens / S only: flops = tokens *
-    (2 * (W'_tok + R + P) + Hadamard) / S.
+    (2 * (W'_tok + R + P) + Hadamard) / S. rows_split (gather_kv with the residual stream split
+    by row, the runtime's `residual` auto): each device runs P for its own tokens / S only:
+    flops = tokens * ((2 * W'_tok + Hadamard + 2 * P) / S + 2 * R).
     """
     s, pb = hw.devices, setup.weight_bytes
     weights = layer_weights(model, kind)
@@ -254,7 +261,8 @@ def _layer_projections(model: ModelConfig, hw: Hardware, setup: Setup, kind: str
         flops = tokens * (2 * (per_token + whole) + hadamard) / s
     else:
         read = (sum(step.values()) - whole) / s
-        flops = tokens * ((2 * per_token + hadamard) / s + 2 * whole)
+        down = down_projections(model, kind) if rows_split else 0
+        flops = tokens * ((2 * per_token + hadamard + 2 * down) / s + 2 * (whole - down))
     return Term("weights + projections", hbm_bytes=pb * (read + whole), flops=flops,
                 precision=setup.weight_precision)
 
@@ -340,10 +348,21 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
                              must be exact), (S-1)/S R Hi Di 4
     KV all-gather            the layer's latent cache of the C = pages x ps tokens the chunk
                              sees: (S-1)/S C D c (c = the latent cache itemsize)
+    with the residual stream split by row (R divisible by S; the runtime's `residual` auto):
+    heads' reduce-scatter    the heads' projections summed into each device's R/S rows:
+                             (S-1)/S R hid w
+    MLP all-gather +         the MLP's normed input to every device and its sums back:
+      reduce-scatter         2 (S-1)/S R hid w; 2 collectives
+    q_lora all-gather        each device's rows of q_lora: (S-1)/S R q_lora w
+    row features all-gather  the cached latent row, and (full layers) the indexer's key and
+                             head weights, in f32 (they feed the cache and the selection):
+                             (S-1)/S R (D + [full] (Di + Hi)) 4
+    else:
     weight-shard all-reduce  as heads: 2 x 2(S-1)/S R hid w; 2 collectives
 
     No q-heads gather and no merge: each device attends its own H/S heads over every page.
-    Collectives issued in a prefill chunk: 3 per layer, 2 more per full layer.
+    Collectives issued in a prefill chunk: 6 per layer (3 with every row on every device), 2
+    more per full layer.
     """
     s, w = hw.devices, setup.wire_bytes
     one_way = (s - 1) / s
@@ -353,12 +372,23 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
         terms += [_top_k_gather(model, hw, setup, rows, pages),
                   Term("indexer q all-gather", ici_bytes=one_way * rows * model.index_n_heads
                        * model.index_head_dim * 4, collectives=1)]
-    terms += [
-        Term("KV all-gather",
-             ici_bytes=one_way * pages * setup.page_size * model.latent_dim * c, collectives=1),
-        Term("weight-shard all-reduce",
-             ici_bytes=2 * 2 * one_way * rows * model.hidden_size * w, collectives=2)]
-    return terms
+    terms.append(Term("KV all-gather", ici_bytes=one_way * pages * setup.page_size
+                      * model.latent_dim * c, collectives=1))
+    if rows % s:
+        return terms + [Term("weight-shard all-reduce",
+                             ici_bytes=2 * 2 * one_way * rows * model.hidden_size * w,
+                             collectives=2)]
+    features = model.latent_dim + (model.index_head_dim + model.index_n_heads
+                                   if _is_full(kind) else 0)
+    return terms + [
+        Term("heads' reduce-scatter", ici_bytes=one_way * rows * model.hidden_size * w,
+             collectives=1),
+        Term("MLP all-gather + reduce-scatter",
+             ici_bytes=2 * one_way * rows * model.hidden_size * w, collectives=2),
+        Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
+             collectives=1),
+        Term("row features all-gather", ici_bytes=one_way * rows * features * 4,
+             collectives=1)]
 
 
 def _sequence_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str,
@@ -435,7 +465,8 @@ def _groups(model: ModelConfig, hw: Hardware, setup: Setup, *, design: str, rows
     groups = []
     for kind, count in layer_kinds(model).items():
         full = _is_full(kind)
-        terms = [_layer_projections(model, hw, setup, kind, rows, gathered=design == "sequence"),
+        terms = [_layer_projections(model, hw, setup, kind, rows, gathered=design == "sequence",
+                                    rows_split=design == "gather_kv" and rows % hw.devices == 0),
                  *([indexer_term] if full else []), attention,
                  _cache_writes(model, hw, setup, rows, full=full),
                  *_COLLECTIVES[design](model, hw, setup, kind, rows, pages)]

@@ -40,6 +40,7 @@ MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatt
 # cp_runtime.parallel.collectives describes each.
 GATHER_MODES = ("auto", "flat", "staged", "native")
 ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
+RESIDUAL_MODES = ("auto", "replicated")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
@@ -292,6 +293,11 @@ class RuntimeConfig:
     # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
     # f32 elsewhere (the CPU path stays the exact reference).
     wire_dtype: str = "auto"
+    # The residual stream between layers: "auto", split by row over the shards where a step
+    # runs gather_kv and its rows divide evenly (each device norms and projects its own rows;
+    # the joined sums are reduce-scattered, what the heads and experts need all-gathered:
+    # cp_runtime.weights.shards); "replicated", every row on every device.
+    residual: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
@@ -342,6 +348,8 @@ class RuntimeConfig:
             raise ConfigError(f"gathers={self.gathers!r} is not one of {GATHER_MODES}")
         if self.attention not in ATTENTION_LAYOUTS:
             raise ConfigError(f"attention={self.attention!r} is not one of {ATTENTION_LAYOUTS}")
+        if self.residual not in RESIDUAL_MODES:
+            raise ConfigError(f"residual={self.residual!r} is not one of {RESIDUAL_MODES}")
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")

@@ -52,13 +52,14 @@ def test_gather_kv_needs_split_weights_and_a_known_name():
 
 @functools.lru_cache(maxsize=None)
 def _run(attention: str, wire_dtype: str = "auto", kv_cache_dtype: str = "fp8_e4m3",
-         length: int = 300, decoded: int = 4):
+         length: int = 300, decoded: int = 4, residual: str = "auto"):
     """Logits of every query of a `length`-token prompt (chunks of 64 over 16 shards) and
     `decoded` greedy tokens (the decode steps take gather_q under auto; here each runs the
     layout it names); one run per setting for the whole module."""
     engine = make_engine(MINI, init_params(MINI, seed=0), kv_cache_dtype=kv_cache_dtype,
                          num_shards=16, pages_per_shard=4, page_size=16, chunk_size=64,
-                         weights="sharded", attention=attention, wire_dtype=wire_dtype)
+                         weights="sharded", attention=attention, wire_dtype=wire_dtype,
+                         residual=residual)
     s = engine.create_session()
     logits = engine.extend(s.id, random_tokens(MINI, length, seed=5), all_logits=True)
     tokens = [int(np.argmax(logits[-1]))]
@@ -76,6 +77,19 @@ def test_gathering_the_pages_gives_the_logits_of_gathering_q():
     assert np.isfinite(kv_logits).all()
     assert rel_l2(kv_logits, q_logits) <= 1e-5
     assert kv_tokens == q_tokens
+
+
+def test_splitting_the_rows_gives_the_logits_of_every_row_on_every_device():
+    """gather_kv's chunks (64 rows, 4 a shard) with the residual stream split by row (auto)
+    against every row on every device: the same per-row math, the sums reduce-scattered
+    rather than all-reduced (f32 on the CPU): bound as above, the same greedy tokens (the
+    decode steps run gather_q, every row on every device, either way)."""
+    split_logits, split_tokens = _run("gather_kv")
+    whole_logits, whole_tokens = _run("gather_kv", residual="replicated")
+    assert rel_l2(split_logits, whole_logits) <= 1e-5
+    assert split_tokens == whole_tokens
+    with pytest.raises(ConfigError, match="residual='split' is not one of"):
+        RuntimeConfig(residual="split")
 
 
 def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():
@@ -126,25 +140,30 @@ needs_libtpu = pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtp
 
 
 @needs_libtpu
-def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge():
+@pytest.mark.parametrize("residual", ["auto", "replicated"])
+def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge(residual):
     """The prefill chunk with gather_kv, compiled for tpu7x-16 with the Pallas kernels: its
-    collectives are the pages' all-gather and the heads' psum, none gathers q or merges
-    partials over heads. (The chunk with its logits: without them XLA drops the last layer's
-    attention, whose output nothing reads.)"""
+    collectives are the pages' all-gather and the heads' sum in hidden space, none gathers q
+    or merges partials over heads; with the rows split (auto) that sum is a reduce-scatter
+    to each row's device, replicated an all-reduce. (The chunk with its logits: without them
+    XLA drops the last layer's attention, whose output nothing reads.)"""
     from cp_runtime.aot.deploy import CompilePlan, compile_plan
 
     result = compile_plan(CompilePlan(model="deepseek-mini", page_size=16, pages_per_shard=256,
                                       chunk_size=256, context=4096, weights="sharded",
-                                      attention="gather_kv", programs=("prefill_logits",)))
+                                      attention="gather_kv", residual=residual,
+                                      programs=("prefill_logits",)))
     program = result["programs"][0]
     assert program["compiled"], program["error"]
     phases = program["phases"]
     assert phases["kv_gather"]["collectives"] == MINI.num_hidden_layers
     assert phases["q_gather"]["collectives"] == 0
     assert phases["sparse_attention"]["kernels"] == MINI.num_hidden_layers
-    # the merge phase holds only the heads' psum in hidden space, one per layer, in bf16 (auto
-    # on a TPU): 256 rows x 64 hidden x 2 bytes
+    # the merge phase holds only the heads' sum in hidden space, one per layer, in bf16 (auto
+    # on a TPU): 256 rows x 64 hidden x 2 bytes, of which each device keeps its 16 rows when
+    # the rows are split
+    rows = 256 // 16 if residual == "auto" else 256
     assert phases["merge"]["collectives"] == MINI.num_hidden_layers
-    assert phases["merge"]["collective_bytes"] == MINI.num_hidden_layers * 256 * 64 * 2
+    assert phases["merge"]["collective_bytes"] == MINI.num_hidden_layers * rows * 64 * 2
     both = {r["layer"] for r in program["layer_phases"] if r["phase"] == "kv_gather"}
     assert both == set(range(MINI.num_hidden_layers))

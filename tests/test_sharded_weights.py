@@ -168,3 +168,41 @@ def test_gather_heads_of_q_and_the_indexers_q(rows):
     else:
         np.testing.assert_array_equal(
             np.asarray(got_q), np.asarray(jnp.asarray(q[:, :12], jnp.bfloat16), np.float32))
+
+
+def test_split_rows_sum_into_their_devices_and_gather_back():
+    """The residual stream split by row: partial sums [2, 32, 8] (one a device) reduce-scatter
+    into each device's 4 of the 64 rows (join_rows in the wire's bf16, psum_rows exact),
+    own_rows picks the same rows of an array every device holds, and gather_rows_of brings
+    every device's rows back in [2, 32] order: the wired one rounded to bf16, the others exact
+    in one collective."""
+    mesh = jax.make_mesh((16,), ("cp",))
+    ws = WeightShards(axis="cp", wire_dtype="bf16", rows_split=True)
+    rng = np.random.default_rng(1)
+    parts = rng.normal(size=(16, 2, 32, 8)).astype(np.float32)
+    pos = np.arange(64, dtype=np.int32).reshape(2, 32)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("cp"), P()),
+                       out_specs=(P("cp"), P("cp"), P("cp"), P()), check_vma=False)
+    def run(part, pos):
+        joined, exact = ws.join_rows(part[0]), ws.psum_rows(part[0])
+        own = ws.own_rows(pos)
+        back = ws.gather_rows_of({"a": exact, "b": exact[:, :3] * 2, "own": own[:, None] * 1.0},
+                                 pos.shape, wired=("a",))
+        return joined, exact, own, (back["a"], back["b"], back["own"])
+
+    joined, exact, own, (a, b, back_own) = run(
+        jax.device_put(parts, NamedSharding(mesh, P("cp"))), pos)
+    total = parts.sum(0).reshape(64, 8)
+    np.testing.assert_allclose(np.asarray(exact), total, rtol=1e-6, atol=1e-6)
+    assert 0 < np.abs(np.asarray(joined) - total).max() <= 2 ** -8 * np.abs(total).max()
+    np.testing.assert_array_equal(np.asarray(own), np.arange(64))
+    assert a.shape == (2, 32, 8) and b.shape == (2, 32, 3) and back_own.shape == (2, 32, 1)
+    np.testing.assert_array_equal(
+        np.asarray(a), np.asarray(jnp.asarray(np.asarray(exact), jnp.bfloat16),
+                                  np.float32).reshape(2, 32, 8))
+    np.testing.assert_array_equal(np.asarray(b), 2 * np.asarray(exact)[:, :3].reshape(2, 32, 3))
+    np.testing.assert_array_equal(np.asarray(back_own)[..., 0], pos)
+    with pytest.raises(ValueError, match="rows_split needs an axis"):
+        WeightShards(rows_split=True)

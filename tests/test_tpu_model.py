@@ -176,9 +176,24 @@ def test_units_of_gather_kv_terms(glm):
     # heads: 64 heads over the 9 entries a device owns, union 2 x 9 per 32-query block
     assert _chunk(glm, "gather_q")["selected-page attention"].flops == pytest.approx(
         L * 2 * (T // 32) * (2 * 9) * 32 * 64 * 16 * (640 + 512))
-    # per layer: KV, two all-reduces; full layers: the indexer's q, the top-k (the down
-    # projections are whole on every device: nothing to gather)
-    assert sum(t.collectives for t in terms.values()) == 3 * L + 2 * F
+    # the residual stream split by row (8K rows over 16 devices): the heads' sums
+    # reduce-scattered, the MLP's input gathered and its sums reduce-scattered, each row's
+    # q_lora and (f32) cached row, indexer key and weights gathered; no all-reduce
+    assert "weight-shard all-reduce" not in terms
+    assert terms["heads' reduce-scatter"].ici_bytes == pytest.approx(L * 15 / 16 * T * 6144 * 4)
+    assert terms["MLP all-gather + reduce-scatter"].ici_bytes == pytest.approx(
+        L * 2 * 15 / 16 * T * 6144 * 4)
+    assert terms["q_lora all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * T * 2048 * 4)
+    assert terms["row features all-gather"].ici_bytes == pytest.approx(
+        15 / 16 * T * (L * 640 + F * (128 + 32)) * 4)
+    # per layer: KV, the reduce-scatter, the MLP's two, q_lora, the row features; full layers:
+    # the indexer's q, the top-k
+    assert sum(t.collectives for t in terms.values()) == 6 * L + 2 * F
+    # the down projections run on each device's T / S rows; the routers on every row
+    down = _whole_weights(glm) - (L - glm.first_k_dense_replace) * glm.n_routed_experts * 6144
+    heads = _chunk(glm, "gather_q")["weights + projections"]
+    assert terms["weights + projections"].flops == pytest.approx(
+        heads.flops - 15 / 16 * 2 * T * down)
 
 
 def test_units_of_sequence_terms(glm):
@@ -215,7 +230,9 @@ def test_bf16_wire_halves_exactly_the_activation_collectives(glm, design):
     """The indexer's q is gathered in f32 whatever the wire where a program runs the design
     (gather_q's with the q heads, gather_kv's on its own): the selection must be exact."""
     activations = {"q heads all-gather", "weight-shard all-reduce", "expert all-to-all",
-                   "dense MLP gather + scatter", "embedding reduce-scatter"}
+                   "dense MLP gather + scatter", "embedding reduce-scatter",
+                   "heads' reduce-scatter", "MLP all-gather + reduce-scatter",
+                   "q_lora all-gather"}
     if design == "sequence":
         activations.add("indexer q all-gather")
     f32, bf16 = _chunk(glm, design, wire=4), _chunk(glm, design, wire=2)

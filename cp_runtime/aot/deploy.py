@@ -42,6 +42,7 @@ class CompilePlan:
     context: int = 1 << 20                 # tokens of the session the step programs serve
     backend: str = "pallas"
     attention: str = "auto"                # RuntimeConfig.attention: gather_q, gather_kv, auto
+    residual: str = "auto"                 # RuntimeConfig.residual: auto, replicated
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -70,7 +71,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             page_size=plan.page_size, num_shards=topo.devices,
                             chunk_size=plan.chunk_size, max_batch=plan.max_batch,
                             backend=plan.backend, weights=plan.weights,
-                            weight_dtype=plan.weight_dtype, attention=plan.attention)
+                            weight_dtype=plan.weight_dtype, attention=plan.attention,
+                            residual=plan.residual)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)

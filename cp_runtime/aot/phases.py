@@ -55,7 +55,9 @@ __all__ = ["COLLECTIVES", "PhaseFigures", "layer_figures", "phase_figures", "lay
            "layers_covering_kinds", "model_figures", "sum_figures"]
 
 COLLECTIVES = hlo.COLLECTIVES
-_LAYER = re.compile(r"/layer(\d+)(?:/|$)")
+# `layer<i>` as a scope of the op_name; inside a computation XLA:TPU moved to the SparseCores
+# the names lose their `jit(step)/shard_map/` head and begin with it.
+_LAYER = re.compile(r"(?:^|/)layer(\d+)(?:/|$)")
 # A copy XLA makes of a layer's weight (a relayout before a kernel) is named by the parameter
 # alone, `params['model.layers.3.mlp...']`: no scope, but the layer's own.
 _LAYER_WEIGHT = re.compile(r"^params\[\\?'model\.layers\.\d+\.")
@@ -170,9 +172,19 @@ def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
     caller_in_entry = _entry_callers(module)
 
     def named(computation: str, ins: hlo.Instruction) -> hlo.Instruction:
-        """The instruction whose key a collective takes: its own, or its caller's."""
+        """The instruction whose key a collective takes: its own; else that of the first
+        instruction of its reduction whose name tells a phase (XLA:TPU left a reduce-scatter
+        it moved to the SparseCores unnamed, and named its reduction's parameters); else its
+        caller's."""
+        if ins.op_name:
+            return ins
+        region = next((i for called in hlo.called_computations(ins)
+                       for i in module.computations.get(called, ())
+                       if i.op_name and _key(i.op_name)[1] != "other"), None)
+        if region is not None:
+            return region
         caller = caller_in_entry.get(computation)
-        return ins if ins.op_name or caller is None else caller
+        return ins if caller is None else caller
 
     for computation, instructions in module.computations.items():
         for ins in instructions:

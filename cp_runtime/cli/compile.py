@@ -12,7 +12,7 @@ import json
 import sys
 
 from cp_runtime.cache.capacity import TOPOLOGIES
-from cp_runtime.config import ATTENTION_LAYOUTS
+from cp_runtime.config import ATTENTION_LAYOUTS, RESIDUAL_MODES
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
@@ -86,6 +86,11 @@ def add_compile(sub) -> None:
                         "head of q to every shard, partials merged), gather_kv (the pages to "
                         "every shard, each attends its own heads), auto (whichever moves fewer "
                         "bytes: gather_kv for long-context prefill chunks)")
+    p.add_argument("--residual", choices=RESIDUAL_MODES, default="auto",
+                   help="the residual stream between layers: auto (split by row over the "
+                        "devices where a step runs gather_kv: each device norms and projects "
+                        "its own rows, the joined sums are reduce-scattered), replicated "
+                        "(every row on every device)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
@@ -119,7 +124,8 @@ def run_compile(args) -> int:
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
         pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
-        context=args.context, programs=programs, attention=args.attention)
+        context=args.context, programs=programs, attention=args.attention,
+        residual=args.residual)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -177,7 +183,8 @@ def _run_matrix(args) -> int:
     result = run_matrix(cases, model=args.model, layers=args.layers, chunk=args.chunk_size,
                         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
                         topology=args.topology, pages_per_shard=args.pages_per_shard,
-                        attention=args.attention, progress=None if args.json else _progress)
+                        attention=args.attention, residual=args.residual,
+                        progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s"):
             result[f"prefill_{length}_{key}"] = prefill_seconds(result["cases"], length,

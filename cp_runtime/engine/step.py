@@ -137,6 +137,9 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
                             merge=runtime.merge, ws=ws, combine=combine_fn)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
+    if attend.splits_rows(state.latent[0]):
+        ws = dataclasses.replace(ws, rows_split=True)
+        attend = dataclasses.replace(attend, ws=ws)
     hidden, state = forward(params, model, tokens, pos, attend, state, ws,   # [B, Q, hidden]
                             kernels.expert_matmul)
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))

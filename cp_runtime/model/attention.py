@@ -17,7 +17,8 @@ then the queries meet the pages one of two ways (runtime field `attention`):
                 gathered copy after); each attends its own heads over all K + 1 selected
                 pages: its partials are already whole;
              5. its heads are projected (W_uv, o_proj columns) and a psum in hidden space
-                joins the heads.
+                joins the heads (a reduce-scatter to each row's device where the step
+                splits its rows, `splits_rows`).
 Bytes each shard receives per layer, for R query rows of H heads and page tables of M pages:
 gather_q ~ R H ((D_lat + kv_lora) w + 4) (q in, partials out, w bytes a value on the wire,
 runtime field `wire_dtype`; the lse in f32), gather_kv ~ M ps D_lat c (the pages). A decode
@@ -153,6 +154,9 @@ class ShardAttention:
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
         latent = list(state.latent)
         gather_q = self._layout(latent[layer]) == "gather_q"
+        if gather_q and self.ws.rows_split:
+            raise ValueError("the rows are split only where the step runs gather_kv "
+                             "(`splits_rows`); this layer runs gather_q")
         if gather_q:
             q_row, index = self._gather_queries(q_row, index)
         elif index is not None:
@@ -174,6 +178,16 @@ class ShardAttention:
             out = self._attend_every_page(q_row, self._every_page(before, kv_row), pages,
                                           project)
         return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+
+    def splits_rows(self, cache: jax.Array) -> bool:
+        """Whether the step splits its residual stream by row (runtime field `residual`,
+        cp_runtime.weights.shards): where it runs gather_kv (`cache`: any layer's latent
+        cache) and its rows divide evenly over the shards. gather_kv's heads come back as
+        one sum per row, which a reduce-scatter can hand to the row's device; gather_q's
+        merges return every row to every device."""
+        b, q = self.pos.shape
+        return (self.runtime.residual == "auto" and self.ws.split and self.num_shards > 1
+                and (b * q) % self.num_shards == 0 and self._layout(cache) == "gather_kv")
 
     def _layout(self, cache: jax.Array) -> str:
         b, q = self.pos.shape
@@ -257,7 +271,7 @@ class ShardAttention:
                 scale=self.model.softmax_scale, query_block=self.runtime.query_block,
                 cache_dtype=self.pool.latent_dtype)
         with phase("merge"):
-            return self.ws.join(project(o))
+            return self.ws.join_rows(project(o))
 
     @property
     def _every_page_kernels(self) -> Kernels:

@@ -60,6 +60,7 @@ __all__ = [
     "mla_output",
     "mlp",
     "projected_features",
+    "row_features",
     "rms_norm",
     "rope",
     "rope_frequencies",
@@ -244,14 +245,15 @@ def _pad_last(x: jax.Array, width: int) -> jax.Array:
 
 def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) -> jax.Array:
     """tokens i32[...] -> f[..., hidden]. Split by vocabulary: each device looks up the tokens
-    in its rows (zeros for the rest) and a psum joins them, exactly."""
+    in its rows (zeros for the rest) and a psum joins them, exactly (into this device's rows
+    f[R / S, hidden] where the rows are split: `WeightShards.rows_split`)."""
     table = params["model.embed_tokens.weight"]                           # [V (local), hidden]
     if not ws.split:
         return table[tokens].astype(jnp.float32)
     local = tokens - ws.first(table.shape[0])
     inside = (local >= 0) & (local < table.shape[0])
     rows = table[jnp.clip(local, 0, table.shape[0] - 1)].astype(jnp.float32)
-    return ws.psum(jnp.where(inside[..., None], rows, 0))
+    return ws.psum_rows(jnp.where(inside[..., None], rows, 0))
 
 
 def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, *, indexer: bool
@@ -266,34 +268,54 @@ def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, *, indexer: bo
     return {part: linear(p, name, h) for part, name in names.items()}
 
 
-def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array,
-               features: dict[str, jax.Array] | None = None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat],
-    q_lora f[..., R]).
-
-    q holds the heads whose weights this device holds: all H, or its H' = ceil(H / S) with
-    split weights (the attention gathers them where it needs every head). `features`: h's
-    `projected_features`, when the caller has them already."""
-    if features is None:
-        features = projected_features(p, cfg, h, indexer=False)
+def row_features(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array, *,
+                 indexer: bool) -> dict[str, jax.Array]:
+    """What each token's row gives the attention by itself, from the weights every device
+    holds whole (`projected_features`, then per-row norms and rope): h[..., hidden], pos
+    i32[...] -> q_lora f[..., R], kv_row f[..., D_lat] (the cached row) and, for a layer with
+    its own indexer, index_k f[..., Di] (its cached key) and index_w f[..., Hi] (its head
+    weights, scaled). Nothing here mixes rows, so a device can compute its own rows' and
+    gather them (`WeightShards.gather_rows`)."""
+    features = projected_features(p, cfg, h, indexer=indexer)
     q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = linear(p, "self_attn.q_b_proj.weight", q_lora)
-    q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
-    q_pe = q[..., cfg.qk_nope_head_dim:]
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
-    q_pe = rope(q_pe, pos, freqs, interleaved=cfg.mla_rope_interleaved, mscale=mscale)
     a = features["kv_a"]                                                   # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
                  cfg.rms_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
                 mscale=mscale)
+    kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
+                              _pad_last(k_pe, cfg.latent_rope_pad)], -1)
+    out = {"q_lora": q_lora, "kv_row": kv_row}
+    if indexer:
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        k = layer_norm(features["index_k"], p["self_attn.indexer.k_norm.weight"],
+                       p["self_attn.indexer.k_norm.bias"], 1e-6)
+        k = _indexer_rope(k, pos, cfg)
+        out["index_k"] = hadamard(k) if cfg.index_hadamard else k
+        out["index_w"] = features["index_w"] * (hi ** -0.5 * di ** -0.5)
+    return out
+
+
+def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, pos: jax.Array,
+               rows: dict[str, jax.Array] | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h[..., hidden], pos i32[...] -> (q f[..., H', D_lat], kv_row f[..., D_lat],
+    q_lora f[..., R]).
+
+    q holds the heads whose weights this device holds: all H, or its H' = ceil(H / S) with
+    split weights (the attention gathers them where it needs every head). `rows`: h's
+    `row_features`, when the caller has them already (h is then not read)."""
+    if rows is None:
+        rows = row_features(p, cfg, h, pos, indexer=False)
+    q = linear(p, "self_attn.q_b_proj.weight", rows["q_lora"])
+    q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
+    q_pe = rope(q[..., cfg.qk_nope_head_dim:], pos, rope_frequencies(cfg),
+                interleaved=cfg.mla_rope_interleaved, mscale=_rope_mscale(cfg))
     q_lat = _absorbed_queries(p, cfg, q)                                  # [..., H, kv_lora]
     q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
                              _pad_last(q_pe, cfg.latent_rope_pad)], -1)
-    kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),
-                              _pad_last(k_pe, cfg.latent_rope_pad)], -1)
-    return q_row, kv_row, q_lora
+    return q_row, rows["kv_row"], rows["q_lora"]
 
 
 # Steps of at most this many rows run kv_b's per-head products (W_uk on the queries; the
@@ -348,26 +370,21 @@ def _indexer_rope(x: jax.Array, pos: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([x[..., :-r], rope(x[..., -r:], pos, freqs, **kw)], -1)
 
 
-def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array, q_lora: jax.Array,
+def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, q_lora: jax.Array,
                    pos: jax.Array, ws: WeightShards = WeightShards(),
-                   features: dict[str, jax.Array] | None = None) -> IndexerInputs:
+                   rows: dict[str, jax.Array] | None = None) -> IndexerInputs:
     """The DSA indexer's query heads, head weights and key for each token. Every device scores
     its own pages with every head; with split weights q holds this device's heads only, and
-    the attention gathers them (`IndexerInputs.gathered`). `features`: h's
-    `projected_features` with the indexer's, when the caller has them already."""
-    hi, di = cfg.index_n_heads, cfg.index_head_dim
-    if features is None:
-        features = projected_features(p, cfg, h, indexer=True)
+    the attention gathers them (`IndexerInputs.gathered`). `rows`: h's `row_features` with
+    the indexer's, when the caller has them already (h is then not read)."""
+    if rows is None:
+        rows = row_features(p, cfg, h, pos, indexer=True)
     q = linear(p, "self_attn.indexer.wq_b.weight", q_lora)
-    q = q.reshape(*q_lora.shape[:-1], -1, di)
-    k = layer_norm(features["index_k"], p["self_attn.indexer.k_norm.weight"],
-                   p["self_attn.indexer.k_norm.bias"], 1e-6)
-    q, k = _indexer_rope(q, pos, cfg), _indexer_rope(k, pos, cfg)
+    q = _indexer_rope(q.reshape(*q_lora.shape[:-1], -1, cfg.index_head_dim), pos, cfg)
     if cfg.index_hadamard:
-        q, k = hadamard(q), hadamard(k)
-    w = features["index_w"]
-    return IndexerInputs(q=q, w=w * (hi ** -0.5 * di ** -0.5), k=k,
-                         heads=hi if ws.split else None)
+        q = hadamard(q)
+    return IndexerInputs(q=q, w=rows["index_w"], k=rows["index_k"],
+                         heads=cfg.index_n_heads if ws.split else None)
 
 
 def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
@@ -576,10 +593,11 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
         ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None
         ) -> jax.Array:
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
-    experts only) plus the shared experts. Split weights give partial sums, joined once.
+    experts only) plus the shared experts. Split weights give partial sums, joined once
+    (into this device's rows where the rows are split: `WeightShards.join_rows`).
     `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels)."""
     if not cfg.is_moe_layer(layer):
-        return ws.join(_swiglu(p, "mlp", x))
+        return ws.join_rows(_swiglu(p, "mlp", x))
     flat = x.reshape(-1, x.shape[-1])
     chosen, weights, by_expert = _routed(p, cfg, flat)                  # [T, k] each
     if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
@@ -593,7 +611,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
     out = out.reshape(x.shape)
     if cfg.n_shared_experts:
         out = out + _swiglu(p, "mlp.shared_experts", x)
-    return ws.join(out)
+    return ws.join_rows(out)
 
 
 # project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`;
@@ -621,24 +639,30 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
         with layer_scope(layer):
             x, state = _layer(params, cfg, layer, x, pos, attend, state, ws, expert_matmul)
     with phase("dense"):
-        return rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps), state
+        hidden = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
+        return ws.gather_rows(hidden, tokens.shape), state
 
 
 def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
            attend: AttendFn, state: Any, ws: WeightShards,
            expert_matmul: ExpertMatmulFn | None) -> tuple[jax.Array, Any]:
-    """One decoder layer: x f[..., hidden] -> (x after its attention and MLP, state)."""
+    """One decoder layer: x f[..., hidden] -> (x after its attention and MLP, state). Where
+    the rows are split (`WeightShards.rows_split`), x is this device's rows f[R / S, hidden]:
+    the norms and `row_features` run on them, and what the heads and experts need of every
+    row is gathered (the attention's and the MLP's sums come back reduce-scattered)."""
     p = layer_params(params, layer)
     with phase("attention_inputs"):
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
         own_indexer = cfg.indexer_types[layer] == "full"
-        features = projected_features(p, cfg, h, indexer=own_indexer)
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, h, pos, features)
-        index = indexer_inputs(p, cfg, h, q_lora, pos, ws, features) if own_indexer else None
+        rows = row_features(p, cfg, h, ws.own_rows(pos), indexer=own_indexer)
+        rows = ws.gather_rows_of(rows, pos.shape, wired=("q_lora",))   # q_lora feeds matmuls
+        q_row, kv_row, q_lora = mla_inputs(p, cfg, None, pos, rows)
+        index = indexer_inputs(p, cfg, None, q_lora, pos, ws, rows) if own_indexer else None
     out, state = attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
     with phase("dense"):
         x = x + out
         h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        h = ws.gather_rows(h, pos.shape, wire=True)
         return x + mlp(p, cfg, layer, h, ws, expert_matmul), state
 
 

@@ -9,6 +9,13 @@ the interconnect in bf16 (`join`, and `gather(..., wire=True)`): half the bytes 
 price of rounding the joined partial sums to bf16 (2^-9 relative), as bf16 serving does. What
 feeds the page selection, the cache or the sampler (the indexer's inputs, the latent rows, the
 lm head's logits, the embedding) always crosses in f32.
+
+`rows_split` splits the residual stream by row as well (a long prefill chunk in the gather_kv
+layout, cp_runtime.model.attention): each device keeps R / S of the step's R rows (flattened
+[B, Q]; device s the s-th run), the row-parallel sums come back reduce-scattered into those
+rows (`join_rows`, `psum_rows`: half an all-reduce's bytes), and what needs every row is
+all-gathered (`gather_rows`). The norms and the per-row projections of the whole weights then
+run once per row on the slice, not on every device.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["WeightShards", "WIRE_DTYPES", "FUSED_GATHER_MAX_ROWS"]
@@ -34,10 +42,13 @@ class WeightShards:
 
     axis: str | None = None
     wire_dtype: str = "f32"          # "f32" or "bf16": see the module docstring
+    rows_split: bool = False         # the residual stream split by row: the module docstring
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+        if self.rows_split and self.axis is None:
+            raise ValueError("rows_split needs an axis to split the rows over")
 
     @property
     def split(self) -> bool:
@@ -93,6 +104,59 @@ class WeightShards:
         if self.axis is None:
             return x
         return self._on_wire(x, lambda v: lax.psum(v, self.axis))
+
+    def _scatter_rows(self, x: jax.Array, wire: bool) -> jax.Array:
+        """Reduce-scatter f[..., F] (rows flattened) into this device's rows f[R / S, F]."""
+        flat = x.reshape(-1, x.shape[-1])
+
+        def reduce_scatter(v):
+            return lax.psum_scatter(v, self.axis, scatter_dimension=0, tiled=True)
+
+        return self._on_wire(flat, reduce_scatter) if wire else reduce_scatter(flat)
+
+    def psum_rows(self, x: jax.Array) -> jax.Array:
+        """`psum`, into this device's rows where the rows are split."""
+        return self._scatter_rows(x, wire=False) if self.rows_split else self.psum(x)
+
+    def join_rows(self, x: jax.Array) -> jax.Array:
+        """`join`, into this device's rows where the rows are split."""
+        return self._scatter_rows(x, wire=True) if self.rows_split else self.join(x)
+
+    def own_rows(self, x: jax.Array) -> jax.Array:
+        """This device's rows x[R / S, ...] of x[B, Q, ...] (every device's alike) where the
+        rows are split; else x."""
+        if not self.rows_split:
+            return x
+        flat = x.reshape(-1, *x.shape[2:])
+        local = flat.shape[0] // lax.axis_size(self.axis)
+        return lax.dynamic_slice_in_dim(flat, self.first(local), local)
+
+    def gather_rows(self, x: jax.Array, rows_shape: tuple[int, ...], *, wire: bool = False
+                    ) -> jax.Array:
+        """Every device's rows of x f[R / S, F] as f[*rows_shape, F] where the rows are split
+        (wire: in wire_dtype); else x."""
+        if not self.rows_split:
+            return x
+
+        def all_gather(v):
+            return lax.all_gather(v, self.axis, axis=0, tiled=True)
+
+        every = self._on_wire(x, all_gather) if wire else all_gather(x)
+        return every.reshape(*rows_shape, x.shape[-1])
+
+    def gather_rows_of(self, arrays: dict[str, jax.Array], rows_shape: tuple[int, ...], *,
+                       wired: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+        """`gather_rows` of each of f[R / S, F_i], in two all-gathers: those named in `wired`
+        in wire_dtype, the others (f32, exact) joined along their last axis."""
+        if not self.rows_split:
+            return arrays
+        out = {name: self.gather_rows(arrays[name], rows_shape, wire=True)
+               for name in wired if name in arrays}
+        exact = [name for name in arrays if name not in wired]
+        widths = np.cumsum([arrays[name].shape[-1] for name in exact])[:-1]
+        every = self.gather_rows(jnp.concatenate([arrays[name] for name in exact], -1),
+                                 rows_shape)
+        return out | dict(zip(exact, jnp.split(every, widths, axis=-1)))
 
     def first(self, local: int) -> jax.Array | int:
         """Index of this device's first part when each device holds `local` parts."""
