@@ -29,7 +29,11 @@ and its own collectives (ICI bytes each device sends; ring algorithms: an all-ga
              all-reduces become a reduce-scatter of the heads' sums, an all-gather and a
              reduce-scatter around the MLP, and all-gathers of the rows' q_lora and cached
              row features, 3 (S-1)/S R hid w + (S-1)/S R (q_lora w + 4 (D + [F] (Di + Hi)))
-             a layer, and the down projections run on each device's R/S rows.
+             a layer, and the down projections run on each device's R/S rows; and, where the
+             kernel's bound says it pays (runtime `row_attention` auto), each device attends
+             all H heads of its R/S rows instead, the q heads and the outputs trading places
+             by two all-to-alls, (S-1)/S R H/S (D + Dv) w a layer, or (longer chunks) from the
+             head-split weights gathered whole, (S-1) x a device's part.
   sequence   tokens split: each device takes R/S of the chunk's rows and all-gathers each
              layer's attention weights; no merge and no weight-shard all-reduce, all-to-alls
              for the new cache rows, the top-k candidates and the experts.
@@ -78,6 +82,7 @@ from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels.storage import cdiv
+from cp_runtime.model.attention import row_attention_mode
 from cp_runtime.parallel.merge import resolve_merge
 from cp_runtime.weights.shards import FUSED_GATHER_MAX_ROWS
 
@@ -349,6 +354,15 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     KV all-gather            the layer's latent cache of the C = pages x ps tokens the chunk
                              sees: (S-1)/S C D c (c = the latent cache itemsize)
     with the residual stream split by row (R divisible by S; the runtime's `residual` auto):
+    q heads all-to-all       where each device attends every head of its own rows trading
+                             them (`_row_mode` "rows"): its H/S heads of every row for every
+                             head of its rows, (S-1)/S R H/S D w
+    outputs all-to-all       and the attention's outputs back to their heads' devices:
+                             (S-1)/S R H/S Dv w
+    head weights all-gather  or instead (`_row_mode` "weights") q_b, kv_b and o_proj whole on
+                             every device, (S-1) x its part, HEAD_WEIGHT_GATHERS collectives:
+                             then no all-to-all, no heads' reduce-scatter, and q_lora gathered
+                             in full layers only (for the indexer's q)
     heads' reduce-scatter    the heads' projections summed into each device's R/S rows:
                              (S-1)/S R hid w
     MLP all-gather +         the MLP's normed input to every device and its sums back:
@@ -360,9 +374,11 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     else:
     weight-shard all-reduce  as heads: 2 x 2(S-1)/S R hid w; 2 collectives
 
-    No q-heads gather and no merge: each device attends its own H/S heads over every page.
-    Collectives issued in a prefill chunk: 6 per layer (3 with every row on every device), 2
-    more per full layer.
+    No q-heads gather and no merge: each device attends every head of its rows (its own H/S
+    heads of every row where the rows are not split or that costs less) over every page.
+    Collectives issued in a prefill chunk: 8 per layer where the rows trade their heads, 6
+    where each device attends its heads, 3 with every row on every device, 2 more per full
+    layer; 10 per layer where the weights are gathered, 3 more per full layer (its q_lora).
     """
     s, w = hw.devices, setup.wire_bytes
     one_way = (s - 1) / s
@@ -380,15 +396,64 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
                              collectives=2)]
     features = model.latent_dim + (model.index_head_dim + model.index_n_heads
                                    if _is_full(kind) else 0)
+    heads = cdiv(model.num_attention_heads, s)
+    mode = _row_mode(model, hw, setup, rows, pages)
+    if mode == "rows":
+        terms += [
+            Term("q heads all-to-all", ici_bytes=one_way * rows * heads * model.latent_dim * w,
+                 collectives=1),
+            Term("outputs all-to-all",
+                 ici_bytes=one_way * rows * heads * model.kv_lora_rank * w, collectives=1)]
+    if mode == "weights":
+        local = _head_weight_bytes(model, hw, setup)
+        terms.append(Term("head weights all-gather", ici_bytes=(s - 1) * local,      # written
+                          hbm_bytes=2 * s * local, collectives=HEAD_WEIGHT_GATHERS))  # and read
+    else:
+        terms.append(Term("heads' reduce-scatter",
+                          ici_bytes=one_way * rows * model.hidden_size * w, collectives=1))
+    if mode != "weights" or _is_full(kind):       # the q heads', or the indexer's
+        terms.append(Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
+                          collectives=1))
     return terms + [
-        Term("heads' reduce-scatter", ici_bytes=one_way * rows * model.hidden_size * w,
-             collectives=1),
         Term("MLP all-gather + reduce-scatter",
              ici_bytes=2 * one_way * rows * model.hidden_size * w, collectives=2),
-        Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
-             collectives=1),
         Term("row features all-gather", ici_bytes=one_way * rows * features * 4,
              collectives=1)]
+
+
+# The head-split weights' gathers a layer, as the compiled step issues them: q_b and kv_b, o_proj,
+# each fp8 weight with its scales.
+HEAD_WEIGHT_GATHERS = 6
+
+
+def _head_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
+    """A device's part of one layer's head-split attention weights (q_b, kv_b, o_proj; heads
+    padded to a multiple of S), with their 128 x 128 block scales (f32) where fp8."""
+    h = cdiv(model.num_attention_heads, hw.devices) * hw.devices
+    elements = h * (model.qk_head_dim * model.q_lora_rank
+                    + (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+                    + model.v_head_dim * model.hidden_size)
+    scales = 4 / 128 ** 2 if setup.weight_bytes == 1 else 0
+    return elements * (setup.weight_bytes + scales) / hw.devices
+
+
+def _row_mode(model: ModelConfig, hw: Hardware, setup: Setup, rows: int, pages: int) -> str:
+    """How a gather_kv chunk of `rows` rows over `pages` pages attends, as the runtime's
+    `row_attention` (setup.row_attention) decides, at the kernel's bound, not the model's
+    union: "heads" where its rows do not split (divisible by S), else the cheapest of each
+    device's heads of every row, every head of its rows with q and outputs traded ("rows"),
+    or with the head-split weights gathered ("weights")."""
+    s = hw.devices
+    if rows % s:
+        return "heads"
+    return row_attention_mode(
+        setup.row_attention, rows=rows, heads=cdiv(model.num_attention_heads, s) * s,
+        latent_dim=model.latent_dim, value_dim=model.kv_lora_rank, hidden=model.hidden_size,
+        entries=_selected(model, setup, pages) + 1, every_pages=pages + s,
+        page_size=setup.page_size, cache_dtype=latent_cache_dtype(setup.kv_cache_dtype),
+        num_shards=s, wire_itemsize=setup.wire_bytes, query_block=setup.query_block,
+        head_weight_bytes=int(_head_weight_bytes(model, hw, setup)),
+        fp8_weights=setup.weight_bytes == 1)
 
 
 def _sequence_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str,
@@ -496,7 +561,8 @@ def chunk_groups(model: ModelConfig, hw: Hardware, setup: Setup, *, start: int, 
 
         heads      all H heads of the T queries over the ceil((K+1)/S) entries a device owns,
                    in its ceil(pages/S) local pages
-        gather_kv  H/S heads of the T queries over all K+1 entries of the gathered cache
+        gather_kv  H/S heads of the T queries over all K+1 entries of the gathered cache,
+                   or all H heads of T/S queries where the rows attend (`_row_mode`)
         sequence   all H heads of T/S queries over all K+1 entries of the gathered cache
 
     the last two with the gathered cache's own HBM traffic (_gathered_pages): the same
@@ -509,7 +575,9 @@ def chunk_groups(model: ModelConfig, hw: Hardware, setup: Setup, *, start: int, 
         attention = _prefill_attention(model, setup, queries=t, heads=h, cache_pages=local,
                                        entries=_owned(model, hw, setup, pages), union=union)
     else:
-        queries, heads = (t, cdiv(h, s)) if design == "gather_kv" else (cdiv(t, s), h)
+        own_heads = (design == "gather_kv"
+                     and _row_mode(model, hw, setup, t, pages) == "heads")
+        queries, heads = (t, cdiv(h, s)) if own_heads else (cdiv(t, s), h)
         attention = (_prefill_attention(model, setup, queries=queries, heads=heads,
                                         cache_pages=pages,
                                         entries=_selected(model, setup, pages) + 1, union=union)

@@ -43,7 +43,7 @@ from cp_runtime.benchmarks.tpu_terms import (DESIGNS, GB, TFLOP, WIRE_BYTES, Har
                                              Term, tpu7x_16)
 from cp_runtime.cli.args import (finite_nonnegative_float, finite_positive_float, length_list,
                                  positive_int, positive_int_list)
-from cp_runtime.config import ModelConfig, load_model_config
+from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, load_model_config
 
 __all__ = ["Hardware", "Term", "Setup", "LayerGroup", "DESIGNS", "WIRE_BYTES", "ANCHORS",
            "CASES", "tpu7x_16", "layer_kinds", "layer_weights", "layer_seconds", "decode_groups",
@@ -236,6 +236,10 @@ def build_parser() -> BenchmarkParser:
     p.add_argument("--design-chunks", type=length_list, default=[8192, 32768],
                    help="chunk sizes the prefill-designs table and the targets' prefill cases "
                         "try, each with every design (k/m suffixes)")
+    p.add_argument("--row-attention", choices=ROW_ATTENTION_MODES, default="auto",
+                   help="how gather_kv's chunks attend where their rows split: heads, rows "
+                        "(q and outputs traded by all-to-all), weights (the head-split "
+                        "weights gathered whole), auto (as the runtime picks)")
     p.add_argument("--prefill-union", type=finite_positive_float, default=2.0,
                    help="pages a prefill query block reads, in units of one query's selection")
     p.add_argument("--ici-fraction", type=finite_positive_float, default=1.0,
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
                   chunk_size=args.chunk_size, weight_bytes=1 if args.weight_dtype == "fp8" else 2,
                   prefill_union=args.prefill_union, wire_bytes=WIRE_BYTES[args.wire_dtype],
-                  prefill_design=args.prefill_design)
+                  prefill_design=args.prefill_design, row_attention=args.row_attention)
     results = [evaluate(model, hw, setup, c)
                for c in scenarios(args.prefill_lengths, args.contexts, args.batches)]
     longest = max(args.prefill_lengths)

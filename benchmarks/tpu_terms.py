@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from cp_runtime.aot.roofline import TPU7X_CHIP
-from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
 from cp_runtime.kernels.storage import cdiv
@@ -138,7 +138,8 @@ class Setup:
     designs' all-to-alls and gathers of activations). 4: f32, what the runtime sends on the
     CPU; 2: bf16, near what it sends on a TPU. prefill_design: how a prefill chunk's work is
     split over the devices (DESIGNS; benchmarks/tpu_designs.py's docstring); decode always
-    runs `gather_q`.
+    runs `gather_q`. row_attention: how gather_kv's split rows attend (the runtime field's
+    modes; auto decides as the runtime does).
     """
 
     kv_cache_dtype: str = "fp8_e4m3"
@@ -150,10 +151,14 @@ class Setup:
     prefill_union: float = 2.0                 # a query block's union of pages, in units of N
     wire_bytes: int = 4                        # f32 activations on the ICI (the program's now)
     prefill_design: str = "gather_q"
+    row_attention: str = "auto"                # gather_kv's split rows: RuntimeConfig's field
 
     def __post_init__(self):
         if self.prefill_design not in DESIGNS:
             raise ValueError(f"prefill_design {self.prefill_design!r}: not one of {DESIGNS}")
+        if self.row_attention not in ROW_ATTENTION_MODES:
+            raise ValueError(f"row_attention {self.row_attention!r}: not one of "
+                             f"{ROW_ATTENTION_MODES}")
         if self.wire_bytes not in WIRE_BYTES.values():
             raise ValueError(f"wire_bytes {self.wire_bytes}: not one of "
                              f"{sorted(WIRE_BYTES.values())} (bf16, f32)")

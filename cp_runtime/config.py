@@ -41,6 +41,7 @@ MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatt
 GATHER_MODES = ("auto", "flat", "staged", "native")
 ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
 RESIDUAL_MODES = ("auto", "replicated")
+ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
@@ -298,6 +299,13 @@ class RuntimeConfig:
     # the joined sums are reduce-scattered, what the heads and experts need all-gathered:
     # cp_runtime.weights.shards); "replicated", every row on every device.
     residual: str = "auto"
+    # Where a step splits its rows (`residual`): "heads", each shard attends its own heads of
+    # every row; "rows", every head of its own rows (its heads of q and the outputs traded by
+    # two all-to-alls; each page a block of queries reads then serves every head); "weights",
+    # every head of its own rows from the head-split attention weights gathered whole; "auto",
+    # the one the attention kernel's bound plus what each sends price lowest
+    # (cp_runtime.model.attention.row_attention_mode: the heads early in a prompt).
+    row_attention: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
@@ -350,6 +358,9 @@ class RuntimeConfig:
             raise ConfigError(f"attention={self.attention!r} is not one of {ATTENTION_LAYOUTS}")
         if self.residual not in RESIDUAL_MODES:
             raise ConfigError(f"residual={self.residual!r} is not one of {RESIDUAL_MODES}")
+        if self.row_attention not in ROW_ATTENTION_MODES:
+            raise ConfigError(f"row_attention={self.row_attention!r} is not one of "
+                              f"{ROW_ATTENTION_MODES}")
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")

@@ -21,7 +21,8 @@ union page (masked), so flops grow with the union size U <= qb * N.
 
 Grid:   (B, nqb = ceil(Q / qb)), both parallel; qb by `_query_block` (the block whose bound
         costs least, at most `query_block`).
-Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM;
+Blocks: q [qb, H, D] VMEM; sel_slots i32[qb, N] VMEM; q_pos i32[qb, 1] VMEM (both from
+        [B, nqb, qb, .] arrays, so qb need not be a multiple of 8);
         union slots and pages i32[1, U] SMEM per block (U = qb * N; a row of a
         [B * nqb, 1, U] array, so a block's last two dims are the array's, as Pallas requires);
         union count i32[B * nqb] scalar prefetch;
@@ -65,7 +66,7 @@ from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 from cp_runtime.kernels.vmem import fit_block, tiled_bytes
 
 __all__ = ["NUM_BUFFERS", "sparse_prefill", "block_union", "init_softmax", "online_softmax_step",
-           "finalize_softmax", "cost"]
+           "finalize_softmax", "cost", "priced_bound"]
 
 # Ring depth. Two buffers hide one page's DMA behind the previous page's compute. By the v5e
 # roofline (0.8 TB/s HBM, 197 TFLOP/s bf16) a 64 x 576 fp8 page takes as long to fetch as to
@@ -234,8 +235,8 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
                 union_spec,
                 union_spec,
                 pl.BlockSpec((None, qb, h, d), lambda bi, qi, *_: (bi, qi, 0, 0)),
-                pl.BlockSpec((None, qb, n), lambda bi, qi, *_: (bi, qi, 0)),
-                pl.BlockSpec((None, qb, 1), lambda bi, qi, *_: (bi, qi, 0)),
+                pl.BlockSpec((None, None, qb, n), lambda bi, qi, *_: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, None, qb, 1), lambda bi, qi, *_: (bi, qi, 0, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
             out_specs=[
@@ -255,7 +256,8 @@ def sparse_prefill(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
             jax.ShapeDtypeStruct((b, nqb * qb, h, 1), jnp.float32),
         ],
         **call_options("sparse_prefill", figures, ("parallel", "parallel"), interpret),
-    )(count.reshape(-1), uslots, upages, q, sel_slots, q_pos[..., None], kv_cache)
+    )(count.reshape(-1), uslots, upages, q, sel_slots.reshape(b, nqb, qb, n),
+      q_pos.reshape(b, nqb, qb, 1), kv_cache)
     return o[:, :nq], lse[:, :nq, :, 0]
 
 
@@ -274,6 +276,10 @@ def _vmem_bytes(qb: int, h: int, d: int, n: int, ps: int, value_dim: int, c: int
     return ring + inputs + outputs + scratch + temps
 
 
+# Rows of v7x's MXU (256 x 256): a query block of fewer rows leaves it partly idle, which a
+# flops bound would not show, so `_query_block` goes below 8 queries only down to this many rows.
+MXU_ROWS = 256
+
 # v7x's bf16 MXU flops per byte of HBM: 2,307 TFLOP/s against 7.37 TB/s a chip (the rates
 # cp_runtime/aot/roofline.py prices with; tests/test_kernels.py holds the two equal).
 MXU_FLOPS_PER_HBM_BYTE = 313
@@ -291,10 +297,11 @@ def _bound(qb: int, b: int, nq: int, h: int, d: int, n: int, pool_pages: int, ps
 
 
 def _query_block(q, kv_cache, n: int, value_dim: int, query_block: int) -> int:
-    """The query block whose bound costs least: of min(query_block, Q), its halves down to 8,
-    those within the v7x VMEM budget, the one with the smallest max(flops / MXU rate, bytes /
-    HBM rate) at the union's bound (the larger on a tie: neighbouring queries share pages, so
-    real unions favour larger blocks).
+    """The query block whose bound costs least: of min(query_block, Q), its halves down to 8
+    (or fewer queries while their qb * H rows still fill the MXU's MXU_ROWS: 4 with 64
+    heads), those within the v7x VMEM budget, the one with the smallest max(flops / MXU
+    rate, bytes / HBM rate) at the union's bound (the larger on a tie: neighbouring queries
+    share pages, so real unions favour larger blocks).
 
     Why not simply the largest: a block's union may be qb * N distinct pages, each scored for
     all qb * H rows, so once scoring a page takes the MXU longer than fetching it, the bound's
@@ -308,15 +315,31 @@ def _query_block(q, kv_cache, n: int, value_dim: int, query_block: int) -> int:
     c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
     largest = fit_block(lambda qb: _vmem_bytes(qb, h, d, n, ps, value_dim, c, qi),
                         min(query_block, nq))
+    smallest = min(8, max(1, MXU_ROWS // h))
     blocks = [largest]
-    while blocks[-1] > 8:
-        blocks.append(max(8, blocks[-1] // 2))
+    while blocks[-1] > smallest:
+        blocks.append(max(smallest, blocks[-1] // 2))
 
     def priced(qb: int) -> float:
-        nbytes, flops = _bound(qb, b, nq, h, d, n, pool_pages, ps, value_dim, c, qi)
-        return max(flops / MXU_FLOPS_PER_HBM_BYTE, nbytes)
+        return _priced(*_bound(qb, b, nq, h, d, n, pool_pages, ps, value_dim, c, qi))
 
     return min(blocks, key=lambda qb: (priced(qb), -qb))
+
+
+def _priced(nbytes: int, flops: int) -> float:
+    """A bound's time as HBM bytes: its bytes, or its flops at the MXU's pace if slower."""
+    return max(flops / MXU_FLOPS_PER_HBM_BYTE, nbytes)
+
+
+def priced_bound(q, kv_cache, n: int, value_dim: int, query_block: int = 64) -> float:
+    """The time of one call at its bound (`cost`'s), as the HBM bytes that would take as long
+    on v7x: max(bytes, flops / MXU_FLOPS_PER_HBM_BYTE). q, kv_cache: anything with `.shape`
+    and `.dtype`; n: entries a query."""
+    b, nq, h, d = q.shape
+    ps, pool_pages = kv_cache.shape[1], kv_cache.shape[0]
+    c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
+    qb = _query_block(q, kv_cache, n, value_dim, query_block)
+    return _priced(*_bound(qb, b, nq, h, d, n, pool_pages, ps, value_dim, c, qi))
 
 
 def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,

@@ -12,7 +12,8 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.aot import topology
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
-from cp_runtime.model.attention import attention_layout
+from cp_runtime.model.attention import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
+                                        row_attention_mode)
 from cp_runtime.weights.params import init_params
 
 GLM = load_model_config("glm-5.2")
@@ -43,6 +44,49 @@ def test_auto_gathers_the_pages_for_long_prefill_chunks_only():
                                 split=False) == choice
 
 
+# GLM-5.2's q_b, kv_b and o_proj, fp8 with 128 x 128 block scales, 1/16 of them a device.
+GLM_HEAD_WEIGHTS = (64 * 256 * 2048 + 64 * 448 * 512 + 6144 * 64 * 256) * (1 + 4 / 128 ** 2) // 16
+
+
+def _glm_mode(rows: int, pages: int, choice: str = "auto", **kw) -> str:
+    import jax.numpy as jnp
+
+    args = dict(rows=rows, heads=GLM.num_attention_heads, latent_dim=GLM.latent_dim,
+                value_dim=GLM.kv_lora_rank, hidden=GLM.hidden_size, entries=33,
+                every_pages=pages, page_size=64, cache_dtype=jnp.float8_e4m3fn,
+                num_shards=16, wire_itemsize=2, query_block=64,
+                head_weight_bytes=int(GLM_HEAD_WEIGHTS), fp8_weights=True)
+    return row_attention_mode(choice, **{**args, **kw})
+
+
+def test_split_rows_attend_the_way_the_kernels_bound_and_the_wire_price_lowest():
+    """GLM-5.2's chunks over fp8 pages of 64, the rows split. At the end of a 1M prompt (16,416
+    gathered pages) 4 heads of every row read a block's union of 16 x 33 pages for 4 heads,
+    S times the reads of every head of the device's rows: every head of its rows. With 16K
+    rows, from the 149 MB of head-split weights gathered whole (140 MB sent, and XLA's
+    dequantisation of them) rather than the rows' heads and sums (330 MB, and the relayouts
+    around the all-to-alls); with 8K rows (165 MB) the rows' way, as the compiler priced the
+    two (569 against 594 ms a chunk; 949 against 913 ms at 16K). On a prompt's first chunk
+    (160 pages)
+    the cache caps every block's union: each device its own heads. DeepSeek-V3.2's 128 heads
+    (8 a device) take the rows even there. A named mode is taken as it is."""
+    assert _glm_mode(16_384, 16_416) == "weights"
+    assert _glm_mode(8192, 16_416) == _glm_mode(4096, 16_416) == "rows"
+    assert _glm_mode(16_384, 16_416, fp8_weights=False) == "weights"
+    assert _glm_mode(8192, 160) == "heads"
+    assert _glm_mode(8192, 160, heads=128) != "heads"
+    assert [_glm_mode(8192, 16_416, m) for m in ("heads", "rows")] == ["heads", "rows"]
+    with pytest.raises(ConfigError, match="row_attention='cols' is not one of"):
+        RuntimeConfig(row_attention="cols")
+
+
+def test_the_wire_is_priced_at_the_roofline_ratio():
+    from cp_runtime.aot.roofline import TPU7X_DEVICE
+
+    assert HBM_BYTES_PER_ICI_BYTE == round(TPU7X_DEVICE.hbm_bytes_per_s
+                                           / TPU7X_DEVICE.ici_bytes_per_s)
+
+
 def test_gather_kv_needs_split_weights_and_a_known_name():
     with pytest.raises(ConfigError, match="gather_kv.*needs weights split"):
         RuntimeConfig(attention="gather_kv", weights="replicated")
@@ -52,14 +96,15 @@ def test_gather_kv_needs_split_weights_and_a_known_name():
 
 @functools.lru_cache(maxsize=None)
 def _run(attention: str, wire_dtype: str = "auto", kv_cache_dtype: str = "fp8_e4m3",
-         length: int = 300, decoded: int = 4, residual: str = "auto"):
+         length: int = 300, decoded: int = 4, residual: str = "auto",
+         row_attention: str = "auto"):
     """Logits of every query of a `length`-token prompt (chunks of 64 over 16 shards) and
     `decoded` greedy tokens (the decode steps take gather_q under auto; here each runs the
     layout it names); one run per setting for the whole module."""
     engine = make_engine(MINI, init_params(MINI, seed=0), kv_cache_dtype=kv_cache_dtype,
                          num_shards=16, pages_per_shard=4, page_size=16, chunk_size=64,
                          weights="sharded", attention=attention, wire_dtype=wire_dtype,
-                         residual=residual)
+                         residual=residual, row_attention=row_attention)
     s = engine.create_session()
     logits = engine.extend(s.id, random_tokens(MINI, length, seed=5), all_logits=True)
     tokens = [int(np.argmax(logits[-1]))]
@@ -79,12 +124,15 @@ def test_gathering_the_pages_gives_the_logits_of_gathering_q():
     assert kv_tokens == q_tokens
 
 
-def test_splitting_the_rows_gives_the_logits_of_every_row_on_every_device():
-    """gather_kv's chunks (64 rows, 4 a shard) with the residual stream split by row (auto)
-    against every row on every device: the same per-row math, the sums reduce-scattered
-    rather than all-reduced (f32 on the CPU): bound as above, the same greedy tokens (the
-    decode steps run gather_q, every row on every device, either way)."""
-    split_logits, split_tokens = _run("gather_kv")
+@pytest.mark.parametrize("row_attention", ["heads", "rows", "weights"])
+def test_splitting_the_rows_gives_the_logits_of_every_row_on_every_device(row_attention):
+    """gather_kv's chunks (64 rows, 4 a shard) with the residual stream split by row (auto),
+    each shard attending its own head of every row, or every head of its rows (q and outputs
+    traded, or the head-split weights gathered), against every row on every device: the
+    same per-row math, the sums reduce-scattered rather than all-reduced (f32 on the CPU):
+    bound as above, the same greedy tokens (the decode steps run gather_q, every row on
+    every device, either way)."""
+    split_logits, split_tokens = _run("gather_kv", row_attention=row_attention)
     whole_logits, whole_tokens = _run("gather_kv", residual="replicated")
     assert rel_l2(split_logits, whole_logits) <= 1e-5
     assert split_tokens == whole_tokens
@@ -111,16 +159,19 @@ def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():
 
 def test_bf16_on_the_wire_rounds_only_the_joined_activations():
     """wire_dtype bf16 (what auto gives on a TPU) against f32 (auto on the CPU), gather_kv, f32
-    cache, 48 tokens: the joined sums cross in bf16, so a query's logits move by bf16 rounding:
-    measured per-query rel-L2 0.33% median, 0.43% at the 90th percentile, 0.52% at most. A
-    query can move further where rounding flips one of its discrete choices (an expert or a
-    page), as in any bf16 serving: with the fp8 cache and 300 tokens, 1.2% median, 4.7% at
-    the 90th percentile and 63% for the worst query (this random-weight model amplifies)."""
-    f32, _ = _run("gather_kv", "f32", "f32", 48, decoded=1)      # the prompt's logits only
-    bf16, _ = _run("gather_kv", "bf16", "f32", 48, decoded=1)
+    cache, 48 tokens (one chunk, its rows split, each shard attending its rows; the prompt's
+    logits only): the joined sums, and the q heads and outputs the rows trade, cross in bf16
+    (on a TPU the kernels round q to bf16 anyway; the CPU's XLA path would not), so a query's
+    logits move by bf16 rounding: measured per-query rel-L2 0.56% median, 0.75% at the 90th
+    percentile (0.33% and 0.43% with only the sums rounded). A query can move further where rounding flips one of its discrete choices (an
+    expert or a page), as in any bf16 serving: here the worst query by 7.4%; with the fp8
+    cache and 300 tokens, 1.2% median, 4.7% at the 90th percentile and 63% for the worst
+    query (this random-weight model amplifies)."""
+    f32, _ = _run("gather_kv", "f32", "f32", 48, decoded=1, row_attention="rows")
+    bf16, _ = _run("gather_kv", "bf16", "f32", 48, decoded=1, row_attention="rows")
     per_query = np.linalg.norm(bf16 - f32, axis=1) / np.linalg.norm(f32, axis=1)
-    assert 0 < np.median(per_query) <= 5e-3
-    assert np.percentile(per_query, 90) <= 1e-2
+    assert 0 < np.median(per_query) <= 1e-2
+    assert np.percentile(per_query, 90) <= 1.5e-2
 
 
 def test_auto_wire_dtype_is_f32_on_the_cpu():
@@ -140,30 +191,55 @@ needs_libtpu = pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtp
 
 
 @needs_libtpu
-@pytest.mark.parametrize("residual", ["auto", "replicated"])
-def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge(residual):
+@pytest.mark.parametrize("residual, row_attention", [("auto", "rows"), ("auto", "heads"),
+                                                     ("auto", "weights"),
+                                                     ("replicated", "auto")])
+def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge(residual, row_attention):
     """The prefill chunk with gather_kv, compiled for tpu7x-16 with the Pallas kernels: its
     collectives are the pages' all-gather and the heads' sum in hidden space, none gathers q
     or merges partials over heads; with the rows split (auto) that sum is a reduce-scatter
-    to each row's device, replicated an all-reduce. (The chunk with its logits: without them
+    to each row's device, replicated an all-reduce, and the split rows' heads trade places by
+    all-to-all. (The chunk with its logits: without them
     XLA drops the last layer's attention, whose output nothing reads.)"""
     from cp_runtime.aot.deploy import CompilePlan, compile_plan
 
     result = compile_plan(CompilePlan(model="deepseek-mini", page_size=16, pages_per_shard=256,
                                       chunk_size=256, context=4096, weights="sharded",
                                       attention="gather_kv", residual=residual,
+                                      row_attention=row_attention,
                                       programs=("prefill_logits",)))
     program = result["programs"][0]
     assert program["compiled"], program["error"]
     phases = program["phases"]
-    assert phases["kv_gather"]["collectives"] == MINI.num_hidden_layers
-    assert phases["q_gather"]["collectives"] == 0
-    assert phases["sparse_attention"]["kernels"] == MINI.num_hidden_layers
-    # the merge phase holds only the heads' sum in hidden space, one per layer, in bf16 (auto
-    # on a TPU): 256 rows x 64 hidden x 2 bytes, of which each device keeps its 16 rows when
-    # the rows are split
-    rows = 256 // 16 if residual == "auto" else 256
-    assert phases["merge"]["collectives"] == MINI.num_hidden_layers
-    assert phases["merge"]["collective_bytes"] == MINI.num_hidden_layers * rows * 64 * 2
+    layers, heads = MINI.num_hidden_layers, MINI.num_attention_heads
+    assert phases["kv_gather"]["collectives"] == layers
+    assert phases["sparse_attention"]["kernels"] == layers
+    # the merge phase holds the heads' sum in hidden space, one per layer, in bf16 (auto on a
+    # TPU): 256 rows x 64 hidden x 2 bytes, of which each device keeps its 16 rows when the
+    # rows are split. Split, each device attends every head of its 16 rows: an all-to-all of
+    # the q heads (q_gather) and one of the outputs (merge), each producing [256 rows, 1 head]
+    # in bf16
+    if row_attention == "rows":
+        q_bytes = 256 * (heads // 16) * MINI.latent_dim * 2
+        o_bytes = 256 * (heads // 16) * MINI.kv_lora_rank * 2
+        assert phases["q_gather"]["collectives"] == layers
+        assert phases["q_gather"]["collective_bytes"] == layers * q_bytes
+        assert phases["merge"]["collectives"] == 2 * layers
+        assert phases["merge"]["collective_bytes"] == layers * (16 * 64 * 2 + o_bytes)
+    elif row_attention == "weights":
+        # q_b and kv_b gathered whole (q_gather), o_proj (merge), in their bf16; no heads' sum
+        m = MINI
+        q_b = m.num_attention_heads * m.qk_head_dim * m.q_lora_rank * 2
+        kv_b = m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * 2
+        o_proj = m.hidden_size * m.num_attention_heads * m.v_head_dim * 2
+        assert phases["q_gather"]["collectives"] == 2 * layers
+        assert phases["q_gather"]["collective_bytes"] == layers * (q_b + kv_b)
+        assert phases["merge"]["collectives"] == layers
+        assert phases["merge"]["collective_bytes"] == layers * o_proj
+    else:
+        rows = 256 // 16 if residual == "auto" else 256
+        assert phases["q_gather"]["collectives"] == 0
+        assert phases["merge"]["collectives"] == layers
+        assert phases["merge"]["collective_bytes"] == layers * rows * 64 * 2
     both = {r["layer"] for r in program["layer_phases"] if r["phase"] == "kv_gather"}
     assert both == set(range(MINI.num_hidden_layers))

@@ -22,15 +22,23 @@ KERNEL_PATH_BOUND = 1e-2
 
 # S = 1 runs with the slow tests: S = 16 runs the same kernels through the same step, sharded,
 # and each kernel alone is checked against its reference in tests/test_kernels.py.
-@pytest.mark.parametrize("shards", [pytest.param(1, marks=pytest.mark.slow), 16])
-def test_kernel_path_matches_reference(tiny, tiny_params, shards):
+# The split layout: weights sharded (tiny's 4 heads padded to 16, one a device), gather_kv, so
+# the 32-row chunk's rows split over the 16 shards and each attends every head of its 2 rows
+# through the prefill kernel (the 8-token tail chunk keeps every row everywhere); measured
+# 5.25e-3.
+SPLIT = {"weights": "sharded", "attention": "gather_kv", "row_attention": "rows"}
+
+
+@pytest.mark.parametrize("shards, layout", [pytest.param(1, {}, marks=pytest.mark.slow),
+                                            (16, {}), (16, SPLIT)])
+def test_kernel_path_matches_reference(tiny, tiny_params, shards, layout):
     # 40 tokens on 16-token pages in 32-token chunks: the first chunk spans pages 0-1 (shards 0
     # and 1 at S = 16), the second page 2 (shard 2); then one decode step.
     outs = {}
     for backend in ("reference", "pallas_interpret"):
         engine = make_engine(tiny, tiny_params, kv_cache_dtype="fp8_e4m3", num_shards=shards,
                              pages_per_shard=max(8 // shards, 1) * 2, page_size=16,
-                             chunk_size=32, backend=backend, key_block_pages=2)
+                             chunk_size=32, backend=backend, key_block_pages=2, **layout)
         s = engine.create_session()
         prefill = engine.extend(s.id, random_tokens(tiny, 40, 0), all_logits=True)
         decode = engine.decode([s.id], [3])

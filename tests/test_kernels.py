@@ -377,10 +377,13 @@ def _bound_seconds(figures: dict) -> float:
     (4, 18_000, 16),     # GLM-5.2's gather_kv heads, a late chunk: the page-fetch break-even
     (4, 145, 64),        # the same, a prompt's first chunk: its cache caps every block's union
     (8, 18_000, 8),      # DeepSeek-V3.2's gather_kv heads
+    (64, 18_000, 4),     # GLM-5.2's every head, the rows split: 4 queries fill the MXU's rows
+    (128, 18_000, 2),    # DeepSeek-V3.2's every head
 ])
 def test_prefill_query_block_has_the_least_bound(heads, pool_pages, block):
-    """The kernel's query block is the one whose bound the compiler prices lowest; a smaller
-    largest block (query_block) can only price the same or more."""
+    """The kernel's query block is the one whose bound the compiler prices lowest, below 8
+    queries only while its rows fill the MXU's 256; a smaller largest block (query_block) can
+    only price the same or more."""
     q = jax.ShapeDtypeStruct((1, 8192, heads, 640), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((pool_pages, 64, 640), jnp.float8_e4m3fn)
     sel, pos = jax.ShapeDtypeStruct((1, 8192, 33), jnp.int32), jax.ShapeDtypeStruct((1, 8192),

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.kernels import expert_matmul
+from cp_runtime.kernels.reference import dequantize
 from cp_runtime.model.forward import (EVERY_EXPERT_MAX_ROWS, _every_expert, _routed_experts,
                                       _swiglu, mlp, route, route_topk)
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -206,3 +207,62 @@ def test_split_rows_sum_into_their_devices_and_gather_back():
     np.testing.assert_array_equal(np.asarray(back_own)[..., 0], pos)
     with pytest.raises(ValueError, match="rows_split needs an axis"):
         WeightShards(rows_split=True)
+
+
+def test_split_fp8_weights_gather_whole_with_their_scales():
+    """gather_weights: a [256, 512] fp8 weight split by rows (16 a device, scale runs 16 x
+    128: the runs a device's part allows) and a [512, 256] one split by columns joined on every
+    device: their values and scales dequantise to exactly the whole weights' values."""
+    mesh = jax.make_mesh((16,), ("cp",))
+    rng = np.random.default_rng(3)
+    rows_w, rows_s = quantize(rng.normal(size=(256, 512)), (16, 128))
+    cols_w, cols_s = quantize(rng.normal(size=(512, 256)), (128, 16))
+    p = {"a": rows_w, "a_s": rows_s, "b": cols_w, "b_s": cols_s}
+    specs = {"a": P("cp"), "a_s": P("cp"), "b": P(None, "cp"), "b_s": P(None, "cp")}
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                       check_vma=False)
+    def run(local):
+        ws = WeightShards(axis="cp", rows_split=True, whole_heads=True)
+        whole = ws.gather_weights(local, {"a": 0, "b": 1}, "_s")
+        return (dequantize(whole["a"], whole["a_s"]),
+                dequantize(whole["b"], whole["b_s"]))
+
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()}
+    a, b = run(placed)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(
+        dequantize(jnp.asarray(rows_w), jnp.asarray(rows_s))))
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(
+        dequantize(jnp.asarray(cols_w), jnp.asarray(cols_s))))
+    with pytest.raises(ValueError, match="whole_heads attends each device's own rows"):
+        WeightShards(axis="cp", whole_heads=True)
+
+
+def test_heads_trade_for_rows_and_back():
+    """gather_kv's attention on split rows: device s holds heads [2s, 2s + 2) of every row of
+    [2, 32]; heads_to_rows hands it rows [4s, 4s + 4) with all 32 heads in device order (in
+    the wire's bf16, kept in bf16), and rows_to_heads returns each device its heads of every
+    row (f32 exact)."""
+    mesh = jax.make_mesh((16,), ("cp",))
+    rng = np.random.default_rng(2)
+    q = rng.normal(size=(2, 32, 32, 8)).astype(np.float32)        # [B, Q, H, D]
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, None, "cp"),
+                       out_specs=(P("cp"), P(None, None, "cp"), P(None, None, "cp")),
+                       check_vma=False)
+    def run(heads):
+        wired = WeightShards(axis="cp", wire_dtype="bf16", rows_split=True)
+        exact = WeightShards(axis="cp", wire_dtype="f32", rows_split=True)
+        rows = wired.heads_to_rows(heads)
+        return rows, exact.rows_to_heads(exact.heads_to_rows(heads), heads.shape[:2]), \
+            wired.rows_to_heads(rows, heads.shape[:2])
+
+    rows, back, wired_back = run(jax.device_put(q, NamedSharding(mesh, P(None, None, "cp"))))
+    as_bf16 = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float32)
+    assert rows.shape == (64, 32, 8) and rows.dtype == wired_back.dtype == jnp.bfloat16
+    assert back.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(rows), as_bf16.reshape(64, 32, 8))
+    np.testing.assert_array_equal(np.asarray(back), q)
+    np.testing.assert_array_equal(np.asarray(wired_back), as_bf16)

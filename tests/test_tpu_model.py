@@ -139,8 +139,10 @@ ATTENTION_W = (2048 * 6144 + 64 * (192 + 64) * 2048 + (512 + 64) * 6144 + 64 * (
 INDEXER_W = 32 * 128 * 2048 + 128 * 6144 + 32 * 6144
 
 
-def _chunk(glm, design: str, *, wire: int = 4, start: int = C - T, end: int = C) -> dict:
-    setup = dataclasses.replace(SETUP, prefill_design=design, wire_bytes=wire)
+def _chunk(glm, design: str, *, wire: int = 4, start: int = C - T, end: int = C,
+           row_attention: str = "auto") -> dict:
+    setup = dataclasses.replace(SETUP, prefill_design=design, wire_bytes=wire,
+                                row_attention=row_attention)
     return {t.name: t for t in tpu_model.chunk_terms(glm, HW, setup, start=start, end=end,
                                                      union=setup.prefill_union)}
 
@@ -158,10 +160,12 @@ def test_layer_kinds_and_weights_add_up_to_matmul_weights(glm):
 
 def test_units_of_gather_kv_terms(glm):
     """The last 8K chunk of 1M: each layer all-gathers its fp8 latent cache of 1M tokens x 640
-    (15/16 of it sent), attention writes and forwards that buffer (2 x 1M x 640 B a layer) and
-    each device attends its 64 / 16 = 4 heads over all 129 entries, union 2 x 129 pages per
-    64-query block; no q-heads gather, no merge."""
-    terms = _chunk(glm, "gather_kv")
+    (15/16 of it sent), attention writes and forwards that buffer (2 x 1M x 640 B a layer) and,
+    the rows split, each device attends all 64 heads of its 512 rows over all 129 entries,
+    union 2 x 129 pages per block, the q heads and outputs traded by all-to-all (or the
+    head-split weights gathered: what auto takes with an f32 wire; with bf16, the trade); no
+    q-heads gather, no merge."""
+    terms = _chunk(glm, "gather_kv", row_attention="rows")
     assert terms["KV all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * C * 640)
     assert "q heads all-gather" not in terms and "attention merge" not in terms
     assert terms["indexer q all-gather"].ici_bytes == pytest.approx(
@@ -170,9 +174,11 @@ def test_units_of_gather_kv_terms(glm):
     attention = terms["selected-page attention"]
     assert attention.flops == pytest.approx(flops)
     assert attention.hbm_bytes > L * 2 * C * 640
-    # the same attention flops as the sequence design's 16 x fewer queries with 16 x the heads
-    # (whose 64 heads the kernel takes in 32-query blocks: 2 x 129 pages per 32 queries)
-    assert _chunk(glm, "sequence")["selected-page attention"].flops == pytest.approx(flops)
+    # the sequence design's attention exactly: 16 x fewer queries with 16 x the heads, so 16 x
+    # fewer page reads than 4 heads of every row (the model's union does not depend on the
+    # block: the same flops)
+    sequence = _chunk(glm, "sequence")["selected-page attention"]
+    assert (attention.flops, attention.hbm_bytes) == (sequence.flops, sequence.hbm_bytes)
     # heads: 64 heads over the 9 entries a device owns, union 2 x 9 per 32-query block
     assert _chunk(glm, "gather_q")["selected-page attention"].flops == pytest.approx(
         L * 2 * (T // 32) * (2 * 9) * 32 * 64 * 16 * (640 + 512))
@@ -186,9 +192,23 @@ def test_units_of_gather_kv_terms(glm):
     assert terms["q_lora all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * T * 2048 * 4)
     assert terms["row features all-gather"].ici_bytes == pytest.approx(
         15 / 16 * T * (L * 640 + F * (128 + 32)) * 4)
-    # per layer: KV, the reduce-scatter, the MLP's two, q_lora, the row features; full layers:
-    # the indexer's q, the top-k
-    assert sum(t.collectives for t in terms.values()) == 6 * L + 2 * F
+    assert terms["q heads all-to-all"].ici_bytes == pytest.approx(L * 15 / 16 * T * 4 * 640 * 4)
+    assert terms["outputs all-to-all"].ici_bytes == pytest.approx(L * 15 / 16 * T * 4 * 512 * 4)
+    # per layer: KV, the two all-to-alls, the reduce-scatter, the MLP's two, q_lora, the row
+    # features; full layers: the indexer's q, the top-k
+    assert sum(t.collectives for t in terms.values()) == 8 * L + 2 * F
+    # the weights gathered instead: each device's 1/16 of q_b, kv_b and o_proj (fp8, with their
+    # f32 scales) from the 15 others, no trade and no heads' sum; q_lora for the indexers only
+    weights = _chunk(glm, "gather_kv", row_attention="weights")
+    part = 64 * (256 * 2048 + 448 * 512 + 256 * 6144) * (1 + 4 / 128 ** 2) / 16
+    assert weights["head weights all-gather"].ici_bytes == pytest.approx(L * 15 * part)
+    assert not {"q heads all-to-all", "outputs all-to-all", "heads' reduce-scatter"} & set(weights)
+    assert weights["q_lora all-gather"].ici_bytes == pytest.approx(F * 15 / 16 * T * 2048 * 4)
+    assert sum(t.collectives for t in weights.values()) == 10 * L + 3 * F
+    assert weights["selected-page attention"] == attention
+    assert _chunk(glm, "gather_kv") == weights                     # auto, f32 on the wire
+    assert _chunk(glm, "gather_kv", wire=2) == _chunk(glm, "gather_kv", wire=2,
+                                                      row_attention="rows")
     # the down projections run on each device's T / S rows; the routers on every row
     down = _whole_weights(glm) - (L - glm.first_k_dense_replace) * glm.n_routed_experts * 6144
     heads = _chunk(glm, "gather_q")["weights + projections"]
@@ -232,10 +252,10 @@ def test_bf16_wire_halves_exactly_the_activation_collectives(glm, design):
     activations = {"q heads all-gather", "weight-shard all-reduce", "expert all-to-all",
                    "dense MLP gather + scatter", "embedding reduce-scatter",
                    "heads' reduce-scatter", "MLP all-gather + reduce-scatter",
-                   "q_lora all-gather"}
+                   "q_lora all-gather", "q heads all-to-all", "outputs all-to-all"}
     if design == "sequence":
         activations.add("indexer q all-gather")
-    f32, bf16 = _chunk(glm, design, wire=4), _chunk(glm, design, wire=2)
+    f32, bf16 = (_chunk(glm, design, wire=w, row_attention="rows") for w in (4, 2))
     assert f32.keys() == bf16.keys() and activations & f32.keys()
     index_q = F * 15 / 16 * T * 32 * 128 * 4           # the indexer's q heads, f32
     for name, t in f32.items():

@@ -43,6 +43,8 @@ class CompilePlan:
     backend: str = "pallas"
     attention: str = "auto"                # RuntimeConfig.attention: gather_q, gather_kv, auto
     residual: str = "auto"                 # RuntimeConfig.residual: auto, replicated
+    row_attention: str = "auto"            # RuntimeConfig.row_attention: auto, heads, rows,
+                                           # weights
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -72,7 +74,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             chunk_size=plan.chunk_size, max_batch=plan.max_batch,
                             backend=plan.backend, weights=plan.weights,
                             weight_dtype=plan.weight_dtype, attention=plan.attention,
-                            residual=plan.residual)
+                            residual=plan.residual, row_attention=plan.row_attention)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)

@@ -12,7 +12,7 @@ import json
 import sys
 
 from cp_runtime.cache.capacity import TOPOLOGIES
-from cp_runtime.config import ATTENTION_LAYOUTS, RESIDUAL_MODES
+from cp_runtime.config import ATTENTION_LAYOUTS, RESIDUAL_MODES, ROW_ATTENTION_MODES
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
@@ -91,6 +91,12 @@ def add_compile(sub) -> None:
                         "devices where a step runs gather_kv: each device norms and projects "
                         "its own rows, the joined sums are reduce-scattered), replicated "
                         "(every row on every device)")
+    p.add_argument("--row-attention", choices=ROW_ATTENTION_MODES, default="auto",
+                   help="where the rows are split: heads (each device attends its own heads "
+                        "of every row), rows (every head of its own rows, q and outputs "
+                        "traded by all-to-all), weights (every head of its own rows, the "
+                        "head-split attention weights gathered whole), auto (the one the "
+                        "attention kernel's bound and what each sends price lowest)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
@@ -125,7 +131,7 @@ def run_compile(args) -> int:
         pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
         context=args.context, programs=programs, attention=args.attention,
-        residual=args.residual)
+        residual=args.residual, row_attention=args.row_attention)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -184,6 +190,7 @@ def _run_matrix(args) -> int:
                         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
                         topology=args.topology, pages_per_shard=args.pages_per_shard,
                         attention=args.attention, residual=args.residual,
+                        row_attention=args.row_attention,
                         progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s"):

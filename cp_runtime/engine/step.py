@@ -42,11 +42,11 @@ from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.dispatch import Kernels
 from cp_runtime.model.attention import ShardAttention, ShardState
-from cp_runtime.model.forward import forward, logits
+from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, forward, logits
 from cp_runtime.model.phases import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
-from cp_runtime.weights.format import DeviceTensor
+from cp_runtime.weights.format import SCALE_SUFFIX, DeviceTensor
 from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
@@ -139,7 +139,9 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
                        selection=None)
     if attend.splits_rows(state.latent[0]):
         ws = dataclasses.replace(ws, rows_split=True)
-        attend = dataclasses.replace(attend, ws=ws)
+        mode = dataclasses.replace(attend, ws=ws).row_mode(*_head_weights(params))
+        ws = dataclasses.replace(ws, whole_heads=mode == "weights")
+        attend = dataclasses.replace(attend, ws=ws, rows_attend=mode)
     hidden, state = forward(params, model, tokens, pos, attend, state, ws,   # [B, Q, hidden]
                             kernels.expert_matmul)
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
@@ -154,6 +156,15 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
             sampled_pos = jnp.take_along_axis(pos, logit_index[:, None], axis=1)[:, 0] + 1
             out = sample_tokens(out, sampling, sampled_pos)
     return out, *new_pool
+
+
+def _head_weights(params) -> tuple[int, bool]:
+    """This device's bytes of layer 0's head-split attention weights with their scales, and
+    whether they are block-scaled fp8 (they have scales)."""
+    names = tuple(f"model.layers.0.{n}" for n in HEAD_SPLIT_WEIGHTS)
+    held = {name: x for name, x in params.items() if name.startswith(names)}
+    return (sum(x.size * x.dtype.itemsize for x in held.values()),
+            any(name.endswith(SCALE_SUFFIX) for name in held))
 
 
 def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:

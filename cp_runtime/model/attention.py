@@ -15,10 +15,16 @@ then the queries meet the pages one of two ways (runtime field `attention`):
   gather_kv  4. every shard gets the cached pages of the rows' page tables (one all-gather of
                 this layer's pages as the step found them, the step's rows written into the
                 gathered copy after); each attends its own heads over all K + 1 selected
-                pages: its partials are already whole;
+                pages: its partials are already whole. Where the step splits its rows
+                (`splits_rows`) and it pays (`row_attention_mode`, runtime field
+                `row_attention`), each shard attends every head of its own rows instead, so
+                a page read serves all H heads: an all-to-all trades its heads of every row
+                for every head of its rows and a second trades the outputs back ("rows"),
+                or the step gathers the head-split weights whole ("weights", the forward's
+                `WeightShards.whole_heads`) and each shard projects its rows itself;
              5. its heads are projected (W_uv, o_proj columns) and a psum in hidden space
                 joins the heads (a reduce-scatter to each row's device where the step
-                splits its rows, `splits_rows`).
+                splits its rows).
 Bytes each shard receives per layer, for R query rows of H heads and page tables of M pages:
 gather_q ~ R H ((D_lat + kv_lora) w + 4) (q in, partials out, w bytes a value on the wire,
 runtime field `wire_dtype`; the lse in f32), gather_kv ~ M ps D_lat c (the pages). A decode
@@ -43,14 +49,29 @@ from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
-from cp_runtime.kernels.dispatch import Kernels, select_kernels
+from cp_runtime.kernels.dispatch import QUERY_DTYPE, Kernels, select_kernels
+from cp_runtime.kernels.sparse_prefill import priced_bound
 from cp_runtime.model.forward import IndexerInputs
 from cp_runtime.model.phases import phase
 from cp_runtime.parallel.merge import combine
 from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["ShardState", "ShardAttention", "attention_layout"]
+__all__ = ["ShardState", "ShardAttention", "attention_layout", "row_attention_mode"]
+
+# A byte on the interconnect takes as long as this many of HBM on v7x, per device: 3.69 TB/s
+# of HBM against 300 GB/s of ICI each way (cp_runtime/aot/roofline.py's TPU7X_DEVICE;
+# tests/test_attention_layout.py holds the two equal).
+HBM_BYTES_PER_ICI_BYTE = 12
+
+# What XLA's passes around each way cost, in HBM bytes, as the compiler priced GLM-5.2's and
+# DeepSeek-V3.2's chunks for TPU7x (docs/performance.md): the q heads and outputs traded by
+# all-to-all are cast, laid out for the SparseCores and transposed on each side, about 10
+# bytes a byte traded for GLM-5.2 and 4 for DeepSeek-V3.2, 5 taken; a gathered fp8
+# weight is dequantised whole (its f32 scales broadcast to its shape, written and read, then
+# the matmul's reads), about 15 bytes an element besides its own byte.
+RELAYOUT_BYTES_PER_TRADED_BYTE = 5
+DEQUANT_BYTES_PER_FP8_WEIGHT = 15
 
 
 def attention_layout(choice: str, *, rows: int, heads: int, latent_dim: int, value_dim: int,
@@ -67,6 +88,48 @@ def attention_layout(choice: str, *, rows: int, heads: int, latent_dim: int, val
     q_bytes = rows * heads * ((latent_dim + value_dim) * wire_itemsize + 4)
     kv_bytes = table_pages * page_size * latent_dim * cache_itemsize
     return "gather_kv" if kv_bytes < q_bytes else "gather_q"
+
+
+def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
+                       value_dim: int, hidden: int, entries: int, every_pages: int,
+                       page_size: int, cache_dtype, num_shards: int, wire_itemsize: int,
+                       query_block: int, head_weight_bytes: int, fp8_weights: bool) -> str:
+    """How a step whose rows are split attends (runtime field `row_attention` = `choice`):
+    "heads", each shard its own heads of every row, their projections reduce-scattered into
+    the rows' shards; "rows", every head of its own rows, the q heads and outputs traded by
+    two all-to-alls, then the same reduce-scatter; "weights", every head of its own rows from
+    the head-split weights (q_b, kv_b, o_proj) all-gathered whole, no all-to-all and no
+    reduce-scatter. auto prices the three: the prefill kernel at its bound (every query's pages
+    distinct; its queries in the TPU kernels' bf16) over the gathered cache of `every_pages`
+    pages, plus what each sends at the interconnect's pace. Attending its own rows reads S
+    times fewer pages; late in a long prompt that wins by far, early, where the gathered cache
+    caps every block's reads, it does not pay for what it sends. Each way also pays XLA's
+    passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so the
+    rows trade their heads up to some 10K rows a step, and the weights go beyond.
+
+    rows: R, the step's rows; heads: H, every shard's heads together (padded to S h);
+    head_weight_bytes: this shard's part of the head-split weights, with their scales;
+    fp8_weights: whether they are fp8 (dequantised whole once gathered)."""
+    if choice != "auto":
+        return choice
+    s, h = num_shards, heads // num_shards
+    cache = jax.ShapeDtypeStruct((every_pages, page_size, latent_dim), cache_dtype)
+
+    def kernel(queries: int, q_heads: int) -> float:
+        q = jax.ShapeDtypeStruct((1, queries, q_heads, latent_dim), QUERY_DTYPE)
+        return priced_bound(q, cache, entries, value_dim, query_block)
+
+    one_way = (s - 1) / s
+    sums = one_way * rows * hidden * wire_itemsize               # the heads' reduce-scatter
+    traded = one_way * rows * h * (latent_dim + value_dim) * wire_itemsize
+    own_rows = kernel(rows // s, heads)
+    whole = s * head_weight_bytes                     # read once gathered, and dequantised
+    priced = {"heads": kernel(rows, h) + HBM_BYTES_PER_ICI_BYTE * sums,
+              "rows": (own_rows + HBM_BYTES_PER_ICI_BYTE * (traded + sums)
+                       + RELAYOUT_BYTES_PER_TRADED_BYTE * traded),
+              "weights": (own_rows + HBM_BYTES_PER_ICI_BYTE * (s - 1) * head_weight_bytes
+                          + whole * (1 + DEQUANT_BYTES_PER_FP8_WEIGHT * fp8_weights))}
+    return min(priced, key=priced.get)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +150,7 @@ class ShardAttention:
     rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
     merge:       the merge variant (cp_runtime.parallel.merge); ws: how the weights are split
+                 (and, split rows, whether they attend from weights gathered whole)
     combine:     cp_runtime.parallel.merge.combine, or a stand-in with its signature (a benchmark
                  timing a step without its merge)
     """
@@ -103,6 +167,7 @@ class ShardAttention:
     merge: str
     ws: WeightShards
     combine: Callable = combine
+    rows_attend: str = "heads"       # where the rows are split: `row_attention_mode`'s choice
 
     @property
     def num_shards(self) -> int:
@@ -263,15 +328,64 @@ class ShardAttention:
 
     def _attend_every_page(self, q_row, every, pages, project) -> jax.Array:
         """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of
-        `_every_page`'s pages; the heads' projections joined by a psum."""
+        `_every_page`'s pages; the heads' projections joined by a psum (into each row's
+        device where the rows are split, which may attend them there: `_attend_own_rows`).
+        With the weights gathered whole (`WeightShards.whole_heads`), q_row is every head of
+        this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole."""
         with phase("sparse_attention"):
             slots = jnp.where(pages >= 0, self._every_slot(pages, every.shape[0]), -1)
-            o, _ = self._every_page_kernels.sparse_attention(
-                q_row, every, slots, pages, self.pos, value_dim=self.model.kv_lora_rank,
-                scale=self.model.softmax_scale, query_block=self.runtime.query_block,
-                cache_dtype=self.pool.latent_dtype)
+        if self.ws.whole_heads:
+            own = self.ws.own_rows
+            o = self._every_page_attention(q_row[None], every, own(slots)[None],
+                                           own(pages)[None], own(self.pos)[None])
+            with phase("merge"):
+                return project(o[0])              # every head: this row's whole output
+        if self.rows_attend == "rows":
+            o = self._attend_own_rows(q_row, every, slots, pages)
+        else:
+            o = self._every_page_attention(q_row, every, slots, pages, self.pos)
         with phase("merge"):
             return self.ws.join_rows(project(o))
+
+    def _attend_own_rows(self, q_row, every, slots, pages) -> jax.Array:
+        """gather_kv with the rows split: every head of this device's R / S rows attends, so
+        each selected page a block of queries reads serves all H heads, not H / S: S times
+        fewer page reads than attending its heads of every row, for two all-to-alls of the
+        rows' q and outputs. q_row f[B, Q, H', D] -> o f[B, Q, H', V] (its heads again)."""
+        own = self.ws.own_rows
+        with phase("q_gather"):
+            q_own = self.ws.heads_to_rows(q_row)                        # [R / S, S H', D]
+        o = self._every_page_attention(q_own[None], every, own(slots)[None], own(pages)[None],
+                                       own(self.pos)[None])
+        with phase("merge"):
+            return self.ws.rows_to_heads(o[0], self.pos.shape)
+
+    def row_mode(self, head_weight_bytes: int, fp8_weights: bool) -> str:
+        """`row_attention_mode` for this step, where its rows are split, over the pages
+        `_every_page` gathers; head_weight_bytes: this shard's q_b, kv_b and o_proj of a
+        layer, with their scales (fp8_weights: fp8 ones)."""
+        b, q = self.pos.shape
+        every_pages = self.num_shards * (b * self.local_table.shape[1] + 1)
+        heads = -(-self.model.num_attention_heads // self.num_shards) * self.num_shards
+        return row_attention_mode(
+            self.runtime.row_attention, rows=b * q, heads=heads,
+            latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
+            hidden=self.model.hidden_size,
+            entries=self.model.index_topk // self.page_size + 1, every_pages=every_pages,
+            page_size=self.page_size, cache_dtype=self.pool.latent_dtype,
+            num_shards=self.num_shards, wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4,
+            query_block=self.runtime.query_block, head_weight_bytes=head_weight_bytes,
+            fp8_weights=fp8_weights)
+
+    def _every_page_attention(self, q, every, slots, pages, pos) -> jax.Array:
+        """The sparse kernel over `_every_page`'s pages: q f[B', Q', h, D], slots and pages
+        i32[B', Q', K + 1], pos i32[B', Q'] -> o f32[B', Q', h, V]."""
+        with phase("sparse_attention"):
+            o, _ = self._every_page_kernels.sparse_attention(
+                q, every, slots, pages, pos, value_dim=self.model.kv_lora_rank,
+                scale=self.model.softmax_scale, query_block=self.runtime.query_block,
+                cache_dtype=self.pool.latent_dtype)
+        return o
 
     @property
     def _every_page_kernels(self) -> Kernels:

@@ -44,6 +44,7 @@ from cp_runtime.kernels import latent_heads, reference, router, scaled_linear
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
+from cp_runtime.weights.layout import split_of
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
@@ -655,15 +656,48 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
         own_indexer = cfg.indexer_types[layer] == "full"
         rows = row_features(p, cfg, h, ws.own_rows(pos), indexer=own_indexer)
-        rows = ws.gather_rows_of(rows, pos.shape, wired=("q_lora",))   # q_lora feeds matmuls
-        q_row, kv_row, q_lora = mla_inputs(p, cfg, None, pos, rows)
-        index = indexer_inputs(p, cfg, None, q_lora, pos, ws, rows) if own_indexer else None
+    if ws.whole_heads:
+        q_row, kv_row, index, p = _own_rows_attention_inputs(p, cfg, rows, pos, ws, own_indexer)
+    else:
+        with phase("attention_inputs"):
+            rows = ws.gather_rows_of(rows, pos.shape, wired=("q_lora",))  # q_lora feeds matmuls
+            q_row, kv_row, q_lora = mla_inputs(p, cfg, None, pos, rows)
+            index = (indexer_inputs(p, cfg, None, q_lora, pos, ws, rows) if own_indexer
+                     else None)
     out, state = attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
     with phase("dense"):
         x = x + out
         h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
         h = ws.gather_rows(h, pos.shape, wire=True)
         return x + mlp(p, cfg, layer, h, ws, expert_matmul), state
+
+
+# The attention's weights split by head (cp_runtime.weights.layout), which a device that
+# attends every head of its own rows (`WeightShards.whole_heads`) gathers whole.
+HEAD_SPLIT_WEIGHTS = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
+                      "self_attn.o_proj.weight")
+
+
+def _own_rows_attention_inputs(p: Params, cfg: ModelConfig, rows: dict[str, jax.Array],
+                               pos: jax.Array, ws: WeightShards, own_indexer: bool):
+    """`_layer`'s attention inputs where each device attends every head of its own rows from
+    the head-split weights gathered whole: rows, its rows' `row_features` f[R / S, ...] ->
+    (q f[R / S, H, D_lat] of its rows, kv_row f[B, Q, D_lat] of every row, the indexer's inputs
+    or None, p with q_b, kv_b and o_proj whole). Every row's cached row (and, for the indexer,
+    key, weights and q_lora) is still gathered: the cache and the selection need them."""
+    axes = {name: split_of(name, p[name].shape, cfg).axis for name in HEAD_SPLIT_WEIGHTS}
+    output = "self_attn.o_proj.weight"
+    with phase("q_gather"):          # the weights that make q
+        p = ws.gather_weights(p, {k: a for k, a in axes.items() if k != output}, SCALE_SUFFIX)
+    with phase("merge"):             # and the one that takes the heads to hidden space
+        p = ws.gather_weights(p, {output: axes[output]}, SCALE_SUFFIX)
+    with phase("attention_inputs"):
+        q_row, _, _ = mla_inputs(p, cfg, None, ws.own_rows(pos), rows)
+        needed = rows if own_indexer else {k: v for k, v in rows.items() if k != "q_lora"}
+        every = ws.gather_rows_of(needed, pos.shape, wired=("q_lora",))
+        index = (indexer_inputs(p, cfg, None, every["q_lora"], pos, ws, every) if own_indexer
+                 else None)
+    return q_row, every["kv_row"], index, p
 
 
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),

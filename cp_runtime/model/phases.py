@@ -8,10 +8,13 @@ the whole model layer kind by layer kind.
     indexer           indexer page scores over owned pages
     selection         local candidates and the global top-K over the cp axis (its gather)
     attention_inputs  q, kv and indexer projections (with the indexer q heads' gather)
-    q_gather          every head of q to every shard (attention "gather_q", split weights)
+    q_gather          every head of q to every shard (attention "gather_q", split weights), or
+                      to its rows' shard (gather_kv with the rows split), or the weights that
+                      make every head of q (q_b, kv_b) gathered whole
     kv_gather         the rows' cached pages to every shard (attention "gather_kv")
     sparse_attention  selected pages' slots and the sparse MLA kernel
-    merge             the shards' partials merged, and the output projection
+    merge             the shards' partials merged (or the outputs back to their heads' shard,
+                      or o_proj gathered whole), and the output projection
     dense             embedding, norms, the dense MLP or MoE, the lm head
     sampling          sampling on the device
 """

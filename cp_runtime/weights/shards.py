@@ -15,7 +15,11 @@ layout, cp_runtime.model.attention): each device keeps R / S of the step's R row
 [B, Q]; device s the s-th run), the row-parallel sums come back reduce-scattered into those
 rows (`join_rows`, `psum_rows`: half an all-reduce's bytes), and what needs every row is
 all-gathered (`gather_rows`). The norms and the per-row projections of the whole weights then
-run once per row on the slice, not on every device.
+run once per row on the slice, not on every device. Attention runs on the rows as well: an
+all-to-all trades each device's heads of every row for every head of its rows
+(`heads_to_rows`), and another trades them back (`rows_to_heads`); or, `whole_heads`, each
+device gathers the attention's head-split weights (`gather_weights`) and projects its own rows
+through every head itself, where those weigh less than the rows' heads and sums.
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ class WeightShards:
     axis: str | None = None
     wire_dtype: str = "f32"          # "f32" or "bf16": see the module docstring
     rows_split: bool = False         # the residual stream split by row: the module docstring
+    whole_heads: bool = False        # split rows attend from the attention weights gathered
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         if self.rows_split and self.axis is None:
             raise ValueError("rows_split needs an axis to split the rows over")
+        if self.whole_heads and not self.rows_split:
+            raise ValueError("whole_heads attends each device's own rows: it needs rows_split")
 
     @property
     def split(self) -> bool:
@@ -157,6 +164,36 @@ class WeightShards:
         every = self.gather_rows(jnp.concatenate([arrays[name] for name in exact], -1),
                                  rows_shape)
         return out | dict(zip(exact, jnp.split(every, widths, axis=-1)))
+
+    def heads_to_rows(self, x: jax.Array) -> jax.Array:
+        """Every row's h heads here, f32[B, Q, h, D] -> this device's rows with every device's
+        heads, [R / S, S h, D] in wire_dtype (one all-to-all; kept in bf16 after it, as the
+        matmuls that read these heads round them to bf16 anyway)."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return lax.all_to_all(self._wired(flat), self.axis, split_axis=0, concat_axis=1,
+                              tiled=True)
+
+    def rows_to_heads(self, x: jax.Array, rows_shape: tuple[int, ...]) -> jax.Array:
+        """`heads_to_rows` reversed: f32[R / S, S h, V] -> [*rows_shape, h, V] in wire_dtype."""
+        every = lax.all_to_all(self._wired(x), self.axis, split_axis=1, concat_axis=0,
+                               tiled=True)
+        return every.reshape(*rows_shape, *every.shape[1:])
+
+    def gather_weights(self, p: dict[str, jax.Array], axes: dict[str, int],
+                       scale_suffix: str) -> dict[str, jax.Array]:
+        """p with each weight named in `axes` whole: all-gathered along its split axis, as
+        held (fp8 values, and their block scales `name + scale_suffix` along the same axis:
+        each device's scales cover its own slice, so theirs joined cover the whole)."""
+        out = dict(p)
+        for name, axis in axes.items():
+            for key in (name, name + scale_suffix):
+                if key in p:
+                    out[key] = lax.all_gather(p[key], self.axis, axis=axis, tiled=True)
+        return out
+
+    def _wired(self, x: jax.Array) -> jax.Array:
+        """x as it crosses the interconnect: rounded to bf16 where wire_dtype says so."""
+        return x.astype(jnp.bfloat16) if self.wire_dtype == "bf16" else x
 
     def first(self, local: int) -> jax.Array | int:
         """Index of this device's first part when each device holds `local` parts."""
