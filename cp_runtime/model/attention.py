@@ -104,8 +104,9 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
     pages, plus what each sends at the interconnect's pace. Attending its own rows reads S
     times fewer pages; late in a long prompt that wins by far, early, where the gathered cache
     caps every block's reads, it does not pay for what it sends. Each way also pays XLA's
-    passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so the
-    rows trade their heads up to some 10K rows a step, and the weights go beyond.
+    passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so, for
+    GLM-5.2 late in a long prompt, the rows trade their heads up to some 10K rows a step, and
+    the weights come to them beyond.
 
     rows: R, the step's rows; heads: H, every shard's heads together (padded to S h);
     head_weight_bytes: this shard's part of the head-split weights, with their scales;
