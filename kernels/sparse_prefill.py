@@ -335,11 +335,9 @@ def priced_bound(q, kv_cache, n: int, value_dim: int, query_block: int = 64) -> 
     """The time of one call at its bound (`cost`'s), as the HBM bytes that would take as long
     on v7x: max(bytes, flops / MXU_FLOPS_PER_HBM_BYTE). q, kv_cache: anything with `.shape`
     and `.dtype`; n: entries a query."""
-    b, nq, h, d = q.shape
-    ps, pool_pages = kv_cache.shape[1], kv_cache.shape[0]
-    c, qi = np.dtype(kv_cache.dtype).itemsize, np.dtype(q.dtype).itemsize
-    qb = _query_block(q, kv_cache, n, value_dim, query_block)
-    return _priced(*_bound(qb, b, nq, h, d, n, pool_pages, ps, value_dim, c, qi))
+    sel = jax.ShapeDtypeStruct((*q.shape[:2], n), jnp.int32)
+    figures = cost(q, kv_cache, sel, sel, None, value_dim=value_dim, query_block=query_block)
+    return _priced(figures["bytes"], figures["flops"])
 
 
 def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,

@@ -331,11 +331,11 @@ class ShardAttention:
         """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of
         `_every_page`'s pages; the heads' projections joined by a psum (into each row's
         device where the rows are split, which may attend them there: `_attend_own_rows`).
-        With the weights gathered whole (`WeightShards.whole_heads`), q_row is every head of
+        With the weights gathered whole (`rows_attend` "weights"), q_row is every head of
         this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole."""
         with phase("sparse_attention"):
             slots = jnp.where(pages >= 0, self._every_slot(pages, every.shape[0]), -1)
-        if self.ws.whole_heads:
+        if self.rows_attend == "weights":
             own = self.ws.own_rows
             o = self._every_page_attention(q_row[None], every, own(slots)[None],
                                            own(pages)[None], own(self.pos)[None])
