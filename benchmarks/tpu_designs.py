@@ -83,6 +83,7 @@ from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.model.attention import row_attention_mode
+from cp_runtime.model.forward import dequantised_whole
 from cp_runtime.parallel.merge import resolve_merge
 from cp_runtime.weights.shards import FUSED_GATHER_MAX_ROWS
 
@@ -449,11 +450,27 @@ def _row_mode(model: ModelConfig, hw: Hardware, setup: Setup, rows: int, pages: 
     return row_attention_mode(
         setup.row_attention, rows=rows, heads=cdiv(model.num_attention_heads, s) * s,
         latent_dim=model.latent_dim, value_dim=model.kv_lora_rank, hidden=model.hidden_size,
-        entries=_selected(model, setup, pages) + 1, every_pages=pages + s,
+        q_lora_rank=model.q_lora_rank, entries=_selected(model, setup, pages) + 1,
+        every_pages=pages + s,
         page_size=setup.page_size, cache_dtype=latent_cache_dtype(setup.kv_cache_dtype),
         num_shards=s, wire_itemsize=setup.wire_bytes, query_block=setup.query_block,
         head_weight_bytes=int(_head_weight_bytes(model, hw, setup)),
-        fp8_weights=setup.weight_bytes == 1)
+        dequantised_elements=_dequantised_elements(model, hw, setup, rows // s))
+
+
+def _dequantised_elements(model: ModelConfig, hw: Hardware, setup: Setup, rows: int) -> int:
+    """The head-split weights' values that XLA dequantises once gathered whole, for a
+    device's `rows` rows, as the runtime decides (`forward.dequantised_whole`; none unless
+    fp8)."""
+    if setup.weight_bytes != 1:
+        return 0
+    h = cdiv(model.num_attention_heads, hw.devices) * hw.devices
+    shapes = {"self_attn.q_b_proj.weight": (h * model.qk_head_dim, model.q_lora_rank),
+              "self_attn.kv_b_proj.weight": (h * (model.qk_nope_head_dim + model.v_head_dim),
+                                             model.kv_lora_rank),
+              "self_attn.o_proj.weight": (model.hidden_size, h * model.v_head_dim)}
+    return sum(a * b for name, (a, b) in shapes.items()
+               if dequantised_whole(model, name, (a, b), (cdiv(a, 128), cdiv(b, 128)), rows))
 
 
 def _sequence_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str,

@@ -31,6 +31,7 @@ __all__ = [
     "check_attention_args",
     "dequantize",
     "grouped_matmul",
+    "project_output",
     "scaled_linear",
     "merge_values",
     "absorb_queries",
@@ -233,6 +234,22 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     if up is None:
         return through(w, scales)
     return jax.nn.silu(through(w, scales)) * through(*up)
+
+
+def project_output(o_lat: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array,
+                 o_proj: jax.Array, o_proj_scales: jax.Array, *, nope: int) -> jax.Array:
+    """MLA's output of every head of R rows in hidden space: each head's latent output through
+    its W_uv (kv_b's last v rows of the head; bf16 inputs, f32 sums, rounded to bf16), the
+    heads side by side through o_proj (`scaled_linear`).
+
+    o_lat:  f[R, H, Dv];  kv_b: f8[H (nope + v), Dv] with scales;  o_proj: f8[hidden, H v]
+    with scales;  returns f32[R, hidden]
+    """
+    rows, heads, dv = o_lat.shape
+    w_uv = dequantize(kv_b, kv_b_scales).astype(jnp.bfloat16).reshape(heads, -1, dv)[:, nope:]
+    o = jnp.einsum("rhc,hvc->rhv", o_lat.astype(jnp.bfloat16).astype(jnp.float32),
+                   w_uv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return scaled_linear(o.astype(jnp.bfloat16).reshape(rows, -1), o_proj, o_proj_scales)
 
 
 def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:

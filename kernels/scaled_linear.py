@@ -11,6 +11,9 @@ block is dequantised once, in VMEM, as it is used.
 Numerics are `weight()`'s in cp_runtime.model.forward: each value times its block's scale,
 rounded to bf16, then a bf16 matmul accumulated in f32. The output stays f32.
 
+Two forms, by the number of rows T:
+
+Few rows (T <= ROW_TILE: decode steps, a few sequences' rows):
 Grid:   (N / tn column tiles, T / tm row tiles); column tiles parallel, row tiles in order, so
         a weight block crosses HBM once and is dequantised on its first row tile only.
 Blocks: rows [tm, K] by row tile in their own dtype (the model's f32: cast to bf16 in the
@@ -22,6 +25,23 @@ VMEM:   2 * (tm * K * x + tn * K * w + tm * tn * 4) + tn * K * 2   (x, w: input,
 Per call:
         flops = 2 * T' * K * N                          (T' = T padded to tm)
         bytes = N * K * w + (N / ga) * (K / gb) * 4 + (N / tn) * T' * K * x + T' * N * 4
+Many rows (T > ROW_TILE: a prefill chunk's rows). The weight as one [tn, K] block would
+leave room for few rows, and the rows [T, K] would cross HBM once per column tile (GLM-5.2's
+whole o_proj, K = 16,384, for the 1,024 rows of a device at a 16K chunk: 24 times). So K is
+tiled too, and the row tiles are tall:
+Grid:   (N / tn column tiles, T / tm row tiles, K / tk input tiles); the input tiles last, in
+        order, summed into the output block, which stays in VMEM over them. (Where K is one
+        input tile, the few-rows kernel runs with these taller tiles.)
+Blocks: rows [tm, tk], weight f8[tn, tk], output f32[tm, tn]; scales flat in SMEM as above;
+        scratch: the dequantised block bf16[tn, tk], made again on every step (~3 VPU
+        operations a weight value against 2 * tm MXU flops: with tm in the hundreds the
+        MXU's work is the longer).
+VMEM:   2 * (tm * tk * x + tn * tk * w + tm * tn * 4) + tn * tk * 2
+        + tm * tn * 4 + tm * tk * 2     (the product [tm, tn] and the rows in bf16: Mosaic's)
+Per call:
+        flops = 2 * T' * K * N
+        bytes = (T' / tm) * N * K * w + (N / ga) * (K / gb) * 4 + (N / tn) * T' * K * x
+                + T' * N * 4
 The dequantisation is ~3 VPU operations a weight value, left out of the estimate (the same
 work XLA's fused form does); a grid step's fixed overhead (a few hundred ns) is left out too.
 On a TPU the scale runs must be whole tiles (gb a multiple of 128 lanes, ga of 32 fp8
@@ -31,6 +51,7 @@ sublanes: `supports`).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +63,15 @@ from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
 
-__all__ = ["scaled_linear", "supports", "row_tile", "column_tile", "cost"]
+__all__ = ["scaled_linear", "supports", "row_tile", "column_tile", "tiles", "cost"]
 
-ROW_TILE = 256                  # rows per tile at most
+ROW_TILE = 256                  # rows per tile at most, few-rows form; more take the tiled form
 FP8_SUBLANES = 32               # rows of an fp8 (8-bit) sublane tile
+# The tiled form's tiles at most: rows, output columns (the f32 output block [tm, tn] is
+# 8 MB at these two), input columns.
+TILED_ROWS = 1024
+TILED_COLUMNS = 2048
+TILED_INPUTS = 512
 
 
 def supports(w_shape: tuple[int, ...], s_shape: tuple[int, ...]) -> bool:
@@ -80,18 +106,43 @@ def column_tile(n: int, k: int, ga: int, itemsize: int) -> int:
     return max(within) if within else min(fits)
 
 
+def _largest_divisor(n: int, step: int, most: int) -> int:
+    """The largest multiple of `step` that divides n and is at most `most`; n itself when
+    none is (n below `step`, or no such multiple)."""
+    fits = [t for t in range(step, min(n, most) + 1, step) if n % t == 0]
+    return max(fits) if fits else n
+
+
+def tiles(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],
+          w_itemsize: int = 1) -> tuple[int, int, int]:
+    """(tm, tn, tk) of a call on `num_rows` rows. Few rows: (`row_tile`, `column_tile`, K).
+    Many: row tiles of at most TILED_ROWS, as even as 16-row multiples allow; tn the widest
+    divisor of N of whole scale runs and lane tiles up to TILED_COLUMNS; tk the widest
+    divisor of K of whole scale runs up to TILED_INPUTS."""
+    n, k = w_shape
+    ga, gb = n // s_shape[0], k // s_shape[1]
+    if num_rows <= ROW_TILE:
+        return row_tile(num_rows), column_tile(n, k, ga, w_itemsize), k
+    row_tiles = cdiv(num_rows, TILED_ROWS)
+    tm = cdiv(cdiv(num_rows, row_tiles), 16) * 16
+    return (tm, _largest_divisor(n, math.lcm(ga, LANES), TILED_COLUMNS),
+            _largest_divisor(k, math.lcm(gb, LANES), TILED_INPUTS))
+
+
 def cost(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],
          w_itemsize: int = 1, x_itemsize: int = 2) -> dict:
-    """HBM bytes, flops and VMEM bytes of one call (module docstring)."""
+    """HBM bytes, flops and VMEM bytes of one call (module docstring; the few-rows form is
+    the tiled one's formula with tk = K, one row tile's weight reads)."""
     n, k = w_shape
-    ga = n // s_shape[0]
-    tm = row_tile(num_rows)
+    tm, tn, tk = tiles(num_rows, w_shape, s_shape, w_itemsize)
     rows = cdiv(num_rows, tm) * tm
-    tn = column_tile(n, k, ga, w_itemsize)
-    vmem = (2 * (tiled_bytes((tm, k), x_itemsize) + tiled_bytes((tn, k), w_itemsize)
-                 + tiled_bytes((tm, tn), 4)) + tiled_bytes((tn, k), 2))
+    weight_reads = 1 if tk == k else rows // tm
+    vmem = (2 * (tiled_bytes((tm, tk), x_itemsize) + tiled_bytes((tn, tk), w_itemsize)
+                 + tiled_bytes((tm, tn), 4)) + tiled_bytes((tn, tk), 2))
+    if tk != k:       # the product before it joins the sum, and the rows cast to bf16
+        vmem += tiled_bytes((tm, tn), 4) + tiled_bytes((tm, tk), 2)
     return {"flops": 2 * rows * k * n,
-            "bytes": (n * k * w_itemsize + s_shape[0] * s_shape[1] * 4
+            "bytes": (weight_reads * n * k * w_itemsize + s_shape[0] * s_shape[1] * 4
                       + (n // tn) * rows * k * x_itemsize + rows * n * 4),
             "vmem_bytes": vmem}
 
@@ -124,6 +175,69 @@ def _kernel(x_ref,            # [tm, K] f32 or bf16
                                        preferred_element_type=jnp.float32)
 
 
+def _tiled_kernel(x_ref,        # [tm, tk] f32 or bf16
+                  w_ref,        # [tn, tk] fp8 (or any float)
+                  s_ref,        # [N / ga * K / gb] f32 SMEM: every scale, row-major
+                  out_ref,      # [tm, tn] f32: the sum so far, in VMEM over the input tiles
+                  w_bf16_ref,   # [tn, tk] bf16 scratch: the dequantised block
+                  *, k_runs: int, ga: int, gb: int):
+    tn, tk = w_ref.shape
+    n_runs, tile_runs = tn // ga, tk // gb
+    j, kt = pl.program_id(0), pl.program_id(2)
+
+    def run(i, carry):
+        nr, kr = i // tile_runs, i % tile_runs
+        n0 = pl.multiple_of(nr * ga, ga)
+        k0 = pl.multiple_of(kr * gb, gb)
+        scale = s_ref[(j * n_runs + nr) * k_runs + kt * tile_runs + kr]
+        block = w_ref[pl.ds(n0, ga), pl.ds(k0, gb)].astype(jnp.float32)
+        w_bf16_ref[pl.ds(n0, ga), pl.ds(k0, gb)] = (block * scale).astype(jnp.bfloat16)
+        return carry
+
+    jax.lax.fori_loop(0, n_runs * tile_runs, run, 0)
+    part = jax.lax.dot_general(x_ref[...].astype(jnp.bfloat16), w_bf16_ref[...],
+                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(kt == 0)
+    def _():
+        out_ref[...] = part
+
+    @pl.when(kt > 0)
+    def _():
+        out_ref[...] += part
+
+
+def _call(rows: jax.Array, w: jax.Array, scales: jax.Array, figures: dict,
+          tm: int, tn: int, tk: int, interpret) -> jax.Array:
+    """The pallas_call of either form on rows [T', K] (T' a multiple of tm) -> f32[T', N]."""
+    (t, k), n = rows.shape, w.shape[0]
+    ga, gb = n // scales.shape[0], k // scales.shape[1]
+    flat_scales = scales.astype(jnp.float32).reshape(-1)
+    out_shape = jax.ShapeDtypeStruct((t, n), jnp.float32)
+    if tk == k:
+        return pl.pallas_call(
+            functools.partial(_kernel, k_runs=scales.shape[1], ga=ga),
+            grid=(n // tn, t // tm),
+            in_specs=[pl.BlockSpec((tm, k), lambda j, i: (i, 0)),
+                      pl.BlockSpec((tn, k), lambda j, i: (j, 0)),
+                      pl.BlockSpec(memory_space=pltpu.SMEM)],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, i: (i, j)),
+            scratch_shapes=[pltpu.VMEM((tn, k), jnp.bfloat16)], out_shape=out_shape,
+            **call_options("scaled_linear", figures, ("parallel", "arbitrary"), interpret),
+        )(rows, w, flat_scales)
+    return pl.pallas_call(
+        functools.partial(_tiled_kernel, k_runs=scales.shape[1], ga=ga, gb=gb),
+        grid=(n // tn, t // tm, k // tk),
+        in_specs=[pl.BlockSpec((tm, tk), lambda j, i, kt: (i, kt)),
+                  pl.BlockSpec((tn, tk), lambda j, i, kt: (j, kt)),
+                  pl.BlockSpec(memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec((tm, tn), lambda j, i, kt: (i, j)),
+        scratch_shapes=[pltpu.VMEM((tn, tk), jnp.bfloat16)], out_shape=out_shape,
+        **call_options("scaled_linear", figures, ("parallel", "parallel", "arbitrary"),
+                       interpret),
+    )(rows, w, flat_scales)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                   interpret: bool = False) -> jax.Array:
@@ -141,21 +255,9 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                          "not fit together")
     rows = x.reshape(-1, k)
     t = rows.shape[0]
-    tm = row_tile(t)
+    tm, tn, tk = tiles(t, w.shape, scales.shape, w.dtype.itemsize)
     t_pad = cdiv(t, tm) * tm
-    ga = n // scales.shape[0]
-    tn = column_tile(n, k, ga, w.dtype.itemsize)
     padded = rows if t_pad == t else jnp.pad(rows, ((0, t_pad - t), (0, 0)))
     figures = cost(t, w.shape, scales.shape, w.dtype.itemsize, rows.dtype.itemsize)
-    out = pl.pallas_call(
-        functools.partial(_kernel, k_runs=scales.shape[1], ga=ga),
-        grid=(n // tn, t_pad // tm),
-        in_specs=[pl.BlockSpec((tm, k), lambda j, i: (i, 0)),
-                  pl.BlockSpec((tn, k), lambda j, i: (j, 0)),
-                  pl.BlockSpec(memory_space=pltpu.SMEM)],
-        out_specs=pl.BlockSpec((tm, tn), lambda j, i: (i, j)),
-        scratch_shapes=[pltpu.VMEM((tn, k), jnp.bfloat16)],
-        out_shape=jax.ShapeDtypeStruct((t_pad, n), jnp.float32),
-        **call_options("scaled_linear", figures, ("parallel", "arbitrary"), interpret),
-    )(padded, w, scales.astype(jnp.float32).reshape(-1))
+    out = _call(padded, w, scales, figures, tm, tn, tk, interpret)
     return (out if t_pad == t else out[:t]).reshape(*lead, n)

@@ -52,29 +52,34 @@ def _glm_mode(rows: int, pages: int, choice: str = "auto", **kw) -> str:
     import jax.numpy as jnp
 
     args = dict(rows=rows, heads=GLM.num_attention_heads, latent_dim=GLM.latent_dim,
-                value_dim=GLM.kv_lora_rank, hidden=GLM.hidden_size, entries=33,
+                value_dim=GLM.kv_lora_rank, hidden=GLM.hidden_size,
+                q_lora_rank=GLM.q_lora_rank, entries=33,
                 every_pages=pages, page_size=64, cache_dtype=jnp.float8_e4m3fn,
                 num_shards=16, wire_itemsize=2, query_block=64,
-                head_weight_bytes=int(GLM_HEAD_WEIGHTS), fp8_weights=True)
+                head_weight_bytes=int(GLM_HEAD_WEIGHTS), dequantised_elements=0)
     return row_attention_mode(choice, **{**args, **kw})
 
 
 def test_split_rows_attend_the_way_the_kernels_bound_and_the_wire_price_lowest():
     """GLM-5.2's chunks over fp8 pages of 64, the rows split. At the end of a 1M prompt (16,416
     gathered pages) 4 heads of every row read a block's union of 16 x 33 pages for 4 heads,
-    S times the reads of every head of the device's rows: every head of its rows. With 16K
-    rows, from the 149 MB of head-split weights gathered whole (140 MB sent, and XLA's
-    dequantisation of them) rather than the rows' heads and sums (330 MB, and the relayouts
-    around the all-to-alls); with 8K rows (165 MB) the rows' way, as the compiler priced the
-    two (569 against 594 ms a chunk; 949 against 913 ms at 16K). On a prompt's first chunk
-    (160 pages)
-    the cache caps every block's union: each device its own heads. DeepSeek-V3.2's 128 heads
-    (8 a device) take the rows even there. A named mode is taken as it is."""
-    assert _glm_mode(16_384, 16_416) == "weights"
-    assert _glm_mode(8192, 16_416) == _glm_mode(4096, 16_416) == "rows"
-    assert _glm_mode(16_384, 16_416, fp8_weights=False) == "weights"
-    assert _glm_mode(8192, 160) == "heads"
-    assert _glm_mode(8192, 160, heads=128) != "heads"
+    S times the reads of every head of the device's rows: every head of its rows. With 8K or
+    16K rows, from the 149 MB of head-split weights gathered whole (140 MB sent; kernels read
+    their fp8 blocks) rather than the rows' heads and sums (165 MB at 8K, and the relayouts
+    around the all-to-alls), as the compiler priced the two (543 against 569 ms for the 8K
+    chunk); with 4K rows the trade, as the weights' bytes do not shrink with the chunk. On a
+    prompt's first chunk (160 pages) the cache caps every block's union, yet the weights
+    still win at 8K rows (292 against 301 ms compiled: no q_lora gather in most layers, no
+    heads' reduce-scatter) and each device keeps its own heads at 4K. Were kv_b dequantised
+    by XLA (15 bytes a value), the first 8K chunk would keep its heads. DeepSeek-V3.2's 128
+    heads (8 a device) take the weights there. A named mode is taken as it is."""
+    assert _glm_mode(16_384, 16_416) == _glm_mode(16_384, 160) == "weights"
+    assert _glm_mode(8192, 16_416) == _glm_mode(8192, 1936) == "weights"
+    assert _glm_mode(4096, 16_416) == "rows"
+    assert _glm_mode(8192, 160) == "weights"
+    assert _glm_mode(4096, 160) == "heads"
+    assert _glm_mode(8192, 160, dequantised_elements=64 * 448 * 512) == "heads"
+    assert _glm_mode(8192, 160, heads=128) == "weights"
     assert [_glm_mode(8192, 16_416, m) for m in ("heads", "rows")] == ["heads", "rows"]
     with pytest.raises(ConfigError, match="row_attention='cols' is not one of"):
         RuntimeConfig(row_attention="cols")

@@ -36,7 +36,10 @@ def _weights(rng, n, k, runs):
 @pytest.mark.parametrize("rows, shape, runs", [
     (1, (256, 384), (128, 128)),          # a decode step's one row, three K runs
     (8, (1024, 256), (128, 128)),         # two row runs a column tile... and a few rows
-    (300, (384, 128), (128, 128)),        # 2 row tiles (256 + 44 padded)
+    (300, (384, 128), (128, 128)),        # many rows, K one tile: one 304-row tile
+    (300, (384, 1024), (128, 128)),       # the tiled form: two input tiles summed
+    (1500, (640, 1536), (128, 128)),      # two 752-row tiles (4 padded), three input tiles
+    (700, (576, 1024), (64, 128)),        # kv_a_proj's 64-row runs, tiled
     (5, (64, 96), (32, 16)),              # narrow runs (interpret mode only: not on a TPU)
     (1, (576, 256), (64, 128)),           # kv_a_proj's rows: 64-row runs, one 576-row tile
 ])
@@ -109,6 +112,64 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows):
     wide = [i.name for i in entry if not i.is_kernel and i.dtype not in ("f8e4m3fn", "")
             and int(np.prod(i.dims)) == n * k]
     assert not wide                   # no dequantised or broadcast copy of the weight
+
+
+def test_tiles_of_many_rows():
+    """A prefill chunk's rows take the tiled form: tall row tiles, as even as 16-row steps
+    allow, and the weight in blocks of whole scale runs; few rows keep one block of all K."""
+    assert scaled_linear.tiles(1024, (6144, 16384), (48, 128)) == (1024, 2048, 512)
+    assert scaled_linear.tiles(8192, (768, 2048), (6, 16)) == (1024, 768, 512)
+    assert scaled_linear.tiles(1500, (640, 1536), (5, 12)) == (752, 640, 512)
+    assert scaled_linear.tiles(8, (6144, 16384), (48, 128)) == (8, 128, 16384)
+    whole = scaled_linear.cost(1024, (6144, 16384), (48, 128), x_itemsize=4)
+    assert whole["bytes"] == (6144 * 16384 + 48 * 128 * 4 + 3 * 1024 * 16384 * 4
+                              + 1024 * 6144 * 4)
+    assert whole["vmem_bytes"] <= VMEM_BUDGET_BYTES
+
+
+@needs_libtpu
+@pytest.mark.parametrize("rows", [512, 1024])     # a device's rows of an 8K and a 16K chunk
+def test_compiles_for_tpu7x_at_whole_o_proj(device, rows):
+    """GLM-5.2's o_proj gathered whole ([hidden, 64 heads x 256]) for a device's own rows of a
+    prefill chunk, in f32 as the model hands them over: Mosaic compiles the tiled form within
+    its VMEM limit, its estimate reaches the module, and no f32 copy of the weight is made."""
+    cfg = load_model_config("glm-5.2")
+    n, k = cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim
+
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    args = (struct((rows, k), jnp.float32), struct((n, k), jnp.float8_e4m3fn),
+            struct((n // 128, k // 128), jnp.float32))
+    with jax.default_device(device):
+        compiled = jax.jit(scaled_linear.scaled_linear).lower(*args).compile()
+    entry = (module := hlo.parse_module(compiled.as_text())).computations[module.entry]
+    calls = [i for i in entry if i.is_kernel]
+    figures = scaled_linear.cost(rows, (n, k), (n // 128, k // 128), x_itemsize=4)
+    assert [i.kernel_cost for i in calls] == [(figures["flops"], figures["bytes"])]
+    assert not [i.name for i in entry if not i.is_kernel and i.dtype not in ("f8e4m3fn", "")
+                and int(np.prod(i.dims)) == n * k]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("heads, kernel", [(64, True), (4, False)])
+def test_model_takes_the_kernel_for_whole_weights_of_many_rows(device, heads, kernel):
+    """`forward.linear` for 1,024 rows: o_proj whole (64 heads, 100M values) goes through the
+    kernel, as XLA would write its scales broadcast to f32; a device's 4 heads of it (6M)
+    keep XLA's fusion, which fuses the casts around it."""
+    cfg = load_model_config("glm-5.2")
+    n, k = cfg.hidden_size, heads * cfg.v_head_dim
+
+    def struct(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+    p = {"w": struct((n, k), jnp.float8_e4m3fn),
+         "w_scale_inv": struct((n // 128, k // 128), jnp.float32)}
+    with jax.default_device(device):
+        compiled = jax.jit(lambda p, x: forward.linear(p, "w", x)).lower(
+            p, struct((1024, k), jnp.float32)).compile()
+    module = hlo.parse_module(compiled.as_text())
+    names = [i.name.split(".")[0] for i in module.computations[module.entry] if i.is_kernel]
+    assert (names == ["scaled_linear"]) is kernel
+    assert (n * k >= forward.LINEAR_KERNEL_MIN_ELEMENTS) is kernel
 
 
 def test_supports_the_down_projections_runs():

@@ -169,7 +169,8 @@ def test_compile_kernels_lists_every_kernel(model_name, device):
     model = load_model_config(model_name)
     cases = kernel_cases(model, "fp8_e4m3", 64, device)
     assert {c.kernel for c in cases} == {"cache_write", "sparse_decode", "sparse_prefill",
-                                         "indexer", "experts", "linear", "router", "latent"}
+                                         "indexer", "experts", "linear", "router", "latent",
+                                         "whole_heads"}
     assert len({c.name for c in cases}) == len(cases)
     for c in cases:
         assert {"flops", "bytes", "vmem_bytes"} <= set(c.cost), c.name

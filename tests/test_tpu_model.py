@@ -163,7 +163,7 @@ def test_units_of_gather_kv_terms(glm):
     (15/16 of it sent), attention writes and forwards that buffer (2 x 1M x 640 B a layer) and,
     the rows split, each device attends all 64 heads of its 512 rows over all 129 entries,
     union 2 x 129 pages per block, the q heads and outputs traded by all-to-all (or the
-    head-split weights gathered: what auto takes with an f32 wire; with bf16, the trade); no
+    head-split weights gathered: what auto takes, with an f32 wire or bf16); no
     q-heads gather, no merge."""
     terms = _chunk(glm, "gather_kv", row_attention="rows")
     assert terms["KV all-gather"].ici_bytes == pytest.approx(L * 15 / 16 * C * 640)
@@ -207,8 +207,8 @@ def test_units_of_gather_kv_terms(glm):
     assert sum(t.collectives for t in weights.values()) == 10 * L + 3 * F
     assert weights["selected-page attention"] == attention
     assert _chunk(glm, "gather_kv") == weights                     # auto, f32 on the wire
-    assert _chunk(glm, "gather_kv", wire=2) == _chunk(glm, "gather_kv", wire=2,
-                                                      row_attention="rows")
+    assert _chunk(glm, "gather_kv", wire=2) == _chunk(glm, "gather_kv", wire=2,   # and bf16
+                                                      row_attention="weights")
     # the down projections run on each device's T / S rows; the routers on every row
     down = _whole_weights(glm) - (L - glm.first_k_dense_replace) * glm.n_routed_experts * 6144
     heads = _chunk(glm, "gather_q")["weights + projections"]

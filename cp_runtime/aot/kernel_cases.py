@@ -19,6 +19,9 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
              on every device, at decode steps' tokens
     latent   kv_b's per-head products from fp8 blocks at one device's heads: the queries
              through W_uk and the exchanged partials' merge through W_uv, at decode rows
+    whole_heads  the same products for every head of a device's own rows of a prefill chunk
+             (the head-split weights gathered whole): W_uk where the model's q heads are
+             whole lane tiles, and W_uv with o_proj, at 8K and 16K chunks' rows
 
 (The experts' visit plan, a scalar-core kernel, compiles inside the experts' cases.)
 """
@@ -35,12 +38,12 @@ from jax.sharding import SingleDeviceSharding
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
-                                scaled_linear, sparse_decode, sparse_prefill)
+                                scaled_linear, sparse_decode, sparse_prefill, whole_heads)
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.model.forward import routing
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
-           "linear_cases", "router_cases"]
+           "linear_cases", "router_cases", "whole_heads_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -229,11 +232,38 @@ def latent_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[Kern
     return out
 
 
+def whole_heads_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[KernelCase]:
+    """kernels/whole_heads.py at every head (kv_b and o_proj whole, fp8 in 128 x 128 blocks),
+    for a device's `rows` rows: W_uk where the kernel takes the model's q heads, and W_uv
+    with o_proj."""
+    heads, nope = model.num_attention_heads, model.qk_nope_head_dim
+    dv, v, dq, hidden = model.kv_lora_rank, model.v_head_dim, model.qk_head_dim, model.hidden_size
+    kv_b, o_proj = (heads * (nope + v), dv), (hidden, heads * v)
+    kv_b_s, o_proj_s = ((cdiv(a, 128), cdiv(b, 128)) for a, b in (kv_b, o_proj))
+    kv = ((kv_b, jnp.float8_e4m3fn), (kv_b_s, jnp.float32))
+    out = []
+    for r in rows:
+        if whole_heads.supports_absorb(r, heads, nope, dq, kv_b, kv_b_s):
+            out.append(KernelCase(
+                f"absorb every head R={r}", "whole_heads",
+                lambda q, w, s: whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope),
+                _structs(device, ((r, heads * dq), jnp.float32), *kv),
+                whole_heads.absorb_cost(r, heads, nope, v, dq, dv, kv_b_s[0] * kv_b_s[1])))
+        out.append(KernelCase(
+            f"output every head R={r}", "whole_heads",
+            lambda o, w, s, wo, so: whole_heads.project_output(o, w, s, wo, so, nope=nope),
+            _structs(device, ((r, heads, dv), jnp.float32), *kv,
+                     (o_proj, jnp.float8_e4m3fn), (o_proj_s, jnp.float32)),
+            whole_heads.output_cost(r, heads, nope, v, dv, hidden, kv_b_s[0] * kv_b_s[1],
+                                    o_proj_s[0] * o_proj_s[1])))
+    return out
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
-                 router_tokens=(1, 64), latent_rows=(1, 64),
+                 router_tokens=(1, 64), latent_rows=(1, 64), whole_head_rows=(512, 1024),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
@@ -245,4 +275,5 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + expert_cases(model, expert_tokens, device)
             + linear_cases(model, linear_tokens, device)
             + (router_cases(model, router_tokens, device) if model.n_routed_experts else [])
-            + latent_cases(model, latent_rows, device))
+            + latent_cases(model, latent_rows, device)
+            + whole_heads_cases(model, whole_head_rows, device))

@@ -42,11 +42,12 @@ from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.dispatch import Kernels
 from cp_runtime.model.attention import ShardAttention, ShardState
-from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, forward, logits
+from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, dequantised_whole, forward, logits
 from cp_runtime.model.phases import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
 from cp_runtime.weights.format import SCALE_SUFFIX, DeviceTensor
+from cp_runtime.weights.layout import split_of
 from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
@@ -139,7 +140,8 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
                        selection=None)
     if attend.splits_rows(state.latent[0]):
         ws = dataclasses.replace(ws, rows_split=True)
-        mode = dataclasses.replace(attend, ws=ws).row_mode(*_head_weights(params))
+        mode = dataclasses.replace(attend, ws=ws).row_mode(
+            *_head_weights(params, model, attend.num_shards, pos.size // attend.num_shards))
         ws = dataclasses.replace(ws, whole_heads=mode == "weights")
         attend = dataclasses.replace(attend, ws=ws, rows_attend=mode)
     hidden, state = forward(params, model, tokens, pos, attend, state, ws,   # [B, Q, hidden]
@@ -158,13 +160,22 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     return out, *new_pool
 
 
-def _head_weights(params) -> tuple[int, bool]:
+def _head_weights(params, model: ModelConfig, num_shards: int, rows: int) -> tuple[int, int]:
     """This device's bytes of layer 0's head-split attention weights with their scales, and
-    whether they are block-scaled fp8 (they have scales)."""
-    names = tuple(f"model.layers.0.{n}" for n in HEAD_SPLIT_WEIGHTS)
-    held = {name: x for name, x in params.items() if name.startswith(names)}
-    return (sum(x.size * x.dtype.itemsize for x in held.values()),
-            any(name.endswith(SCALE_SUFFIX) for name in held))
+    how many of their values, gathered whole over `num_shards`, XLA would dequantise for a
+    device's `rows` rows (`forward.dequantised_whole`)."""
+    held, dequantised = 0, 0
+    for name in (f"model.layers.0.{n}" for n in HEAD_SPLIT_WEIGHTS):
+        w, s = params[name], params.get(name + SCALE_SUFFIX)
+        held += w.size * w.dtype.itemsize + (0 if s is None else s.size * s.dtype.itemsize)
+        if s is None:
+            continue
+        axis = split_of(name, w.shape, model).axis
+        whole_w, whole_s = (tuple(d * num_shards if i == axis else d
+                                  for i, d in enumerate(x.shape)) for x in (w, s))
+        if dequantised_whole(model, name, whole_w, whole_s, rows):
+            dequantised += w.size * num_shards
+    return held, dequantised
 
 
 def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:

@@ -68,8 +68,9 @@ HBM_BYTES_PER_ICI_BYTE = 12
 # DeepSeek-V3.2's chunks for TPU7x (docs/performance.md): the q heads and outputs traded by
 # all-to-all are cast, laid out for the SparseCores and transposed on each side, about 10
 # bytes a byte traded for GLM-5.2 and 4 for DeepSeek-V3.2, 5 taken; a gathered fp8
-# weight is dequantised whole (its f32 scales broadcast to its shape, written and read, then
-# the matmul's reads), about 15 bytes an element besides its own byte.
+# weight that XLA dequantises whole (`forward.dequantised_whole`: DeepSeek-V3.2's kv_b; its
+# f32 scales broadcast to its shape, written and read, then the matmul's reads) costs about
+# 15 bytes an element besides its own byte. Those kernels read as fp8 blocks cost their byte.
 RELAYOUT_BYTES_PER_TRADED_BYTE = 5
 DEQUANT_BYTES_PER_FP8_WEIGHT = 15
 
@@ -91,26 +92,29 @@ def attention_layout(choice: str, *, rows: int, heads: int, latent_dim: int, val
 
 
 def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
-                       value_dim: int, hidden: int, entries: int, every_pages: int,
-                       page_size: int, cache_dtype, num_shards: int, wire_itemsize: int,
-                       query_block: int, head_weight_bytes: int, fp8_weights: bool) -> str:
+                       value_dim: int, hidden: int, q_lora_rank: int, entries: int,
+                       every_pages: int, page_size: int, cache_dtype, num_shards: int,
+                       wire_itemsize: int, query_block: int, head_weight_bytes: int,
+                       dequantised_elements: int) -> str:
     """How a step whose rows are split attends (runtime field `row_attention` = `choice`):
     "heads", each shard its own heads of every row, their projections reduce-scattered into
     the rows' shards; "rows", every head of its own rows, the q heads and outputs traded by
     two all-to-alls, then the same reduce-scatter; "weights", every head of its own rows from
-    the head-split weights (q_b, kv_b, o_proj) all-gathered whole, no all-to-all and no
-    reduce-scatter. auto prices the three: the prefill kernel at its bound (every query's pages
+    the head-split weights (q_b, kv_b, o_proj) all-gathered whole, no all-to-all, no
+    reduce-scatter, and no gather of every row's q_lora (but in a layer whose indexer needs
+    it). auto prices the three: the prefill kernel at its bound (every query's pages
     distinct; its queries in the TPU kernels' bf16) over the gathered cache of `every_pages`
     pages, plus what each sends at the interconnect's pace. Attending its own rows reads S
     times fewer pages; late in a long prompt that wins by far, early, where the gathered cache
     caps every block's reads, it does not pay for what it sends. Each way also pays XLA's
     passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so, for
-    GLM-5.2 late in a long prompt, the rows trade their heads up to some 10K rows a step, and
-    the weights come to them beyond.
+    GLM-5.2, the weights come to the rows in steps of 8K rows and more (kernels read them as
+    fp8 blocks), and in steps of 4K the rows trade their heads late in a long prompt.
 
     rows: R, the step's rows; heads: H, every shard's heads together (padded to S h);
     head_weight_bytes: this shard's part of the head-split weights, with their scales;
-    fp8_weights: whether they are fp8 (dequantised whole once gathered)."""
+    dequantised_elements: how many of their values, gathered whole, XLA dequantises (fp8
+    weights no kernel reads: `forward.dequantised_whole`)."""
     if choice != "auto":
         return choice
     s, h = num_shards, heads // num_shards
@@ -122,14 +126,15 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
 
     one_way = (s - 1) / s
     sums = one_way * rows * hidden * wire_itemsize               # the heads' reduce-scatter
+    sums += one_way * rows * q_lora_rank * wire_itemsize         # and q_lora's all-gather
     traded = one_way * rows * h * (latent_dim + value_dim) * wire_itemsize
     own_rows = kernel(rows // s, heads)
-    whole = s * head_weight_bytes                     # read once gathered, and dequantised
+    whole = s * head_weight_bytes                     # read once gathered
     priced = {"heads": kernel(rows, h) + HBM_BYTES_PER_ICI_BYTE * sums,
               "rows": (own_rows + HBM_BYTES_PER_ICI_BYTE * (traded + sums)
                        + RELAYOUT_BYTES_PER_TRADED_BYTE * traded),
               "weights": (own_rows + HBM_BYTES_PER_ICI_BYTE * (s - 1) * head_weight_bytes
-                          + whole * (1 + DEQUANT_BYTES_PER_FP8_WEIGHT * fp8_weights))}
+                          + whole + DEQUANT_BYTES_PER_FP8_WEIGHT * dequantised_elements)}
     return min(priced, key=priced.get)
 
 
@@ -361,22 +366,23 @@ class ShardAttention:
         with phase("merge"):
             return self.ws.rows_to_heads(o[0], self.pos.shape)
 
-    def row_mode(self, head_weight_bytes: int, fp8_weights: bool) -> str:
+    def row_mode(self, head_weight_bytes: int, dequantised_elements: int) -> str:
         """`row_attention_mode` for this step, where its rows are split, over the pages
         `_every_page` gathers; head_weight_bytes: this shard's q_b, kv_b and o_proj of a
-        layer, with their scales (fp8_weights: fp8 ones)."""
+        layer, with their scales; dequantised_elements: the values of those weights, whole,
+        that XLA would dequantise."""
         b, q = self.pos.shape
         every_pages = self.num_shards * (b * self.local_table.shape[1] + 1)
         heads = -(-self.model.num_attention_heads // self.num_shards) * self.num_shards
         return row_attention_mode(
             self.runtime.row_attention, rows=b * q, heads=heads,
             latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
-            hidden=self.model.hidden_size,
+            hidden=self.model.hidden_size, q_lora_rank=self.model.q_lora_rank,
             entries=self.model.index_topk // self.page_size + 1, every_pages=every_pages,
             page_size=self.page_size, cache_dtype=self.pool.latent_dtype,
             num_shards=self.num_shards, wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4,
             query_block=self.runtime.query_block, head_weight_bytes=head_weight_bytes,
-            fp8_weights=fp8_weights)
+            dequantised_elements=dequantised_elements)
 
     def _every_page_attention(self, q, every, slots, pages, pos) -> jax.Array:
         """The sparse kernel over `_every_page`'s pages: q f[B', Q', h, D], slots and pages

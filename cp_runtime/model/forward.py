@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.kernels import latent_heads, reference, router, scaled_linear
+from cp_runtime.kernels import latent_heads, reference, router, scaled_linear, whole_heads
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -51,6 +51,7 @@ from cp_runtime.weights.shards import WeightShards
 __all__ = [
     "IndexerInputs",
     "OutputProjection",
+    "dequantised_whole",
     "forward",
     "hadamard",
     "indexer_inputs",
@@ -219,21 +220,50 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
 # likely the kernel's f32 outputs and its inputs' casts are passes of their own there, which
 # XLA fuses into its matmul).
 LINEAR_KERNEL_MAX_ROWS = 256
+# A weight of at least this many elements takes the kernel at any number of rows: the
+# head-split weights a device gathers whole to attend every head of its own rows (GLM-5.2's
+# q_b, 25M, and o_proj, 100M), whose scales XLA broadcast to f32 and wrote to HBM at every
+# row count compiled. Its chunk of 16K rows: 580 -> 560 ms; every linear through the kernel
+# instead, 578 ms (docs/performance.md).
+LINEAR_KERNEL_MIN_ELEMENTS = 16 << 20
+
+
+def dequantised_whole(cfg: ModelConfig, name: str, w_shape: tuple[int, ...],
+                      s_shape: tuple[int, ...], rows: int) -> bool:
+    """Whether a step of `rows` rows on a TPU has XLA dequantise the block-scaled head-split
+    weight `name`, whole (w_shape, s_shape), in the passes of `weight()` (its scales
+    broadcast to f32, then cast) rather than a kernel read its fp8 blocks: kv_b where the
+    per-head kernels (kernels/whole_heads.py) do not take it, a linear's weight where
+    `linear`'s kernel does not."""
+    if name.endswith("self_attn.kv_b_proj.weight"):
+        nope = cfg.qk_nope_head_dim
+        heads = w_shape[0] // (nope + cfg.v_head_dim)
+        if rows <= LATENT_KERNEL_MAX_ROWS:
+            return not latent_heads.supports(w_shape, s_shape)
+        return not whole_heads.supports_absorb(rows, heads, nope, cfg.qk_head_dim, w_shape,
+                                               s_shape)
+    return not _linear_kernel_takes(w_shape, s_shape, rows)
+
+
+def _linear_kernel_takes(w_shape: tuple[int, ...], s_shape: tuple[int, ...], rows: int) -> bool:
+    """Whether `linear` on a TPU runs a block-scaled weight through its kernel."""
+    few_rows = rows <= LINEAR_KERNEL_MAX_ROWS
+    large = int(np.prod(w_shape)) >= LINEAR_KERNEL_MIN_ELEMENTS
+    return (few_rows or large) and scaled_linear.supports(w_shape, s_shape)
 
 
 def linear(p: Params, name: str, x: jax.Array) -> jax.Array:
     """x[..., in] through the weight `name` [out, in] -> f32[..., out]. On a TPU, a step of
-    few tokens (LINEAR_KERNEL_MAX_ROWS) takes a block-scaled weight whose scale runs are whole
-    lane tiles through the Pallas kernel (cp_runtime.kernels.scaled_linear), which
-    dequantises each block in VMEM: XLA's fused form of `weight()` wrote the scales,
-    broadcast to the weight's shape in f32, to HBM whenever they did not fit VMEM beside the
-    layer's other buffers (o_proj in GLM-5.2's MoE layers: 6 GB of a decode step's HBM
-    traffic). Elsewhere, and for other weights, `weight()` then a matmul; the kernel's output
-    is the same sum kept in f32 rather than rounded to bf16."""
+    few tokens (LINEAR_KERNEL_MAX_ROWS), or a large weight (LINEAR_KERNEL_MIN_ELEMENTS), takes
+    a block-scaled weight whose scale runs are whole lane tiles through the Pallas kernel
+    (cp_runtime.kernels.scaled_linear), which dequantises each block in VMEM: XLA's fused
+    form of `weight()` wrote the scales, broadcast to the weight's shape in f32, to HBM
+    whenever they did not fit VMEM beside the layer's other buffers (o_proj in GLM-5.2's MoE
+    layers: 6 GB of a decode step's HBM traffic). Elsewhere, and for other weights, `weight()`
+    then a matmul; the kernel's output is the same sum kept in f32 rather than rounded to
+    bf16."""
     w, s = p[name], p.get(name + SCALE_SUFFIX)
-    rows = int(np.prod(x.shape[:-1]))
-    if (s is None or rows > LINEAR_KERNEL_MAX_ROWS
-            or not scaled_linear.supports(w.shape, s.shape)):
+    if s is None or not _linear_kernel_takes(w.shape, s.shape, int(np.prod(x.shape[:-1]))):
         return _linear(x, weight(p, name))
     return jax.lax.platform_dependent(
         x, w, s, tpu=scaled_linear.scaled_linear,
@@ -335,22 +365,31 @@ def _latent_kernels_take(w: jax.Array, s: jax.Array | None, rows: int) -> bool:
 def _absorbed_queries(p: Params, cfg: ModelConfig, q: jax.Array) -> jax.Array:
     """q f32[..., H', nope + rope] -> q_nope . W_uk f32[..., H', kv_lora] (bf16-rounded, as
     `_matmul`'s). On a TPU, a step of few rows takes kernels/latent_heads.py, which
-    dequantises kv_b in VMEM (XLA wrote a bf16 copy of it and broadcast its scales first)."""
+    dequantises kv_b in VMEM (XLA wrote a bf16 copy of it and broadcast its scales first),
+    and one of more rows, every head of a device's own rows, kernels/whole_heads.py, which
+    dequantises it a head at a time."""
     nope = cfg.qk_nope_head_dim
     name = "self_attn.kv_b_proj.weight"
     w, s = p[name], p.get(name + SCALE_SUFFIX)
-    rows = int(np.prod(q.shape[:-2]))
-    if not _latent_kernels_take(w, s, rows):
-        return _matmul("...hn,hnc->...hc", q[..., :nope], _kv_b(p, cfg)[:, :nope])
-    heads_first = jnp.moveaxis(q.reshape(rows, *q.shape[-2:]), 0, 1)      # [H', R, Dq]
+    rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
 
     def xla(q, w, s):
-        w_uk = _dequantised(w, s).reshape(q.shape[0], -1, w.shape[-1])[:, :nope]
-        return jnp.einsum("hrn,hnc->hrc", q[..., :nope].astype(jnp.bfloat16), w_uk)
+        w_uk = _dequantised(w, s).reshape(heads, -1, w.shape[-1])[:, :nope]
+        q = q.reshape(rows, heads, dq)
+        return jnp.einsum("rhn,hnc->hrc", q[..., :nope].astype(jnp.bfloat16), w_uk)
 
-    out = jax.lax.platform_dependent(
-        heads_first, w, s, tpu=functools.partial(latent_heads.absorb_queries, nope=nope),
-        default=xla)                                                      # bf16[H', R, Dv]
+    def few_rows(q, w, s):
+        heads_first = jnp.moveaxis(q.reshape(rows, heads, dq), 0, 1)     # [H', R, Dq]
+        return latent_heads.absorb_queries(heads_first, w, s, nope=nope)
+
+    if _latent_kernels_take(w, s, rows):
+        tpu = few_rows
+    elif s is not None and whole_heads.supports_absorb(rows, heads, nope, dq, w.shape, s.shape):
+        tpu = functools.partial(whole_heads.absorb_queries, heads=heads, nope=nope)
+    else:
+        return _matmul("...hn,hnc->...hc", q[..., :nope], _kv_b(p, cfg)[:, :nope])
+    out = jax.lax.platform_dependent(q.reshape(rows, heads * dq), w, s, tpu=tpu,
+                                     default=xla)                         # bf16[H', R, Dv]
     return jnp.moveaxis(out, 0, 1).reshape(*q.shape[:-1], -1).astype(jnp.float32)
 
 
@@ -390,7 +429,27 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, q_lora: jax
 
 def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
     """o_lat f[..., H, kv_lora] of the heads whose W_uv and o_proj columns this device holds
-    (all, or its own) -> f[..., hidden]: the whole output, or this device's partial sum."""
+    (all, or its own) -> f[..., hidden]: the whole output, or this device's partial sum.
+    On a TPU, a step of more rows than the latent kernels take (LATENT_KERNEL_MAX_ROWS) with
+    block-scaled kv_b and o_proj runs both products in one kernel where it fits
+    (kernels/whole_heads.py): a device's own rows of a prefill chunk, every head."""
+    flat = o_lat.reshape(-1, *o_lat.shape[-2:])
+    names = ("self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
+    blocks = [x for name in names for x in (p[name], p.get(name + SCALE_SUFFIX))]
+    if (any(x is None for x in blocks) or flat.shape[0] <= LATENT_KERNEL_MAX_ROWS
+            or not whole_heads.supports_output(flat.shape[0], flat.shape[1],
+                                               cfg.qk_nope_head_dim,
+                                               *(x.shape for x in blocks))):
+        return _mla_output(p, cfg, o_lat)
+    out = jax.lax.platform_dependent(
+        flat, *blocks,
+        tpu=functools.partial(whole_heads.project_output, nope=cfg.qk_nope_head_dim),
+        default=lambda o, *_: _mla_output(p, cfg, o))
+    return out.reshape(*o_lat.shape[:-2], -1)
+
+
+def _mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
+    """`mla_output` in XLA: W_uv per head, then o_proj (`linear`)."""
     w_uv = _kv_b(p, cfg)[:, cfg.qk_nope_head_dim:]                         # [H, v, kv_lora]
     o = _matmul("...hc,hvc->...hv", o_lat, w_uv)
     return linear(p, "self_attn.o_proj.weight", o.reshape(*o.shape[:-2], -1))
@@ -611,6 +670,12 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
         out = _routed_experts(p, flat, chosen, weights)
     out = out.reshape(x.shape)
     if cfg.n_shared_experts:
+        if flat.shape[0] > LINEAR_KERNEL_MAX_ROWS:
+            # The routed sum whole before the shared experts' is added: else XLA:TPU began the
+            # routed rows' scatter-add from the shared experts' output and cast the sum to the
+            # wire's bf16 in a pass of its own (0.31 ms a GLM-5.2 layer at 16K rows); so the
+            # add and the cast fuse into the shared down projection (16K chunk: 525 -> 512 ms).
+            out = jax.lax.optimization_barrier(out)
         out = out + _swiglu(p, "mlp.shared_experts", x)
     return ws.join_rows(out)
 
