@@ -117,6 +117,9 @@ def test_absorb_needs_whole_lane_tiles_of_q():
 @needs_libtpu
 @pytest.mark.parametrize("rows", [1024, 512])
 def test_absorb_compiles_for_tpu7x_at_every_head(device, rows):
+    """GLM-5.2's W_uk for every head of a device's own rows of a 16K (1,024 rows) or 8K (512)
+    chunk, q as q_b's output: Mosaic compiles it within the VMEM budget and its estimate
+    reaches the module."""
     cfg = load_model_config("glm-5.2")
     heads, nope, v, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                           cfg.kv_lora_rank)
@@ -160,6 +163,7 @@ def test_output_compiles_for_tpu7x_at_every_head(device, model, rows):
     module = hlo.parse_module(compiled.as_text())
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     figures = whole_heads.output_cost(rows, heads, nope, v, dv, cfg.hidden_size,
-                                n // 128 * dv // 128, cfg.hidden_size // 128 * heads * v // 128)
+                                      n // 128 * dv // 128,
+                                      cfg.hidden_size // 128 * heads * v // 128)
     assert [i.kernel_cost for i in calls] == [(figures["flops"], figures["bytes"])]
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
