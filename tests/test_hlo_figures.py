@@ -271,3 +271,17 @@ metadata={{op_name="jit(step)/shard_map/layer2/merge/add"}}
     scaled = PhaseFigures()
     scaled.add(figures[(2, "kv_gather")], 3)
     assert phase_time(scaled, r, clock).hidden_s == pytest.approx(3 * gather.hidden_s)
+
+
+def test_a_collective_permute_start_moves_its_destination_not_its_contexts():
+    """XLA:TPU's collective-permute-start returns (source, destination, u32[] context,
+    u32[] context): what it moves is the destination, not the last (scalar) member."""
+    line = ("  %cp = (f8e4m3fn[1026,64,640]{2,1,0}, f8e4m3fn[1026,64,640]{2,1,0}, u32[]{:S(2)}, "
+            "u32[]{:S(2)}) collective-permute-start(%x), channel_id=1, "
+            "source_target_pairs={{0,1},{1,0}}")
+    text = ("HloModule m\n\nENTRY %main (x: f8e4m3fn[1026,64,640]) -> f8e4m3fn[1026,64,640] {\n"
+            "  %x = f8e4m3fn[1026,64,640]{2,1,0} parameter(0)\n" + line + "\n"
+            "  ROOT %d = f8e4m3fn[1026,64,640]{2,1,0} collective-permute-done(%cp)\n}\n")
+    module = hlo.parse_module(text)
+    assert hlo.ici_bytes(module.by_name["cp"]) == (1026 * 64 * 640, 1026 * 64 * 640)
+    assert hlo.last_array_bytes("f32[]") == 4          # a scalar result is still counted

@@ -74,8 +74,10 @@ def array_bytes(dtype: str, dims: str) -> int:
 
 
 def last_array_bytes(shape: str) -> int:
-    """Bytes of the last array in a shape's text (an async start's result)."""
+    """Bytes of the last array in a shape's text that is not a scalar: an async start's
+    result (a collective-permute-start's tuple ends with two u32[] contexts after it)."""
     arrays = _ARRAY.findall(shape)
+    arrays = [a for a in arrays if a[1]] or arrays
     return array_bytes(*arrays[-1]) if arrays else 0
 
 
