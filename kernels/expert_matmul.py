@@ -31,17 +31,20 @@ Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core ker
         (`plan_visits`; `visit_plan` is its XLA twin);
         rows bf16[tm, K] by the visit's tile, weight f8[K, tn] by its group (VMEM), scales
         f32[K / ga, tn / gb, E] of every group by the column tile (SMEM: fetched once a column
-        tile), output f32[tm, tn] by its tile. The scales go in with the experts last: stored
-        [E, K / ga, M / gb], a device's [256, 48, 1] (GLM-5.2's gate and up on 16 devices) is laid
-        out by XLA:TPU with the experts innermost, and XLA copied it into the kernel's row-major
-        layout before every call (10 us a MoE layer in the compiler's figures); the
-        transposed view is that layout as it lies.
-VMEM:   2 * (tm * K * 2 + W * K * tn * w + tm * tn * 4)    (double-buffered blocks)
+        tile), output [tm, tn] by its tile (f32, or bf16 with `out_dtype`: each row's f32 sum
+        rounded once, as the MoE's down projection writes its [T k, hidden] products). The
+        scales go in with the experts last: stored [E, K / ga, M / gb], a device's
+        [256, 48, 1] (GLM-5.2's gate and up on 16 devices) is laid out by XLA:TPU with the
+        experts innermost, and XLA copied it into the kernel's row-major layout before every
+        call (10 us a MoE layer in the compiler's figures); the transposed view is that
+        layout as it lies.
+VMEM:   2 * (tm * K * 2 + W * K * tn * w + tm * tn * o)    (double-buffered blocks; o the
+                                                           output's bytes a value)
         + W * tm * tn * 4                                  (the accumulators)
 Per call (upper bound: every visit a whole tile; min(E, N) experts read; W weights, 2 gated):
         flops = 2 * V * tm * K * M * W
         bytes = (M / tn) * N' * K * 2 + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
-                + N' * M * 4                            (N' = N padded to tm)
+                + N' * M * o                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
 grid has (M / tn) * V steps, about 500 for an 8K-token chunk of GLM-5.2, 8 for a decode step.
 The plan kernel's estimate is its bytes (E + 3 V + E + 3 words); its scalar loop (E + V
@@ -206,9 +209,9 @@ def plan_visits(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int, 
 
 
 def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
-         w_itemsize: int = 1, weights: int = 1) -> dict:
+         w_itemsize: int = 1, weights: int = 1, out_itemsize: int = 4) -> dict:
     """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring), with
-    `weights` weights of w_shape (2: gated)."""
+    `weights` weights of w_shape (2: gated) and outputs of `out_itemsize` bytes."""
     e, k, m = w_shape
     ga, gb = k // s_shape[-2], m // s_shape[-1]
     tm = row_tile(num_rows, e)
@@ -217,9 +220,9 @@ def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
     visits = visits_bound(rows, e, tm)
     read = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
     vmem = (2 * (tiled_bytes((tm, k), 2) + weights * tiled_bytes((k, tn), w_itemsize)
-                 + tiled_bytes((tm, tn), 4)) + weights * tiled_bytes((tm, tn), 4))
+                 + tiled_bytes((tm, tn), out_itemsize)) + weights * tiled_bytes((tm, tn), 4))
     return {"flops": 2 * visits * tm * k * m * weights,
-            "bytes": (m // tn) * rows * k * 2 + weights * read + rows * m * 4,
+            "bytes": (m // tn) * rows * k * 2 + weights * read + rows * m * out_itemsize,
             "vmem_bytes": vmem,
             "transcendentals": visits * tm * m if weights > 1 else 0}
 
@@ -228,7 +231,7 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
             rows_ref,                                        # [tm, K] bf16
             *refs):
     """refs: per weight (one; two when gated) its block w [K, tn] fp8 (or any float) and
-    scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn] f32 and an accumulator
+    scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn] (f32 or bf16) and an accumulator
     [tm, tn] f32 scratch per weight."""
     n_w = (len(refs) - 1) // 3
     weights, out_ref, accs = refs[:2 * n_w], refs[2 * n_w], refs[2 * n_w + 1:]
@@ -262,17 +265,17 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
-        out_ref[...] = jnp.where(mine, result, before)
+        out_ref[...] = jnp.where(mine, result.astype(out_ref.dtype), before)
 
     @pl.when((v >= counts_ref[0]) & (v < counts_ref[1]))
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes: jax.Array,
                    *, up: tuple[jax.Array, jax.Array] | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.grouped_matmul`.
 
     rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input)
@@ -284,7 +287,9 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
                  silu(rows . w) * (rows . w_up), an expert's gated product, from one pass over
                  the rows (each row tile crosses HBM once for both weights, and the two
                  products never leave VMEM)
-    returns:     f32[N, M]
+    out_dtype:   f32, or bf16 to halve the output's HBM writes (each row's f32 sum rounded
+                 once, as it leaves VMEM)
+    returns:     out_dtype[N, M]
     """
     n, k = rows.shape
     e, kw, m = w.shape
@@ -302,7 +307,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     num_visits = visits_bound(m_tiles * tm, e, tm)
     padded = jnp.pad(rows.astype(jnp.bfloat16), ((0, m_tiles * tm - n), (0, 0)))
     plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
-    figures = cost(n, w.shape, scales.shape, w.dtype.itemsize, weights=len(pairs))
+    figures = cost(n, w.shape, scales.shape, w.dtype.itemsize, weights=len(pairs),
+                   out_itemsize=jnp.dtype(out_dtype).itemsize)
     weight_specs = [
         pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
         pl.BlockSpec((scales.shape[1], tn // gb, e), lambda j, v, g, t, *_: (0, j, 0),
@@ -319,7 +325,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
                       *weight_specs * len(pairs)],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, g, t, *_: (t[v], j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * len(pairs)),
-        out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), out_dtype),
         **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret),
     )(*plan, padded, *operands)
     return out[:n]

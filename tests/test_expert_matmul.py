@@ -56,6 +56,31 @@ def test_kernel_matches_reference(rows, sizes, shape, runs):
     assert float(jnp.abs(got - want).max()) <= KERNEL_BOUND * scale
 
 
+@pytest.mark.parametrize("rows, sizes, shape, runs", [
+    (8, [3, 0, 5, 0], (4, 256, 256), (128, 128)),
+    (300, [100, 0, 190], (3, 128, 256), (128, 128)),      # a row tile shared by two groups
+])
+def test_bf16_output_is_the_f32_sum_rounded_once(rows, sizes, shape, runs):
+    """out_dtype=bf16 (the MoE's down projection on a TPU) writes each row's f32 sum rounded
+    to bf16 as it leaves VMEM: within one bf16 step of the f32 output, element by element,
+    and equal to it rounded except where the two f32 sums straddle a rounding boundary."""
+    rng = np.random.default_rng(rows + 2)
+    w, s = _weights(rng, *shape, runs)
+    x = jnp.asarray(rng.standard_normal((rows, shape[1])), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    got = expert_matmul.grouped_matmul(x, w, s, sizes, out_dtype=jnp.bfloat16, interpret=True)
+    f32 = expert_matmul.grouped_matmul(x, w, s, sizes, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    assert not np.asarray(got[int(sizes.sum()):].astype(jnp.float32)).any()
+    step = 2.0 ** -8 * jnp.abs(f32)                       # one bf16 step at each value
+    assert bool((jnp.abs(got.astype(jnp.float32) - f32) <= step).all())
+    assert float((got == f32.astype(jnp.bfloat16)).mean()) >= 0.99
+    figures = expert_matmul.cost(rows, shape, s.shape, out_itemsize=2)
+    f32_figures = expert_matmul.cost(rows, shape, s.shape)
+    assert f32_figures["bytes"] - figures["bytes"] == (
+        -(-rows // expert_matmul.row_tile(rows, shape[0]))
+        * expert_matmul.row_tile(rows, shape[0]) * shape[2] * 2)
+
 
 @pytest.mark.parametrize("rows, sizes, shape, runs", [
     (8, [3, 0, 5, 0], (4, 256, 256), (128, 128)),          # decode: a few rows, empty groups
@@ -133,8 +158,10 @@ def test_moe_layer_through_kernel_matches_xla_paths(tokens):
     """The routed experts through the kernel (interpret mode) against the XLA paths: the
     dequantised ragged matmul (weights rounded to bf16 once dequantised) and every expert from
     its fp8 blocks (each block's product rounded to bf16). The kernel keeps each block's
-    product in f32, so both XLA paths differ from it by bf16 rounding only: measured rel-L2
-    5.0e-3 / 4.1e-3 (3 tokens) and 4.7e-3 / 3.8e-3 (70 tokens); bound 1e-2."""
+    product in f32 and rounds each row's down projection to bf16, summed in bf16; the XLA
+    paths sum in f32. So they differ by bf16 rounding only: measured rel-L2 5.8e-3 / 4.7e-3
+    (3 tokens) and 5.2e-3 / 4.4e-3 (70 tokens; with f32 sums 5.0e-3 / 4.1e-3 and 4.7e-3 /
+    3.8e-3); bound 1e-2."""
     cfg = load_model_config("tiny")
     rng = np.random.default_rng(tokens)
     p = _moe_params(rng, cfg, (8, 8))
@@ -155,12 +182,12 @@ def device():
     return topology.compile_only_devices("tpu7x-16")[0]
 
 
-def _compiled(device, rows, e, k, m, gated=False):
+def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32):
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     w, s = struct((e, k, m), jnp.float8_e4m3fn), struct((e, k // 128, m // 128), jnp.float32)
     args = (struct((rows, k), jnp.bfloat16), w, s, struct((e,), jnp.int32))
-    fn = expert_matmul.grouped_matmul
+    fn = functools.partial(expert_matmul.grouped_matmul, out_dtype=out_dtype)
     if gated:                     # gate and up at once: up's weight and scales as the gate's
         fn = lambda x, w, s, sizes, wu, su: expert_matmul.grouped_matmul(  # noqa: E731
             x, w, s, sizes, up=(wu, su))
@@ -180,13 +207,16 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     cfg = load_model_config("glm-5.2")
     e, hid, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size // 16
     k, m = (inner, hid) if proj == "down" else (hid, inner)
-    module = _compiled(device, rows, e, k, m, gated=proj == "gate_up")
+    out_itemsize = 2 if proj == "down" else 4         # down's outputs bf16, as the model runs it
+    module = _compiled(device, rows, e, k, m, gated=proj == "gate_up",
+                       out_dtype=jnp.bfloat16 if proj == "down" else jnp.float32)
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     assert sorted(i.name.split(".")[0] for i in calls) == ["expert_grouped_matmul",
                                                            "expert_visit_plan"]
     flops, nbytes = next(i for i in calls if i.name.startswith("expert_grouped")).kernel_cost
     n_w = 2 if proj == "gate_up" else 1
-    figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w)
+    figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w,
+                                 out_itemsize=out_itemsize)
     assert (flops, nbytes) == (figures["flops"], figures["bytes"])
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
     weights = n_w * min(e, rows) * k * m

@@ -159,10 +159,14 @@ def _gated_experts(rows, w, scales, group_sizes, w_up, scales_up):
     return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, up=(w_up, scales_up))
 
 
+def _down_experts(rows, w, scales, group_sizes):
+    return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, out_dtype=jnp.bfloat16)
+
+
 def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
     """The experts' kernel for steps of `tokens` tokens (each row one (token, expert) pair),
     fp8 weights in 128 x 128 blocks, as the public checkpoints hold them: gate and up in one
-    call, as the model runs them, and down."""
+    call, as the model runs them, and down (with bf16 outputs, as the model sums them)."""
     e, hid = model.n_routed_experts, model.hidden_size
     inner = cdiv(model.moe_intermediate_size, NUM_SHARDS)
     out = []
@@ -174,10 +178,11 @@ def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
             gated = proj == "gate_up"
             args = _structs(device, ((rows, k), jnp.bfloat16), *weight, ((e,), jnp.int32),
                             *(weight if gated else ()))
-            fn = _gated_experts if gated else expert_matmul.grouped_matmul
+            fn = _gated_experts if gated else _down_experts
             out.append(KernelCase(f"experts {proj} T={t}", "experts", fn, args,
                                   expert_matmul.cost(rows, (e, k, m), args[2].shape,
-                                                     weights=2 if gated else 1)))
+                                                     weights=2 if gated else 1,
+                                                     out_itemsize=4 if gated else 2)))
     return out
 
 

@@ -551,29 +551,34 @@ def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 # expert_matmul(rows f[N, in], w f8[E, in, out], scales f32[E, in/ga, out/gb], group_sizes
-# i32[E], *, up=None) -> f32[N, out]: rows sorted by expert through their expert's
-# block-scaled weights, read as fp8 (cp_runtime.kernels.expert_matmul); with up=(w_up,
-# scales_up), silu(rows . w) * (rows . w_up) from one pass over the rows. None: the XLA paths
-# below.
+# i32[E], *, up=None, out_dtype=f32) -> out_dtype[N, out]: rows sorted by expert through their
+# expert's block-scaled weights, read as fp8 (cp_runtime.kernels.expert_matmul); with
+# up=(w_up, scales_up), silu(rows . w) * (rows . w_up) from one pass over the rows. None: the
+# XLA paths below.
 ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
                     expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False
                     ) -> jax.Array:
-    """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden]: each token through
-    its k experts, weighted. Split weights hold a slice of every expert's inner features, so
-    this is the device's partial sum; the others add theirs.
+    """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden] (bf16 through
+    `expert_matmul`, else x's dtype): each token through its k experts, weighted. Split
+    weights hold a slice of every expert's inner features, so this is the device's partial
+    sum; the others add theirs.
 
     The T*k (token, expert) pairs are sorted by expert and grouped matmuls run each group
     through its expert: `expert_matmul` straight from the fp8 blocks (gate and up in one
     call, which reads the rows once), or `jax.lax.ragged_dot` over the weights in their dtype
     (bf16 dequantised, when block-scaled). The kernel's rows are gathered in bf16, its input
-    dtype: the [T*k, hidden] arrays are the layer's largest (k rows a token). Its f32 outputs
-    are summed as they are (bf16 outputs cost more: XLA:TPU converted them back to f32 in a
-    pass of their own, 233 against 196 ms of `dense` for GLM-5.2's 8K-token chunk; gathered
-    back to token order and summed in f32, the gather fused into the sum ran 2.8 ms a layer,
-    1.46 against 1.26 s for that chunk). The routing weights scale the
+    dtype: the [T*k, hidden] arrays are the layer's largest (k rows a token). The down
+    projection's outputs leave the kernel in bf16 and the scatter-add sums them in bf16, as
+    vLLM's fused MoE keeps its per-expert outputs and their sum: f32 outputs were 3.2 GB
+    written and read again a GLM-5.2 layer of a 16K chunk, and bf16 outputs summed in f32
+    cost XLA:TPU a conversion pass of its own (233 against 196 ms of `dense` at 8K); bf16
+    both ways, `dense` 270.6 -> 234.3 ms at 16K (docs/performance.md). The sum stays bf16
+    until `mlp` adds the shared experts' f32 output. (Gathered back to token order and
+    summed in f32 instead, the gather fused into the sum ran 2.8 ms a layer, 1.46 against
+    1.26 s for an 8K chunk.) The routing weights scale the
     down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
     those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
@@ -601,8 +606,8 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
 
     rows = x.astype(jnp.bfloat16)[token]
     h = expert_matmul(rows, *blocks(gate), sizes, up=blocks(up))       # gate and up at once
-    y = expert_matmul(h * routing, *blocks(down), sizes)
-    return jnp.zeros_like(x).at[token].add(y)
+    y = expert_matmul(h * routing, *blocks(down), sizes, out_dtype=jnp.bfloat16)
+    return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y)
 
 
 # Without an expert_matmul kernel (the XLA path: CPU), steps of at most this many tokens with
@@ -677,7 +682,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
             # add and the cast fuse into the shared down projection (16K chunk: 525 -> 512 ms).
             out = jax.lax.optimization_barrier(out)
         out = out + _swiglu(p, "mlp.shared_experts", x)
-    return ws.join_rows(out)
+    return ws.join_rows(out.astype(x.dtype))
 
 
 # project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`;
