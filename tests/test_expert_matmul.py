@@ -62,8 +62,8 @@ def test_kernel_matches_reference(rows, sizes, shape, runs):
 ])
 def test_bf16_output_is_the_f32_sum_rounded_once(rows, sizes, shape, runs):
     """out_dtype=bf16 (the MoE's down projection on a TPU) writes each row's f32 sum rounded
-    to bf16 as it leaves VMEM: within one bf16 step of the f32 output, element by element,
-    and equal to it rounded except where the two f32 sums straddle a rounding boundary."""
+    to bf16 as it leaves VMEM: the f32 output rounded, element for element, and the
+    estimate's bytes 2 less an output value."""
     rng = np.random.default_rng(rows + 2)
     w, s = _weights(rng, *shape, runs)
     x = jnp.asarray(rng.standard_normal((rows, shape[1])), jnp.float32)
@@ -72,9 +72,8 @@ def test_bf16_output_is_the_f32_sum_rounded_once(rows, sizes, shape, runs):
     f32 = expert_matmul.grouped_matmul(x, w, s, sizes, interpret=True)
     assert got.dtype == jnp.bfloat16
     assert not np.asarray(got[int(sizes.sum()):].astype(jnp.float32)).any()
-    step = 2.0 ** -8 * jnp.abs(f32)                       # one bf16 step at each value
-    assert bool((jnp.abs(got.astype(jnp.float32) - f32) <= step).all())
-    assert float((got == f32.astype(jnp.bfloat16)).mean()) >= 0.99
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(f32.astype(jnp.bfloat16).astype(jnp.float32)))
     figures = expert_matmul.cost(rows, shape, s.shape, out_itemsize=2)
     f32_figures = expert_matmul.cost(rows, shape, s.shape)
     assert f32_figures["bytes"] - figures["bytes"] == (
