@@ -304,10 +304,9 @@ class ShardAttention:
         The pages are gathered from the cache before this layer's write, which the step's
         inputs alone determine, and the step's rows (every shard holds them all) are written
         into the gathered copy after: nothing of the layer's own work comes before the
-        all-gather, so XLA may issue it early. Whether it does is XLA's choice: the
-        programs compiled since the rows were split start it after the indexer's kernel,
-        with almost nothing beside it (docs/performance.md, "What the schedule leaves
-        exposed").
+        all-gather, so XLA may issue it early. Whether it does is XLA's choice: a 1M-token
+        prompt's last chunk, compiled now, starts it after the indexer's kernel, with almost
+        nothing beside it (docs/performance.md, "What the schedule leaves exposed").
         """
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]
