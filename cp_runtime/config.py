@@ -43,6 +43,8 @@ ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
 RESIDUAL_MODES = ("auto", "replicated")
 ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
+# How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
+TPU_SCHEDULES = ("overlap", "xla")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
 # Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
@@ -294,6 +296,11 @@ class RuntimeConfig:
     # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
     # f32 elsewhere (the CPU path stays the exact reference).
     wire_dtype: str = "auto"
+    # How XLA:TPU schedules a step: "overlap", with its scheduler's memory-pressure tracking
+    # off, so collectives and SparseCore transfers run beside compute although the pool fills
+    # HBM (whether the program fits is still the compiler's own check); "xla", XLA's default,
+    # which near its memory limit runs each of them alone. Programs for other devices ignore it.
+    tpu_schedule: str = "overlap"
     # The residual stream between layers: "auto", split by row over the shards where a step
     # runs gather_kv and its rows divide evenly (each device norms and projects its own rows;
     # the joined sums are reduce-scattered, what the heads and experts need all-gathered:
@@ -364,6 +371,9 @@ class RuntimeConfig:
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")
+        if self.tpu_schedule not in TPU_SCHEDULES:
+            raise ConfigError(f"tpu_schedule={self.tpu_schedule!r} is not one of "
+                              f"{TPU_SCHEDULES}")
         if self.attention == "gather_kv" and self.weights == "replicated":
             raise ConfigError("attention='gather_kv' needs weights split by head "
                               "(weights = 'sharded'), not 'replicated'")

@@ -85,6 +85,8 @@ def test_runtime_config_validation(tmp_path):
         RuntimeConfig(kv_cache_dtype="int4")
     with pytest.raises(ConfigError, match=r"gathers='tree' is not one of \('auto', 'flat'"):
         RuntimeConfig(gathers="tree")
+    with pytest.raises(ConfigError, match=r"tpu_schedule='eager' is not one of \('overlap'"):
+        RuntimeConfig(tpu_schedule="eager")
     path = tmp_path / "rt.toml"
     path.write_text('kv_cache_dtype = "bf16"\nnum_shards = 4\n')
     rt = load_runtime_config(path, page_size=32)

@@ -45,6 +45,7 @@ class CompilePlan:
     residual: str = "auto"                 # RuntimeConfig.residual: auto, replicated
     row_attention: str = "auto"            # RuntimeConfig.row_attention: auto, heads, rows,
                                            # weights
+    tpu_schedule: str = "overlap"          # RuntimeConfig.tpu_schedule: overlap, xla
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -74,7 +75,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             chunk_size=plan.chunk_size, max_batch=plan.max_batch,
                             backend=plan.backend, weights=plan.weights,
                             weight_dtype=plan.weight_dtype, attention=plan.attention,
-                            residual=plan.residual, row_attention=plan.row_attention)
+                            residual=plan.residual, row_attention=plan.row_attention,
+                            tpu_schedule=plan.tpu_schedule)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
@@ -113,6 +115,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "weights": runtime.weights,
         "weight_dtype": runtime.weight_dtype,
         "backend": plan.backend,
+        "tpu_schedule": plan.tpu_schedule,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh)),
         "weight_bytes_per_device": per_device_bytes(

@@ -12,7 +12,8 @@ import json
 import sys
 
 from cp_runtime.cache.capacity import TOPOLOGIES
-from cp_runtime.config import ATTENTION_LAYOUTS, RESIDUAL_MODES, ROW_ATTENTION_MODES
+from cp_runtime.config import (ATTENTION_LAYOUTS, RESIDUAL_MODES, ROW_ATTENTION_MODES,
+                                TPU_SCHEDULES)
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
@@ -97,6 +98,10 @@ def add_compile(sub) -> None:
                         "traded by all-to-all), weights (every head of its own rows, the "
                         "head-split attention weights gathered whole), auto (the one the "
                         "attention kernel's bound and what each sends price lowest)")
+    p.add_argument("--tpu-schedule", choices=TPU_SCHEDULES, default="overlap",
+                   help="how XLA:TPU schedules the step: overlap (its memory-pressure "
+                        "tracking off, so collectives run beside compute with the pool "
+                        "filling HBM), xla (XLA's default)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
@@ -131,7 +136,8 @@ def run_compile(args) -> int:
         pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
         context=args.context, programs=programs, attention=args.attention,
-        residual=args.residual, row_attention=args.row_attention)
+        residual=args.residual, row_attention=args.row_attention,
+        tpu_schedule=args.tpu_schedule)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -190,7 +196,7 @@ def _run_matrix(args) -> int:
                         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
                         topology=args.topology, pages_per_shard=args.pages_per_shard,
                         attention=args.attention, residual=args.residual,
-                        row_attention=args.row_attention,
+                        row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
                         progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s"):

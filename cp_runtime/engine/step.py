@@ -185,6 +185,18 @@ def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
     return "bf16" if mesh.devices.flat[0].platform == "tpu" else "f32"
 
 
+def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
+    """XLA options the step compiles with (RuntimeConfig.tpu_schedule), None for XLA's own.
+
+    With the pool sized to fill HBM, every step program sits near the latency-hiding
+    scheduler's memory limit, and there XLA:TPU issued each all-gather, reduce-scatter and
+    SparseCore gather or scatter only when its result was next needed, beside almost no
+    compute (docs/performance.md, "The scheduler's memory-pressure tracking")."""
+    if tpu_schedule == "xla" or mesh.devices.flat[0].platform != "tpu":
+        return None
+    return {"xla_tpu_enable_scheduler_memory_pressure_tracking": False}
+
+
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
               kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
               combine_fn=combine):
@@ -201,7 +213,8 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     weights = param_specs(weight_tensors, CP_AXIS)
     wire_dtype = resolve_wire_dtype(runtime.wire_dtype, mesh)
 
-    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",))
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",),
+                       compiler_options=compiler_options(runtime.tpu_schedule, mesh))
     def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
