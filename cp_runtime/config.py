@@ -42,6 +42,8 @@ GATHER_MODES = ("auto", "flat", "staged", "native")
 ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
 RESIDUAL_MODES = ("auto", "replicated")
 ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
+# Whether a chunk's rows run as two interleaved halves (cp_runtime.model.halves).
+CHUNK_HALVES = ("auto", "on", "off")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
 # How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
 TPU_SCHEDULES = ("overlap", "xla")
@@ -313,6 +315,13 @@ class RuntimeConfig:
     # the one the attention kernel's bound plus what each sends price lowest
     # (cp_runtime.model.attention.row_attention_mode: the heads early in a prompt).
     row_attention: str = "auto"
+    # A prefill chunk as two halves of its rows, interleaved layer by layer so that each half's
+    # all-gathers and reduce-scatters run beside the other half's compute (cp_runtime.model.
+    # halves; every weight is then read twice a layer): "on", wherever each device attends
+    # every head of its own rows (`row_attention` "weights") and each half's rows divide
+    # evenly over the shards; "auto", the same on a TPU only (elsewhere nothing runs beside a
+    # collective); "off".
+    chunk_halves: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
@@ -368,6 +377,9 @@ class RuntimeConfig:
         if self.row_attention not in ROW_ATTENTION_MODES:
             raise ConfigError(f"row_attention={self.row_attention!r} is not one of "
                               f"{ROW_ATTENTION_MODES}")
+        if self.chunk_halves not in CHUNK_HALVES:
+            raise ConfigError(f"chunk_halves={self.chunk_halves!r} is not one of "
+                              f"{CHUNK_HALVES}")
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")

@@ -22,6 +22,11 @@ devices), from shapes alone (cp_runtime.aot).
     time behind compute with the scheduler's memory-pressure tracking off ("overlap"), next
     to none with it on ("xla"), from the same program text, and fits the device both ways.
     (Not every chunk shows it: a 4K chunk at 0 and an 8K chunk at 0 hide the same both ways.)
+    It compiles the chunk in one pass (chunk_halves off), so that the option alone differs.
+  - halves (RuntimeConfig.chunk_halves, cp_runtime.model.halves). Slow: GLM-5.2's 8K chunk
+    at 0 as two halves hides most of the MLP's all-gathers and reduce-scatters, which one
+    pass leaves exposed, and the chunk's overlapped time drops by more than the weights'
+    second reading costs.
 
 Without libtpu (the tpu extra) these skip with the reason, except under CI, where they fail.
 """
@@ -231,13 +236,14 @@ def test_schedule_options_reach_tpu_programs_only():
 @pytest.mark.slow
 def test_overlap_hides_collectives_that_xla_runs_alone():
     """The 8K chunk of a GLM-5.2 prompt at 120K (5 layers: every kind of layer; figures
-    scaled to 78): the same program text both ways. Measured: 41 of its 130 ms of collectives
-    hidden with "overlap", 1.4 ms with "xla"."""
+    scaled to 78), in one pass: the same program text both ways. Measured: 41 of its 130 ms
+    of collectives hidden with "overlap", 1.4 ms with "xla"."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     runs = {schedule: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
                                kv_cache_dtype="fp8_e4m3", topology="tpu7x-16",
-                               clock_hz=compiler_clock_hz(device), tpu_schedule=schedule)
+                               clock_hz=compiler_clock_hz(device), tpu_schedule=schedule,
+                               chunk_halves="off")
             for schedule in ("xla", "overlap")}
     for r in runs.values():
         assert r["compiled"], r["error"]
@@ -249,3 +255,28 @@ def test_overlap_hides_collectives_that_xla_runs_alone():
     # ... but only with the tracking off does any real share of the collectives overlap it.
     assert hidden["overlap"] >= 0.25 * ici, (hidden, ici)
     assert hidden["xla"] <= 0.1 * hidden["overlap"], hidden
+
+
+@pytest.mark.slow
+def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
+    """The 8K chunk of a GLM-5.2 prompt at 0 (5 layers, scaled to 78), in one pass and as
+    two halves (cp_runtime.model.halves). Measured: of the MLP's all-gathers and
+    reduce-scatters (the dense phase's 51.6 ms of ICI; 53.2 as halves), 0.05 ms hidden in one
+    pass and 42.9 ms as halves; the chunk's overlapped time 226.9 -> 205.6 ms, its serial time
+    266.4 -> 287.7 ms (every weight read twice)."""
+    device = compile_only_devices("tpu7x-16")[0]
+    case = PhaseCase("prefill_logits", 8192, 1, 0)
+    runs = {halves: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
+                             kv_cache_dtype="fp8_e4m3", topology="tpu7x-16",
+                             clock_hz=compiler_clock_hz(device), chunk_halves=halves)
+            for halves in ("off", "on")}
+    for r in runs.values():
+        assert r["compiled"], r["error"]
+        assert r["peak_bytes"] <= 96 * GIB, r["peak_bytes"]
+    dense = {h: r["phases"]["dense"] for h, r in runs.items()}
+    assert dense["off"]["hidden_s"] <= 0.05 * dense["off"]["collective_s"], dense["off"]
+    assert dense["on"]["hidden_s"] >= 0.4 * dense["on"]["collective_s"], dense["on"]
+    # the two halves read every weight twice, and still finish sooner
+    assert runs["on"]["seconds"] > runs["off"]["seconds"]
+    assert runs["on"]["overlapped_s"] <= 0.95 * runs["off"]["overlapped_s"], (
+        runs["on"]["overlapped_s"], runs["off"]["overlapped_s"])

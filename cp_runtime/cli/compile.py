@@ -12,8 +12,8 @@ import json
 import sys
 
 from cp_runtime.cache.capacity import TOPOLOGIES
-from cp_runtime.config import (ATTENTION_LAYOUTS, RESIDUAL_MODES, ROW_ATTENTION_MODES,
-                                TPU_SCHEDULES)
+from cp_runtime.config import (ATTENTION_LAYOUTS, CHUNK_HALVES, RESIDUAL_MODES,
+                                ROW_ATTENTION_MODES, TPU_SCHEDULES)
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
                                  add_page_size, add_weight_dtype, add_weights, length, positive_int)
 
@@ -102,6 +102,11 @@ def add_compile(sub) -> None:
                    help="how XLA:TPU schedules the step: overlap (its memory-pressure "
                         "tracking off, so collectives run beside compute with the pool "
                         "filling HBM), xla (XLA's default)")
+    p.add_argument("--chunk-halves", choices=CHUNK_HALVES, default="auto",
+                   help="a prefill chunk's rows as two halves, interleaved layer by layer so "
+                        "each half's collectives run beside the other's compute: on (where "
+                        "each device attends every head of its rows), off, auto (on, for "
+                        "the TPU)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
@@ -137,7 +142,7 @@ def run_compile(args) -> int:
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
         context=args.context, programs=programs, attention=args.attention,
         residual=args.residual, row_attention=args.row_attention,
-        tpu_schedule=args.tpu_schedule)
+        tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -197,6 +202,7 @@ def _run_matrix(args) -> int:
                         topology=args.topology, pages_per_shard=args.pages_per_shard,
                         attention=args.attention, residual=args.residual,
                         row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
+                        chunk_halves=args.chunk_halves,
                         progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s"):

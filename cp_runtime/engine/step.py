@@ -43,6 +43,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.dispatch import Kernels
 from cp_runtime.model.attention import ShardAttention, ShardState
 from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, dequantised_whole, forward, logits
+from cp_runtime.model.halves import forward_in_halves, halves_fit
 from cp_runtime.model.phases import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
@@ -52,7 +53,8 @@ from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["KINDS", "Segment", "StepInputs", "make_step", "resolve_wire_dtype"]
+__all__ = ["KINDS", "Segment", "StepInputs", "make_step", "resolve_chunk_halves",
+           "resolve_wire_dtype"]
 
 KINDS = ("fill", "sample", "logits", "all_logits")
 
@@ -128,9 +130,10 @@ class Segment:
 
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
-                  kernels: Kernels, kind: str, combine_fn, wire_dtype: str):
+                  kernels: Kernels, kind: str, combine_fn, wire_dtype: str, halves: bool):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
-    shard's part (runtime.weights)."""
+    shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
+    every head of its own, runs them as two halves (`resolve_chunk_halves`)."""
     ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None, wire_dtype=wire_dtype)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
@@ -144,8 +147,16 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
             *_head_weights(params, model, attend.num_shards, pos.size // attend.num_shards))
         ws = dataclasses.replace(ws, whole_heads=mode == "weights")
         attend = dataclasses.replace(attend, ws=ws, rows_attend=mode)
-    hidden, state = forward(params, model, tokens, pos, attend, state, ws,   # [B, Q, hidden]
-                            kernels.expert_matmul)
+    if halves and ws.whole_heads and halves_fit(pos.shape, attend.num_shards):
+        half = pos.shape[1] // 2
+        layout = attend.chosen_layout(state.latent[0])    # the whole chunk's, not a half's
+        attends = tuple(dataclasses.replace(attend, pos=p, hands_over=True, layout=layout)
+                        for p in (pos[:, :half], pos[:, half:]))
+        hidden, state = forward_in_halves(params, model, tokens, pos, attends, state, ws,
+                                          kernels.expert_matmul)
+    else:
+        hidden, state = forward(params, model, tokens, pos, attend, state, ws,
+                                kernels.expert_matmul)                   # [B, Q, hidden]
     new_pool = (tuple(x[None] for x in state.latent), tuple(x[None] for x in state.indexer))
     if kind == "fill":
         return (), *new_pool
@@ -185,6 +196,15 @@ def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
     return "bf16" if mesh.devices.flat[0].platform == "tpu" else "f32"
 
 
+def resolve_chunk_halves(choice: str, mesh: Mesh) -> bool:
+    """RuntimeConfig.chunk_halves for the mesh's devices: auto runs a chunk's rows as two
+    halves on a TPU only, where each half's collectives then run beside the other's compute
+    (cp_runtime.model.halves); on the CPU nothing would run beside them."""
+    if choice != "auto":
+        return choice == "on"
+    return mesh.devices.flat[0].platform == "tpu"
+
+
 def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
     """XLA options the step compiles with (RuntimeConfig.tpu_schedule), None for XLA's own.
 
@@ -212,13 +232,14 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
     weights = param_specs(weight_tensors, CP_AXIS)
     wire_dtype = resolve_wire_dtype(runtime.wire_dtype, mesh)
+    halves = resolve_chunk_halves(runtime.chunk_halves, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",),
                        compiler_options=compiler_options(runtime.tpu_schedule, mesh))
     def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
-                                 wire_dtype=wire_dtype)
+                                 wire_dtype=wire_dtype, halves=halves)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

@@ -140,11 +140,16 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
 
 @dataclasses.dataclass(frozen=True)
 class ShardState:
-    """This shard's pool blocks and the current selection i32[B, Q, K] (None before layer 0)."""
+    """This shard's pool blocks and the current selection i32[B, Q, K] (None before layer 0).
+
+    every: gather_kv's gathered pages T[S * (B * M/S + 1), ps, D_lat] of the layer just run,
+    with its rows written, where a second half of the chunk's rows attends them next in the
+    same layer (`ShardAttention.hands_over`, cp_runtime.model.halves); None otherwise."""
 
     latent: tuple[jax.Array, ...]    # T[P + 1, ps, D_lat] per layer
     indexer: tuple[jax.Array, ...]   # T[P + 1, ps, D_idx] per full layer
     selection: jax.Array | None
+    every: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +164,9 @@ class ShardAttention:
                  (and, split rows, whether they attend from weights gathered whole)
     combine:     cp_runtime.parallel.merge.combine, or a stand-in with its signature (a benchmark
                  timing a step without its merge)
+    hands_over:  the step runs its rows as two halves (cp_runtime.model.halves): a call hands
+                 the pages it gathered to the next half in its state (`ShardState.every`), and
+                 the next half's in-place writes wait for this call's reads of the pool
     """
 
     model: ModelConfig
@@ -174,6 +182,9 @@ class ShardAttention:
     ws: WeightShards
     combine: Callable = combine
     rows_attend: str = "heads"       # where the rows are split: `row_attention_mode`'s choice
+    hands_over: bool = False
+    layout: str | None = None        # `attention_layout`'s choice made for the whole chunk
+                                     # (its halves keep it); None: this call's rows choose
 
     @property
     def num_shards(self) -> int:
@@ -224,7 +235,7 @@ class ShardAttention:
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
         latent = list(state.latent)
-        gather_q = self._layout(latent[layer]) == "gather_q"
+        gather_q = self.chosen_layout(latent[layer]) == "gather_q"
         if gather_q and self.ws.rows_split:
             raise ValueError("the rows are split only where the step runs gather_kv "
                              "(`splits_rows`); this layer runs gather_q")
@@ -241,14 +252,24 @@ class ShardAttention:
             indexer = list(indexer)
             indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
             selection = self._select(indexer[slot], index)
+            if self.hands_over:      # the next half's write waits for this half's scores:
+                # else XLA copies the whole block first (207 MB a GLM-5.2 layer on tpu7x-16)
+                indexer[slot], selection = lax.optimization_barrier((indexer[slot], selection))
             indexer = tuple(indexer)
         pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
         if gather_q:
             out = self._attend_own_pages(q_row, latent[layer], pages, project)
-        else:
-            out = self._attend_every_page(q_row, self._every_page(before, kv_row), pages,
-                                          project)
-        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+            return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+        every = self._every_page(before) if state.every is None else state.every
+        every = self._write_every(every, kv_row)
+        out = self._attend_every_page(q_row, every, pages, project)
+        if not self.hands_over:
+            return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+        # Without the tie XLA cannot order the next half's in-place write after this half's
+        # kernel reads of the same pages, and copies them first (0.7 GB a layer at 1M).
+        every, out = lax.optimization_barrier((every, out))
+        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection,
+                               every=every)
 
     def splits_rows(self, cache: jax.Array) -> bool:
         """Whether the step splits its residual stream by row (runtime field `residual`,
@@ -258,9 +279,13 @@ class ShardAttention:
         merges return every row to every device."""
         b, q = self.pos.shape
         return (self.runtime.residual == "auto" and self.ws.split and self.num_shards > 1
-                and (b * q) % self.num_shards == 0 and self._layout(cache) == "gather_kv")
+                and (b * q) % self.num_shards == 0 and self.chosen_layout(cache) == "gather_kv")
 
-    def _layout(self, cache: jax.Array) -> str:
+    def chosen_layout(self, cache: jax.Array) -> str:
+        """gather_q or gather_kv for this step (`attention_layout`; `cache`: any layer's latent
+        cache), or the one fixed for the whole chunk (`layout`)."""
+        if self.layout is not None:
+            return self.layout
         b, q = self.pos.shape
         return attention_layout(
             self.runtime.attention, rows=b * q, heads=self.model.num_attention_heads,
@@ -294,24 +319,28 @@ class ShardAttention:
             return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
                                 self.runtime.gathers)
 
-    def _every_page(self, before: jax.Array, kv_row: jax.Array) -> jax.Array:
-        """gather_kv: the pages of the rows' tables from every shard, with this step's rows.
+    def _every_page(self, before: jax.Array) -> jax.Array:
+        """gather_kv: the pages of the rows' tables from every shard.
 
-        before: this shard's cache T[P + 1, ps, D] as the step found it; kv_row f[B, Q, D]
+        before: this shard's cache T[P + 1, ps, D] as the step found it
         returns: T[S * (B * M/S + 1), ps, D]: shard s's block holds its B * M/S table pages
                  then one spare page (the last block's spare takes the discarded rows of
-                 the write below, `_every_slot`)
+                 `_write_every`, `_every_slot`)
         The pages are gathered from the cache before this layer's write, which the step's
-        inputs alone determine, and the step's rows (every shard holds them all) are written
-        into the gathered copy after: nothing of the layer's own work comes before the
-        all-gather, so XLA may issue it early. Whether it does is XLA's choice: a 1M-token
-        prompt's last chunk, compiled now, starts it after the indexer's kernel, with almost
-        nothing beside it (docs/performance.md, "What the schedule leaves exposed").
+        inputs alone determine, and the step's rows are written into the gathered copy after
+        (`_write_every`): nothing of the layer's own work comes before the all-gather, so XLA
+        may issue it early. Whether it does is XLA's choice: a 1M-token prompt's last chunk,
+        compiled now, starts it after the indexer's kernel, with almost nothing beside it
+        (docs/performance.md, "What the schedule leaves exposed").
         """
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]
         with phase("kv_gather"):
-            every = lax.all_gather(before[table], self.axis_name, tiled=True)
+            return lax.all_gather(before[table], self.axis_name, tiled=True)
+
+    def _write_every(self, every: jax.Array, kv_row: jax.Array) -> jax.Array:
+        """The step's rows kv_row f[B, Q, D] (every shard holds them all) written into
+        `_every_page`'s pages, in place."""
         with phase("cache_write"):
             page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
             b, q = self.pos.shape

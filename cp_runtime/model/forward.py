@@ -655,14 +655,16 @@ def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array
 
 
 def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
-        ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None
-        ) -> jax.Array:
+        ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None,
+        *, join: bool = True) -> jax.Array:
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
     experts only) plus the shared experts. Split weights give partial sums, joined once
-    (into this device's rows where the rows are split: `WeightShards.join_rows`).
-    `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels)."""
+    (into this device's rows where the rows are split: `WeightShards.join_rows`), or left
+    for the caller to join (`join` False). `expert_matmul` runs block-scaled experts from
+    their fp8 blocks (kernels)."""
+    finish = ws.join_rows if join else (lambda partial: partial)
     if not cfg.is_moe_layer(layer):
-        return ws.join_rows(_swiglu(p, "mlp", x))
+        return finish(_swiglu(p, "mlp", x))
     flat = x.reshape(-1, x.shape[-1])
     chosen, weights, by_expert = _routed(p, cfg, flat)                  # [T, k] each
     if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
@@ -682,7 +684,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
             # add and the cast fuse into the shared down projection (16K chunk: 525 -> 512 ms).
             out = jax.lax.optimization_barrier(out)
         out = out + _swiglu(p, "mlp.shared_experts", x)
-    return ws.join_rows(out.astype(x.dtype))
+    return finish(out.astype(x.dtype))
 
 
 # project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`;
@@ -721,25 +723,38 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
     the rows are split (`WeightShards.rows_split`), x is this device's rows f[R / S, hidden]:
     the norms and `row_features` run on them, and what the heads and experts need of every
     row is gathered (the attention's and the MLP's sums come back reduce-scattered)."""
-    p = layer_params(params, layer)
+    p = attention_weights(layer_params(params, layer), cfg, ws)
+    out, state = attention_block(p, cfg, layer, x, pos, attend, state, ws)
+    with phase("dense"):
+        x = x + out
+        return x + mlp(p, cfg, layer, mlp_input(p, cfg, x, pos, ws), ws, expert_matmul), state
+
+
+def attention_block(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
+                    attend: AttendFn, state: Any, ws: WeightShards) -> tuple[jax.Array, Any]:
+    """A layer's attention: x f[..., hidden] (this device's rows where they are split) ->
+    (its output f[..., hidden], state). p: the layer's weights from `attention_weights`."""
     with phase("attention_inputs"):
         h = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps)
         own_indexer = cfg.indexer_types[layer] == "full"
         rows = row_features(p, cfg, h, ws.own_rows(pos), indexer=own_indexer)
     if ws.whole_heads:
-        q_row, kv_row, index, p = _own_rows_attention_inputs(p, cfg, rows, pos, ws, own_indexer)
+        q_row, kv_row, index = _own_rows_attention_inputs(p, cfg, rows, pos, ws, own_indexer)
     else:
         with phase("attention_inputs"):
             rows = ws.gather_rows_of(rows, pos.shape, wired=("q_lora",))  # q_lora feeds matmuls
             q_row, kv_row, q_lora = mla_inputs(p, cfg, None, pos, rows)
             index = (indexer_inputs(p, cfg, None, q_lora, pos, ws, rows) if own_indexer
                      else None)
-    out, state = attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
-    with phase("dense"):
-        x = x + out
-        h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        h = ws.gather_rows(h, pos.shape, wire=True)
-        return x + mlp(p, cfg, layer, h, ws, expert_matmul), state
+    return attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
+
+
+def mlp_input(p: Params, cfg: ModelConfig, x: jax.Array, pos: jax.Array, ws: WeightShards
+              ) -> jax.Array:
+    """The MLP's input: x f[..., hidden] after the attention, normed, every row of it where
+    the rows are split (gathered on the wire)."""
+    h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    return ws.gather_rows(h, pos.shape, wire=True)
 
 
 # The attention's weights split by head (cp_runtime.weights.layout), which a device that
@@ -748,26 +763,34 @@ HEAD_SPLIT_WEIGHTS = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
                       "self_attn.o_proj.weight")
 
 
-def _own_rows_attention_inputs(p: Params, cfg: ModelConfig, rows: dict[str, jax.Array],
-                               pos: jax.Array, ws: WeightShards, own_indexer: bool):
-    """`_layer`'s attention inputs where each device attends every head of its own rows from
-    the head-split weights gathered whole: rows, its rows' `row_features` f[R / S, ...] ->
-    (q f[R / S, H, D_lat] of its rows, kv_row f[B, Q, D_lat] of every row, the indexer's inputs
-    or None, p with q_b, kv_b and o_proj whole). Every row's cached row (and, for the indexer,
-    key, weights and q_lora) is still gathered: the cache and the selection need them."""
+def attention_weights(p: Params, cfg: ModelConfig, ws: WeightShards) -> Params:
+    """A layer's weights p as its attention takes them: where each device attends every head
+    of its own rows (`WeightShards.whole_heads`), the head-split ones gathered whole."""
+    if not ws.whole_heads:
+        return p
     axes = {name: split_of(name, p[name].shape, cfg).axis for name in HEAD_SPLIT_WEIGHTS}
     output = "self_attn.o_proj.weight"
     with phase("q_gather"):          # the weights that make q
         p = ws.gather_weights(p, {k: a for k, a in axes.items() if k != output}, SCALE_SUFFIX)
     with phase("merge"):             # and the one that takes the heads to hidden space
-        p = ws.gather_weights(p, {output: axes[output]}, SCALE_SUFFIX)
+        return ws.gather_weights(p, {output: axes[output]}, SCALE_SUFFIX)
+
+
+def _own_rows_attention_inputs(p: Params, cfg: ModelConfig, rows: dict[str, jax.Array],
+                               pos: jax.Array, ws: WeightShards, own_indexer: bool):
+    """`attention_block`'s inputs where each device attends every head of its own rows from
+    the head-split weights gathered whole (p, `attention_weights`): rows, its rows'
+    `row_features` f[R / S, ...] -> (q f[R / S, H, D_lat] of its rows, kv_row f[B, Q, D_lat]
+    of every row, the indexer's inputs or None). Every row's cached row (and, for the
+    indexer, key, weights and q_lora) is still gathered: the cache and the selection need
+    them."""
     with phase("attention_inputs"):
         q_row, _, _ = mla_inputs(p, cfg, None, ws.own_rows(pos), rows)
         needed = rows if own_indexer else {k: v for k, v in rows.items() if k != "q_lora"}
         every = ws.gather_rows_of(needed, pos.shape, wired=("q_lora",))
         index = (indexer_inputs(p, cfg, None, every["q_lora"], pos, ws, every) if own_indexer
                  else None)
-    return q_row, every["kv_row"], index, p
+    return q_row, every["kv_row"], index
 
 
 def logits(params: Params, hidden: jax.Array, ws: WeightShards = WeightShards(),

@@ -1,0 +1,109 @@
+"""A prefill chunk as two halves of its rows, interleaved layer by layer, so that each half's
+collectives run beside the other half's compute.
+
+Where a chunk's rows are split over the devices and each device attends every head of its
+own rows (`WeightShards.whole_heads`), a layer is one chain: the attention, the MLP's input
+all-gathered, the experts, their sums reduce-scattered, the next layer's attention. Nothing
+runs beside the all-gather or the reduce-scatter but what XLA:TPU finds off that chain, and
+it found almost nothing: a GLM-5.2 16K chunk left all but 0.05 ms of their 101.6 ms of ICI
+exposed (docs/performance.md, "Two halves of a chunk").
+
+Cut by position, the rows make two chains: half A is the first half of every row's queries,
+half B the rest, and B depends on A only where B's queries attend A's rows (the cache and
+the gathered pages, written by A first). Each half's collective is tied
+(`lax.optimization_barrier`) to a piece of the other half's work, so that the scheduler
+keeps the collective in flight across it:
+
+    A's attention   beside  B's reduce-scatter (of the layer before)
+    B's attention   beside  A's all-gather
+    A's experts     beside  B's all-gather
+    B's experts     beside  A's reduce-scatter
+
+Left to itself (the same halves, untied) the scheduler hid 21.8 of those 103 ms. The price:
+every weight of a layer is read twice, by kernels of half the rows. The values are the
+unsplit step's: each row's math is the same, and B sees A's rows as it would in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cp_runtime.config import ModelConfig
+from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, attention_block,
+                                      attention_weights, embed, mlp, mlp_input, rms_norm)
+from cp_runtime.model.phases import layer_scope, phase
+from cp_runtime.weights.params import Params, layer_params
+from cp_runtime.weights.shards import WeightShards
+
+__all__ = ["forward_in_halves", "halves_fit"]
+
+
+def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
+    """Whether a step's rows i32[B, Q] cut into halves of Q / 2 queries that each split
+    evenly over the shards."""
+    b, q = rows_shape
+    return q % 2 == 0 and (b * q // 2) % num_shards == 0
+
+
+def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
+                      attends: tuple[AttendFn, AttendFn], state: Any, ws: WeightShards,
+                      expert_matmul: ExpertMatmulFn | None = None) -> tuple[jax.Array, Any]:
+    """`forward.forward` over tokens and pos i32[B, Q] as two halves of Q / 2 queries.
+
+    attends: the attention callbacks of half A (pos[:, :Q/2]) and half B (pos[:, Q/2:]),
+    each handing its gathered pages on (`ShardAttention.hands_over`). ws: rows split, each
+    device attending every head of its own rows (`halves_fit` holds).
+    returns: (hidden f[B, Q, hidden], state), as `forward.forward`.
+    """
+    if not (ws.rows_split and ws.whole_heads):
+        raise ValueError("a chunk runs in halves only where each device attends every head "
+                         "of its own rows (WeightShards.whole_heads)")
+    half = tokens.shape[1] // 2
+    tokens_of = (tokens[:, :half], tokens[:, half:])
+    pos_of = (pos[:, :half], pos[:, half:])
+    with phase("dense"):
+        x = [embed(params, t, ws) for t in tokens_of]
+    selection = [None, None]
+    b_partial = None                  # B's MLP sums of the layer before, not yet joined
+    for layer in range(cfg.num_hidden_layers):
+        with layer_scope(layer):
+            p = attention_weights(layer_params(params, layer), cfg, ws)    # gathered once
+
+            def attention(i: int, state):
+                state = dataclasses.replace(state, selection=selection[i],
+                                            every=state.every if i else None)
+                out, state = attention_block(p, cfg, layer, x[i], pos_of[i], attends[i],
+                                             state, ws)
+                selection[i] = state.selection
+                return out, state
+
+            a_out, state = attention(0, state)
+            if b_partial is not None:
+                with phase("dense"):
+                    b_sum, a_out = lax.optimization_barrier((ws.join_rows(b_partial), a_out))
+                x[1] = x[1] + b_sum
+            with phase("dense"):
+                x[0] = x[0] + a_out
+                a_in = mlp_input(p, cfg, x[0], pos_of[0], ws)
+            b_out, state = attention(1, state)
+            state = dataclasses.replace(state, every=None)
+            with phase("dense"):
+                a_in, b_out = lax.optimization_barrier((a_in, b_out))
+                x[1] = x[1] + b_out
+                b_in = mlp_input(p, cfg, x[1], pos_of[1], ws)
+                a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)
+                b_in, a_partial = lax.optimization_barrier((b_in, a_partial))
+                a_sum = ws.join_rows(a_partial)
+                b_partial = mlp(p, cfg, layer, b_in, ws, expert_matmul, join=False)
+                a_sum, b_partial = lax.optimization_barrier((a_sum, b_partial))
+                x[0] = x[0] + a_sum
+    with phase("dense"):
+        x[1] = x[1] + ws.join_rows(b_partial)
+        hidden = [ws.gather_rows(rms_norm(h, params["model.norm.weight"], cfg.rms_norm_eps),
+                                 t.shape) for h, t in zip(x, tokens_of)]
+        return jnp.concatenate(hidden, axis=1), state
