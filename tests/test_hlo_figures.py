@@ -198,7 +198,7 @@ to_apply=%offloaded
   ROOT %m = bf16[64,512]{1,0} negate(%r), metadata={op_name="jit(step)/shard_map/layer3/merge/mul"}
 }
 """
-    figures = layer_figures(text)
+    figures = layer_figures(text, CLOCK_HZ)
     assert figures[(3, "merge")].collectives == 1
     assert figures[(3, "merge")].ici_bytes == 64 * 512 * 2 * 2 * 3 // 4
     assert all(f.collectives == 0 for key, f in figures.items() if key != (3, "merge"))
@@ -220,24 +220,35 @@ backend_config={"estimated_cycles":"10383"}
 metadata={op_name="jit(step)/shard_map/layer3/dense/mul"}
 }
 """
-    figures = layer_figures(text)
+    figures = layer_figures(text, CLOCK_HZ)
     assert figures[(3, "dense")].cycles == 10383
     assert (None, "other") not in figures
 
 
-def test_a_collective_is_hidden_by_the_work_scheduled_beside_it():
-    """An async collective's window is the work XLA scheduled between its start and its done;
-    each instruction hides at most one collective (the first window holding it), and a phase's
-    hidden time is, per collective, the lesser of its own time and its window's."""
-    group = "replica_groups={{" + ",".join(map(str, range(16))) + "}}"
-    text = f"""HloModule m
-
-%offloaded (x: f8e4m3fn[64,64,640], t: token[]) -> f8e4m3fn[1024,64,640] {{
+GROUP = "replica_groups={{" + ",".join(map(str, range(16))) + "}}"
+OFFLOADED_GATHER = f"""%offloaded (x: f8e4m3fn[64,64,640], t: token[]) -> f8e4m3fn[1024,64,640] {{
   %x = f8e4m3fn[64,64,640]{{2,1,0}} parameter(0)
   %t = token[] parameter(1)
-  ROOT %all-gather.1 = f8e4m3fn[1024,64,640]{{2,1,0}} all-gather(%x), {group}, dimensions={{0}}
+  ROOT %all-gather.1 = f8e4m3fn[1024,64,640]{{2,1,0}} all-gather(%x), {GROUP}, dimensions={{0}}
 }}
+"""
+CLOCK_HZ = 1e9
 
+
+def _gather_seconds(module: hlo.Module) -> float:
+    """One offloaded page gather's time at TPU7X_DEVICE's rates (bytes and a latency)."""
+    ici = hlo.ici_bytes(module.by_name["all-gather.1"])[1]
+    return ici / TPU7X_DEVICE.ici_bytes_per_s + TPU7X_DEVICE.collective_latency_s
+
+
+def test_a_collective_is_hidden_by_the_work_scheduled_beside_it():
+    """The entry replayed in order: the TensorCore runs each instruction, one ICI moves the
+    collectives in the order they start, and a done waits for its own. The page gather has
+    1,500 cycles of work beside it; the psum, started behind it, moves only once the gather
+    has, by which time its done is waiting: nothing of it is hidden."""
+    text = f"""HloModule m
+
+{OFFLOADED_GATHER}
 ENTRY %main (p: f8e4m3fn[64,64,640], q: f32[128,128]) -> f32[128,128] {{
   %p = f8e4m3fn[64,64,640]{{2,1,0}} parameter(0)
   %q = f32[128,128]{{1,0}} parameter(1)
@@ -247,7 +258,7 @@ call-start(%p, %tok), to_apply=%offloaded, \
 metadata={{op_name="jit(step)/shard_map/layer2/kv_gather/all_gather"}}
   %work = f32[128,128]{{1,0}} negate(%q), backend_config={{"estimated_cycles":"1000"}}, \
 metadata={{op_name="jit(step)/shard_map/layer2/indexer/neg"}}
-  %ar = f32[128,128]{{1,0}} all-reduce-start(%work), {group}, to_apply=%add, \
+  %ar = f32[128,128]{{1,0}} all-reduce-start(%work), {GROUP}, to_apply=%add, \
 metadata={{op_name="jit(step)/shard_map/layer2/merge/psum"}}
   %more = f32[128,128]{{1,0}} negate(%work), backend_config={{"estimated_cycles":"500"}}, \
 metadata={{op_name="jit(step)/shard_map/layer2/indexer/neg"}}
@@ -257,20 +268,57 @@ metadata={{op_name="jit(step)/shard_map/layer2/indexer/neg"}}
 metadata={{op_name="jit(step)/shard_map/layer2/merge/add"}}
 }}
 """
-    figures = layer_figures(text)
+    figures = layer_figures(text, CLOCK_HZ)
     module = hlo.parse_module(text)
     gather_ici = hlo.ici_bytes(module.by_name["all-gather.1"])[1]
-    assert figures[(2, "kv_gather")].windows == [[1, gather_ici, 1, 1500, 0, 0]]
-    assert figures[(2, "merge")].windows == [[1, 128 * 128 * 4 * 2 * 15 // 16, 1, 0, 0, 0]]
-    r, clock = TPU7X_DEVICE, 1e9
-    gather = phase_time(figures[(2, "kv_gather")], r, clock)
-    assert gather.hidden_s == pytest.approx(min(gather.collective_s, 1500 / clock))
+    assert gather_ici == 15 * 64 * 64 * 640
+    assert figures[(2, "kv_gather")].windows == [[1, gather_ici, 1, pytest.approx(1.5e-6)]]
+    assert figures[(2, "merge")].windows == [[1, 128 * 128 * 4 * 2 * 15 // 16, 1,
+                                              pytest.approx(0, abs=1e-12)]]
+    r = TPU7X_DEVICE
+    gather = phase_time(figures[(2, "kv_gather")], r, CLOCK_HZ)
+    assert gather.hidden_s == pytest.approx(1.5e-6)
     assert gather.overlapped_s == pytest.approx(gather.seconds - gather.hidden_s)
-    assert phase_time(figures[(2, "merge")], r, clock).hidden_s == 0
+    assert phase_time(figures[(2, "merge")], r, CLOCK_HZ).hidden_s == pytest.approx(0, abs=1e-12)
     # scaled as every other figure: a window weighs as many layers as its layer stands for
     scaled = PhaseFigures()
     scaled.add(figures[(2, "kv_gather")], 3)
-    assert phase_time(scaled, r, clock).hidden_s == pytest.approx(3 * gather.hidden_s)
+    assert phase_time(scaled, r, CLOCK_HZ).hidden_s == pytest.approx(3 * gather.hidden_s)
+
+
+def test_collectives_in_flight_together_share_the_work_beside_them():
+    """Two page gathers started together, a kernel-long piece of work (1 ms of cycles), then
+    both dones: the ICI moves one after the other and the work covers both, so both are
+    hidden whole. Work after a collective's done hides nothing of it: the third gather, whose
+    done comes first, is exposed whole, and the work after it is left for none."""
+    def start(n, layer):
+        return (f"  %start.{n} = ((f8e4m3fn[64,64,640]{{2,1,0}}, token[]), "
+                f"f8e4m3fn[1024,64,640]{{2,1,0}}) call-start(%p, %tok), to_apply=%offloaded.{n}, "
+                f"metadata={{op_name=\"jit(step)/shard_map/layer{layer}/kv_gather/all_gather\"}}")
+
+    def done(n):
+        return f"  %done.{n} = f8e4m3fn[1024,64,640]{{2,1,0}} call-done(%start.{n})"
+
+    work = ('  %{0} = f32[128,128]{{1,0}} negate(%q), backend_config={{"estimated_cycles":'
+            '"1000000"}}, metadata={{op_name="jit(step)/shard_map/layer1/indexer/neg"}}')
+    text = "\n".join([
+        "HloModule m", "",
+        *(OFFLOADED_GATHER.replace("%offloaded", f"%offloaded.{n}").replace(
+            "all-gather.1", f"all-gather.{n}") for n in (1, 2, 3)),
+        "ENTRY %main (p: f8e4m3fn[64,64,640], q: f32[128,128]) -> f32[128,128] {",
+        "  %p = f8e4m3fn[64,64,640]{2,1,0} parameter(0)",
+        "  %q = f32[128,128]{1,0} parameter(1)", "  %tok = token[] after-all()",
+        start(1, 1), start(2, 2), work.format("w1"), done(1), done(2),
+        start(3, 3), done(3), work.format("w2"),
+        "  ROOT %out = f32[128,128]{1,0} add(%w1, %w2)", "}", ""])
+    figures = layer_figures(text, CLOCK_HZ)
+    gather = _gather_seconds(hlo.parse_module(text))
+    assert 2 * gather < 1e-3                           # the work outlasts both gathers
+    hidden = {layer: phase_time(figures[(layer, "kv_gather")], TPU7X_DEVICE, CLOCK_HZ)
+              for layer in (1, 2, 3)}
+    assert hidden[1].hidden_s == pytest.approx(gather)
+    assert hidden[2].hidden_s == pytest.approx(gather)
+    assert hidden[3].hidden_s == pytest.approx(0, abs=1e-12)
 
 
 def test_a_collective_permute_start_moves_its_destination_not_its_contexts():

@@ -24,14 +24,16 @@ computation (cp_runtime.aot.hlo says how each figure is read):
     collective_bytes the bytes they produce per device (their result arrays)
     ici_bytes        the bytes each device sends for them (ring algorithms, cp_runtime.aot.hlo.
                      ici_bytes)
-    windows          per async collective in the entry (a `<collective>-start`, or a
-                     `call-start` of the SparseCore computation holding one): [weight, its ICI
-                     bytes, its collectives, and the cycles, kernel flops and kernel bytes of
-                     the work XLA scheduled between its start and its done], each instruction
-                     beside at most one collective (the first whose window holds it). The
-                     schedule is the module's order: the work in a window is what the
-                     TensorCore can run while the collective moves (cp_runtime.aot.roofline
-                     prices how much of the collective that hides).
+    windows          per collective the entry starts (a `<collective>-start`, a `call-start`
+                     of the SparseCore computation holding one, or a synchronous collective):
+                     [weight, its ICI bytes, its collectives, the seconds of it hidden]. The
+                     schedule is the module's order, replayed (`_timeline`): the TensorCore
+                     runs the entry's instructions one after another (XLA's cycles at the
+                     compiler's clock, a Mosaic call at its roofline), one ICI moves the
+                     collectives one after another in the order they start, and a done waits
+                     for its collective; a collective's time is hidden but for the waits while
+                     it moves. So collectives in flight together share the work beside them,
+                     and work after a collective's done hides none of it.
 
 `model_figures` scales the figures of a model cut to its first layers (cp_runtime.aot.programs.
 cut_model) to the whole model: each layer of the whole model counts as the mean of the cut's
@@ -48,6 +50,8 @@ import dataclasses
 import re
 
 from cp_runtime.aot import hlo
+from cp_runtime.aot.roofline import (TPU7X_DEVICE, DeviceRates, collective_seconds,
+                                     kernel_seconds)
 from cp_runtime.config import ModelConfig
 from cp_runtime.model.phases import PHASES
 
@@ -146,8 +150,10 @@ def _entry_callers(module: hlo.Module) -> dict[str, hlo.Instruction]:
     return out
 
 
-def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
-    """Figures per (layer, phase) of the compiled module `hlo_text` (`compiled.as_text()`)."""
+def layer_figures(hlo_text: str, clock_hz: float,
+                  rates: DeviceRates = TPU7X_DEVICE) -> dict[Key, PhaseFigures]:
+    """Figures per (layer, phase) of the compiled module `hlo_text` (`compiled.as_text()`);
+    `windows` timed at `rates` and the compiler's `clock_hz` (roofline.compiler_clock_hz)."""
     module = hlo.parse_module(hlo_text)
     keys = _keys(module)
     out: dict[Key, PhaseFigures] = {}
@@ -194,7 +200,7 @@ def layer_figures(hlo_text: str) -> dict[Key, PhaseFigures]:
                 f.collectives += 1
                 f.collective_bytes += produced
                 f.ici_bytes += sent
-    for window in _windows(module):
+    for window in _timeline(module, rates, clock_hz):
         computation, first = window["collectives"][0]
         at(named(computation, first)).windows.append(window["figures"])
     return out
@@ -220,24 +226,51 @@ def _collectives_run_by(module: hlo.Module, start: hlo.Instruction) -> list[tupl
     return found
 
 
-def _windows(module: hlo.Module) -> list[dict]:
-    """Each async collective of the entry with the figures of its window (module docstring)."""
+def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float) -> list[dict]:
+    """Each collective the entry starts, with the seconds of it the schedule hides (module
+    docstring, `windows`): the entry runs in order on the TensorCore (XLA's cycles at
+    `clock_hz`, a kernel at its roofline), the collectives on one ICI in the order they start
+    (`roofline.collective_seconds`); a done waits for its collective, and the time it waits
+    is charged to whichever collectives the ICI is moving meanwhile."""
     entry = module.computations[module.entry]
-    claimed: set[str] = set()
-    out = []
-    for n, start in enumerate(entry):
-        collectives = _collectives_run_by(module, start)
-        done = next((k for k in range(n + 1, len(entry)) if entry[k].op.endswith("-done")
-                     and start.name in entry[k].operands), None)
-        if not collectives or done is None:
+    awaited = {name for ins in entry if ins.op.endswith("-done") for name in ins.operands}
+    spans: list[dict] = []            # FIFO on the ICI: begin and end in order
+    by_start: dict[str, dict] = {}
+    clock, ici_free, first_busy = 0.0, 0.0, 0
+
+    def wait_until(end: float) -> None:
+        nonlocal clock, first_busy
+        while first_busy < len(spans) and spans[first_busy]["end"] <= clock:
+            first_busy += 1
+        for span in spans[first_busy:]:
+            if span["begin"] >= end:
+                break
+            span["exposed"] += max(0.0, min(end, span["end"]) - max(clock, span["begin"]))
+        clock = max(clock, end)
+
+    for ins in entry:
+        collectives = _collectives_run_by(module, ins)
+        if collectives:
+            seconds = sum(collective_seconds(hlo.ici_bytes(c)[1], 1, rates)
+                          for _, c in collectives)
+            begin = max(clock, ici_free)
+            ici_free = begin + seconds
+            span = {"collectives": collectives, "seconds": seconds, "begin": begin,
+                    "end": ici_free, "exposed": 0.0}
+            spans.append(span)
+            by_start[ins.name] = span
+            if ins.name not in awaited:               # synchronous: the TensorCore waits
+                wait_until(span["end"])
             continue
-        beside = [i for i in entry[n + 1:done] if i.name not in claimed]
-        claimed.update(i.name for i in beside)
-        kernels = [i.kernel_cost for i in beside if i.is_kernel]
-        out.append({"collectives": collectives, "figures": [
-            1, sum(hlo.ici_bytes(c)[1] for _, c in collectives), len(collectives),
-            sum(i.cycles for i in beside), sum(k[0] for k in kernels), sum(k[1] for k in kernels)]})
-    return out
+        waited = [by_start[o] for o in ins.operands if o in by_start] if ins.op.endswith(
+            "-done") else []
+        for span in waited:
+            wait_until(span["end"])
+        clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates)
+                                          if ins.is_kernel else 0.0)
+    return [{"collectives": span["collectives"], "figures": [
+        1, sum(hlo.ici_bytes(c)[1] for _, c in span["collectives"]), len(span["collectives"]),
+        span["seconds"] - span["exposed"]]} for span in spans]
 
 
 def sum_figures(by_key: dict[Key, PhaseFigures]) -> dict[str, PhaseFigures]:
@@ -248,9 +281,10 @@ def sum_figures(by_key: dict[Key, PhaseFigures]) -> dict[str, PhaseFigures]:
     return out
 
 
-def phase_figures(hlo_text: str) -> dict[str, PhaseFigures]:
+def phase_figures(hlo_text: str, clock_hz: float,
+                  rates: DeviceRates = TPU7X_DEVICE) -> dict[str, PhaseFigures]:
     """Figures per phase of the compiled module `hlo_text`, summed over its layers."""
-    return sum_figures(layer_figures(hlo_text))
+    return sum_figures(layer_figures(hlo_text, clock_hz, rates))
 
 
 def layer_kind(model: ModelConfig, layer: int) -> tuple[str, str]:

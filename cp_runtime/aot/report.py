@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from cp_runtime.aot.phases import layer_figures, sum_figures
+from cp_runtime.aot.roofline import compiler_clock_hz
 from cp_runtime.aot.programs import Program
 
 __all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "format_table",
@@ -94,7 +95,7 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(seconds) if seconds is not None and seconds >= 0 else None,
     )
-    by_layer = layer_figures(compiled.as_text())
+    by_layer = layer_figures(compiled.as_text(), compiler_clock_hz(device))
     out["phases"] = {name: dataclasses.asdict(f) for name, f in sum_figures(by_layer).items()}
     out["layer_phases"] = [{"layer": layer, "phase": name, **dataclasses.asdict(f)}
                            for (layer, name), f in by_layer.items()]
@@ -194,5 +195,5 @@ def format_case(row: dict) -> str:
                  f"{_ms(row['floor_s']):>10} {'':>5} {row['floor_s'] / row['seconds']:>9.2f}")
     if "overlapped_s" in row:
         lines.append(f"overlapped: {_ms(row['overlapped_s'])} ms if each collective ran beside "
-                     "the work the schedule puts between its start and its done (`hidden`)")
+                     "the work the schedule runs while it moves (`hidden`)")
     return "\n".join(lines)

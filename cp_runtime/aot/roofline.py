@@ -19,11 +19,13 @@ Per phase:
                gives no collective time; COLLECTIVE_LATENCY_S is an assumption);
                seconds = tensor_core_s + collective_s (collectives run on the SparseCores and
                may overlap the TensorCore's work; the sum is the bound without overlap)
-    hidden     what of collective_s the compiled schedule has work beside: per async
-               collective, the lesser of its own time and the TensorCore time (priced as
-               above) of the work XLA scheduled between its start and its done (phases'
-               `windows`); overlapped_s = seconds - hidden_s, the estimate if the SparseCores
-               moved the bytes while the TensorCore ran that work, neither slowing the other
+    hidden     what of collective_s the compiled schedule has work beside (phases'
+               `windows`): the entry replayed in its order, the TensorCore running each
+               instruction (priced as above) and one ICI moving the collectives one after
+               another in the order they start; a collective's time is hidden but for the
+               waits of the dones while it moves. overlapped_s = seconds - hidden_s, the
+               estimate if the SparseCores moved the bytes while the TensorCore ran that
+               work, neither slowing the other
     floor      the longest of: flops at the MXU rate of their dtype (fp8 x fp8 at the fp8 rate,
                everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate
     fraction   floor / seconds (1.0: the phase runs at the speed of its own bytes or flops)
@@ -35,6 +37,7 @@ necessary work (fp8 weights read once, say) is the hand model's (`bench tpu_mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +46,8 @@ from jax.sharding import SingleDeviceSharding
 from cp_runtime.aot import hlo
 
 __all__ = ["DeviceRates", "TPU7X_CHIP", "TPU7X_DEVICE", "COLLECTIVE_LATENCY_S", "PhaseTime",
-           "hidden_seconds", "phase_time", "compiler_clock_hz"]
+           "collective_seconds", "kernel_seconds", "hidden_seconds", "phase_time",
+           "compiler_clock_hz"]
 
 TFLOP = 1e12
 # Per chip. Cloud TPU docs, "TPU7x (Ironwood)" (docs.cloud.google.com/tpu/docs/tpu7x): peak
@@ -114,33 +118,36 @@ class PhaseTime:
                 "overlapped_s": self.overlapped_s}
 
 
-def _kernel_s(flops: float, nbytes: float, rates: DeviceRates) -> float:
+def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates) -> float:
+    """A Mosaic call at its roofline: its flops at the bf16 rate or its bytes at HBM rate."""
     return max(flops / rates.bf16_flops, nbytes / rates.hbm_bytes_per_s)
 
 
-def _collective_s(ici_bytes: float, collectives: float, rates: DeviceRates) -> float:
+def collective_seconds(ici_bytes: float, collectives: float, rates: DeviceRates) -> float:
+    """Collectives' time: their bytes at the ICI rate and a latency each."""
     return ici_bytes / rates.ici_bytes_per_s + collectives * rates.collective_latency_s
 
 
-def hidden_seconds(windows, rates: DeviceRates, clock_hz: float) -> float:
-    """Collective time with work beside it (module docstring), over phases' `windows`."""
-    return sum(weight * min(_collective_s(ici, count, rates),
-                            cycles / clock_hz + _kernel_s(kflops, kbytes, rates))
-               for weight, ici, count, cycles, kflops, kbytes in windows)
+def hidden_seconds(windows, rates: DeviceRates) -> float:
+    """Collective time with work beside it (module docstring), over phases' `windows`: each
+    collective's hidden seconds as the timeline found them, at most its time at `rates`."""
+    return sum(weight * min(collective_seconds(ici, count, rates), hidden)
+               for weight, ici, count, hidden in windows)
 
 
 def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
     """The estimate and floor of one phase's figures `f` (cp_runtime.aot.phases.PhaseFigures)."""
     bf16_flops = f.mxu_flops - f.mxu_flops_f8 + f.kernel_flops
     return PhaseTime(
-        xla_s=f.cycles / clock_hz, kernel_s=_kernel_s(f.kernel_flops, f.kernel_bytes, rates),
-        collective_s=_collective_s(f.ici_bytes, f.collectives, rates),
+        xla_s=f.cycles / clock_hz, kernel_s=kernel_seconds(f.kernel_flops, f.kernel_bytes, rates),
+        collective_s=collective_seconds(f.ici_bytes, f.collectives, rates),
         mxu_floor_s=bf16_flops / rates.bf16_flops + f.mxu_flops_f8 / rates.fp8_flops,
         hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
         ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s,
-        hidden_s=hidden_seconds(f.windows, rates, clock_hz))
+        hidden_s=hidden_seconds(f.windows, rates))
 
 
+@functools.lru_cache(maxsize=None)
 def compiler_clock_hz(device) -> float:
     """Cycles per second of the compiler's cost model on `device` (a compile-only TPU device):
     the estimated cycles of a bf16 8192^3 matmul compiled alone over its optimal_seconds."""
