@@ -31,7 +31,8 @@ __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 class Kernels:
     """The per-shard operations, all with the signatures of kernels/reference.py (including the
     `cache_dtype` keyword for caches in storage form); `expert_matmul` None where the model's
-    XLA path runs the experts."""
+    XLA path runs the experts. `indexer_page_scores` also takes `tie` (kernels/indexer.py):
+    arrays tied to its scores, returned beside them."""
 
     name: str
     write_kv: Callable
@@ -40,14 +41,23 @@ class Kernels:
     expert_matmul: Callable | None = None
 
 
-REFERENCE = Kernels("reference", reference.write_kv, reference.indexer_page_scores,
-                    reference.sparse_attention)
+def _tied_after(scores_fn: Callable) -> Callable:
+    """scores_fn taking `tie` as the TPU kernel does: tied to the scores, returned beside them."""
+    @functools.wraps(scores_fn)
+    def scores(*args, tie=None, **kwargs):
+        out = scores_fn(*args, **kwargs)
+        return out if tie is None else jax.lax.optimization_barrier((out, tie))
+    return scores
+
+
+REFERENCE = Kernels("reference", reference.write_kv,
+                    _tied_after(reference.indexer_page_scores), reference.sparse_attention)
 
 BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
 def _xla(num_shards: int) -> Kernels:
-    return Kernels("xla", reference.write_kv, native_indexer.indexer_page_scores,
+    return Kernels("xla", reference.write_kv, _tied_after(native_indexer.indexer_page_scores),
                    functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
 
 
@@ -75,11 +85,11 @@ def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=Non
 QUERY_DTYPE = jnp.bfloat16
 
 
-def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, num_shards: int,
-                   key_block_pages: int, cache_dtype=None, interpret: bool):
+def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, tie=None,
+                   num_shards: int, key_block_pages: int, cache_dtype=None, interpret: bool):
     return indexer.indexer_page_scores(q.astype(QUERY_DTYPE), w,
                                        _values(k_cache, cache_dtype), local_pages, q_pos,
-                                       shard, rotation, num_shards=num_shards,
+                                       shard, rotation, tie, num_shards=num_shards,
                                        key_block_pages=key_block_pages, interpret=interpret)
 
 

@@ -133,10 +133,15 @@ def _visible_blocks(q_pos: jax.Array, first_page: jax.Array, *, num_blocks: int,
 
 @functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "interpret"))
 def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pages: jax.Array,
-                        q_pos: jax.Array, shard: jax.Array, rotation: jax.Array | None = None, *,
-                        num_shards: int, key_block_pages: int,
-                        interpret: bool = False) -> jax.Array:
+                        q_pos: jax.Array, shard: jax.Array, rotation: jax.Array | None = None,
+                        tie=None, *, num_shards: int, key_block_pages: int,
+                        interpret: bool = False):
     """Pallas twin of `reference.indexer_page_scores`; same arguments and result.
+
+    tie: None, or arrays whose producers are to finish beside the kernel: they are tied
+    (`lax.optimization_barrier`) to its output before anything else reads it (the transpose
+    below runs on the SparseCores, which take one operation at a time), and the call returns
+    (scores, tie). cp_runtime.model.halves ties the pages it gathers ahead.
 
     q:           f[B, Q, Hi, Di]   indexer queries (Hi a multiple of 8 on TPU)
     w:           f[B, Q, Hi]       per-head weights
@@ -192,9 +197,11 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
         out_shape=jax.ShapeDtypeStruct((b, nkb, nqb * qb, nb), jnp.float32),
         **call_options("indexer_page_scores", figures, ("parallel", "parallel"), interpret),
     )(pages.reshape(-1), visible.reshape(-1), first_page, q, w, q_pos[..., None], k_cache)
+    if tie is not None:
+        out, tie = lax.optimization_barrier((out, tie))
     # [B, nkb, Qp, nb] -> [B, Qp, nkb * nb] -> [B, Q, M]
-    out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)
-    return out[:, :nq, :m]
+    out = out.transpose(0, 2, 1, 3).reshape(b, nqb * qb, nkb * nb)[:, :nq, :m]
+    return out if tie is None else (out, tie)
 
 
 def _vmem_bytes(qb: int, hi: int, di: int, nb: int, mp: int, ps: int, c: int, qi: int) -> int:

@@ -14,6 +14,7 @@ from cp_runtime.aot import topology
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.model.attention import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
                                         row_attention_mode)
+from cp_runtime.model.halves import AHEAD_LAYERS, layers_gathered_ahead
 from cp_runtime.weights.params import init_params
 
 GLM = load_model_config("glm-5.2")
@@ -160,6 +161,36 @@ def test_two_halves_of_a_chunk_give_the_logits_of_one_pass():
     assert halves_tokens == one_tokens
     with pytest.raises(ConfigError, match="chunk_halves='two' is not one of"):
         RuntimeConfig(chunk_halves="two")
+
+
+def test_pages_gathered_ahead_give_the_logits_of_gathering_them_in_their_layer():
+    """As two halves, a layer with its own indexer gathers the pages of the shared layers
+    after it too (cp_runtime.model.halves, `ShardState.ahead`). tiny's layers are full,
+    shared, full, shared: halves against one pass, 64-row chunks over 16 shards, each device
+    attending every head of its 4 rows; bound as above, measured 3.6e-7 (a page gathered
+    from the wrong layer: 0.38)."""
+    tiny = load_model_config("tiny")
+    logits = {}
+    for halves in ("on", "off"):
+        engine = make_engine(tiny, init_params(tiny, seed=0), kv_cache_dtype="fp8_e4m3",
+                             num_shards=16, pages_per_shard=4, page_size=16, chunk_size=64,
+                             weights="sharded", attention="gather_kv", row_attention="weights",
+                             chunk_halves=halves)
+        s = engine.create_session()
+        logits[halves] = engine.extend(s.id, random_tokens(tiny, 200, seed=3), all_logits=True)
+    assert np.isfinite(logits["on"]).all()
+    assert rel_l2(logits["on"], logits["off"]) <= 1e-5
+
+
+def test_each_full_layer_gathers_its_own_and_the_next_shared_layers_pages_ahead():
+    """GLM-5.2's indexers (layers 0-3, then every fourth to 71): layer 3 gathers 3-6, the
+    last full layer 71-74 (AHEAD_LAYERS), a shared layer none."""
+    assert layers_gathered_ahead(GLM, 0) == (0,)
+    assert layers_gathered_ahead(GLM, 3) == (3, 4, 5, 6)
+    assert layers_gathered_ahead(GLM, 71) == tuple(range(71, 71 + AHEAD_LAYERS))
+    assert layers_gathered_ahead(GLM, 5) == ()
+    ahead = {layer for full in GLM.full_layers for layer in layers_gathered_ahead(GLM, full)}
+    assert sorted(set(range(GLM.num_hidden_layers)) - ahead) == [75, 76, 77]
 
 
 def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():

@@ -144,12 +144,18 @@ class ShardState:
 
     every: gather_kv's gathered pages T[S * (B * M/S + 1), ps, D_lat] of the layer just run,
     with its rows written, where a second half of the chunk's rows attends them next in the
-    same layer (`ShardAttention.hands_over`, cp_runtime.model.halves); None otherwise."""
+    same layer (`ShardAttention.hands_over`, cp_runtime.model.halves); None otherwise.
+    ahead: `every_page`'s pages of coming layers, gathered ahead by cp_runtime.model.halves,
+    as (layer, pages) pairs; a layer found there attends them instead of gathering its own.
+    tie_ahead: the layers among `ahead` whose gathers this call's indexer kernel is to run
+    beside (`indexer_page_scores`' `tie`)."""
 
     latent: tuple[jax.Array, ...]    # T[P + 1, ps, D_lat] per layer
     indexer: tuple[jax.Array, ...]   # T[P + 1, ps, D_idx] per full layer
     selection: jax.Array | None
     every: jax.Array | None = None
+    ahead: tuple[tuple[int, jax.Array], ...] = ()
+    tie_ahead: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,23 +224,39 @@ class ShardAttention:
                                          slots.reshape(-1), offsets.reshape(-1),
                                          cache_dtype=cache_dtype, max_tiles=max_tiles)
 
-    def _select(self, icache: jax.Array, index: IndexerInputs) -> jax.Array:
+    def _select(self, icache: jax.Array, index: IndexerInputs, tie=None):
+        """The selection i32[B, Q, K]; with `tie` (arrays, kernels/indexer.py), (selection,
+        tie) where tie waited on the indexer kernel."""
         k = self.model.index_topk // self.page_size
         with phase("indexer"):
             scores = self.kernels.indexer_page_scores(
                 index.q, index.w, icache, self.local_table, self.pos, self.shard, self.rotation,
                 num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
-                cache_dtype=self.pool.indexer_dtype)
+                cache_dtype=self.pool.indexer_dtype, tie=tie)
+        if tie is not None:
+            scores, tie = scores
         with phase("selection"):
             cand_scores, cand_pages = local_candidates(
                 scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
                 page_size=self.page_size, k=k)
-            return global_top_pages(cand_scores, cand_pages, k=k, axis_name=self.axis_name,
-                                    gathers=self.runtime.gathers)
+            selection = global_top_pages(cand_scores, cand_pages, k=k,
+                                         axis_name=self.axis_name, gathers=self.runtime.gathers)
+        return selection if tie is None else (selection, tie)
+
+    def _select_beside_gathers(self, icache: jax.Array, index: IndexerInputs,
+                               state: ShardState) -> tuple[jax.Array, ShardState]:
+        """`_select`, its indexer kernel beside the gathers of `state.tie_ahead`."""
+        if not state.tie_ahead:
+            return self._select(icache, index), state
+        ahead = dict(state.ahead)
+        tied = {layer: ahead[layer] for layer in state.tie_ahead}
+        selection, tied = self._select(icache, index, tie=tied)
+        ahead.update(tied)
+        return selection, dataclasses.replace(state, ahead=tuple(ahead.items()), tie_ahead=())
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
-        latent = list(state.latent)
+        latent, every_in = list(state.latent), state.every
         gather_q = self.chosen_layout(latent[layer]) == "gather_q"
         if gather_q and self.ws.rows_split:
             raise ValueError("the rows are split only where the step runs gather_kv "
@@ -251,25 +273,30 @@ class ShardAttention:
             slot = self.model.indexer_slot(layer)
             indexer = list(indexer)
             indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
-            selection = self._select(indexer[slot], index)
+            selection, state = self._select_beside_gathers(indexer[slot], index, state)
             if self.hands_over:      # the next half's write waits for this half's scores:
                 # else XLA copies the whole block first (207 MB a GLM-5.2 layer on tpu7x-16)
                 indexer[slot], selection = lax.optimization_barrier((indexer[slot], selection))
             indexer = tuple(indexer)
         pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
+        state = dataclasses.replace(state, latent=tuple(latent), indexer=indexer,
+                                    selection=selection, every=None)
         if gather_q:
-            out = self._attend_own_pages(q_row, latent[layer], pages, project)
-            return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
-        every = self._every_page(before) if state.every is None else state.every
+            return self._attend_own_pages(q_row, latent[layer], pages, project), state
+        every = self._gathered_pages(layer, before, state) if every_in is None else every_in
         every = self._write_every(every, kv_row)
         out = self._attend_every_page(q_row, every, pages, project)
         if not self.hands_over:
-            return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection)
+            return out, state
         # Without the tie XLA cannot order the next half's in-place write after this half's
         # kernel reads of the same pages, and copies them first (0.7 GB a layer at 1M).
         every, out = lax.optimization_barrier((every, out))
-        return out, ShardState(latent=tuple(latent), indexer=indexer, selection=selection,
-                               every=every)
+        return out, dataclasses.replace(state, every=every)
+
+    def _gathered_pages(self, layer: int, before: jax.Array, state: ShardState) -> jax.Array:
+        """`every_page`'s pages of `layer`: those gathered ahead, else gathered now."""
+        ahead = dict(state.ahead).get(layer)
+        return self.every_page(before) if ahead is None else ahead
 
     def splits_rows(self, cache: jax.Array) -> bool:
         """Whether the step splits its residual stream by row (runtime field `residual`,
@@ -319,7 +346,7 @@ class ShardAttention:
             return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
                                 self.runtime.gathers)
 
-    def _every_page(self, before: jax.Array) -> jax.Array:
+    def every_page(self, before: jax.Array) -> jax.Array:
         """gather_kv: the pages of the rows' tables from every shard.
 
         before: this shard's cache T[P + 1, ps, D] as the step found it
@@ -329,9 +356,10 @@ class ShardAttention:
         The pages are gathered from the cache before this layer's write, which the step's
         inputs alone determine, and the step's rows are written into the gathered copy after
         (`_write_every`): nothing of the layer's own work comes before the all-gather, so XLA
-        may issue it early. Whether it does is XLA's choice: a 1M-token prompt's last chunk,
-        compiled now, starts it after the indexer's kernel, with almost nothing beside it
-        (docs/performance.md, "What the schedule leaves exposed").
+        may issue it early. Left to XLA:TPU, a 1M-token prompt's last chunk starts it after
+        the indexer's kernel, with almost nothing beside it (docs/performance.md, "What the
+        schedule leaves exposed"); a chunk run as two halves gathers it ahead, beside the
+        indexer kernels (cp_runtime.model.halves, `ShardState.ahead`).
         """
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]
@@ -340,7 +368,7 @@ class ShardAttention:
 
     def _write_every(self, every: jax.Array, kv_row: jax.Array) -> jax.Array:
         """The step's rows kv_row f[B, Q, D] (every shard holds them all) written into
-        `_every_page`'s pages, in place."""
+        `every_page`'s pages, in place."""
         with phase("cache_write"):
             page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
             b, q = self.pos.shape
@@ -352,7 +380,7 @@ class ShardAttention:
                 cache_dtype=self.pool.latent_dtype, max_tiles=max_tiles)
 
     def _every_slot(self, pages: jax.Array, every_pages: int) -> jax.Array:
-        """Where logical pages i32[B, ...] sit among `_every_page`'s pages: the owner's block,
+        """Where logical pages i32[B, ...] sit among `every_page`'s pages: the owner's block,
         row b's table in it, the local page; -1 pages at the last (discard) page."""
         b, m_local = self.local_table.shape
         rot = self.rotation.reshape((b,) + (1,) * (pages.ndim - 1))
@@ -364,7 +392,7 @@ class ShardAttention:
 
     def _attend_every_page(self, q_row, every, pages, project) -> jax.Array:
         """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of
-        `_every_page`'s pages; the heads' projections joined by a psum (into each row's
+        `every_page`'s pages; the heads' projections joined by a psum (into each row's
         device where the rows are split, which may attend them there: `_attend_own_rows`).
         With the weights gathered whole (`rows_attend` "weights"), q_row is every head of
         this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole."""
@@ -398,7 +426,7 @@ class ShardAttention:
 
     def row_mode(self, head_weight_bytes: int, dequantised_elements: int) -> str:
         """`row_attention_mode` for this step, where its rows are split, over the pages
-        `_every_page` gathers; head_weight_bytes: this shard's q_b, kv_b and o_proj of a
+        `every_page` gathers; head_weight_bytes: this shard's q_b, kv_b and o_proj of a
         layer, with their scales; dequantised_elements: the values of those weights, whole,
         that XLA would dequantise."""
         b, q = self.pos.shape
@@ -415,7 +443,7 @@ class ShardAttention:
             dequantised_elements=dequantised_elements)
 
     def _every_page_attention(self, q, every, slots, pages, pos) -> jax.Array:
-        """The sparse kernel over `_every_page`'s pages: q f[B', Q', h, D], slots and pages
+        """The sparse kernel over `every_page`'s pages: q f[B', Q', h, D], slots and pages
         i32[B', Q', K + 1], pos i32[B', Q'] -> o f32[B', Q', h, V]."""
         with phase("sparse_attention"):
             o, _ = self._every_page_kernels.sparse_attention(

@@ -22,6 +22,16 @@ keeps the collective in flight across it:
 Left to itself (the same halves, untied) the scheduler hid 21.8 of those 103 ms. The price:
 every weight of a layer is read twice, by kernels of half the rows. The values are the
 unsplit step's: each row's math is the same, and B sees A's rows as it would in one pass.
+
+The pages' all-gather of a layer (gather_kv: the pages as the step found them, `ShardAttention.
+every_page`) depends on nothing the step computes, and at a million tokens it is the largest
+collective left: 2.1 ms a GLM-5.2 layer, which XLA:TPU issued after the layer's indexer kernel
+with almost nothing beside it. So at each layer with its own indexer, the pages of that layer
+and of the shared layers after it (at most AHEAD_LAYERS in all) are gathered up front and
+tied to the two halves' indexer kernels, alternately: A's kernel runs beside the gathers of
+the first, third, ... of them, B's beside the second, fourth, ... (`ShardState.ahead`). The
+indexer's cost grows with the context as the pages' gather does, so a 16K chunk's half-kernel
+(4.2 ms at 1M) outlasts two gathers at every length, an 8K chunk's one.
 """
 
 from __future__ import annotations
@@ -40,7 +50,12 @@ from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["forward_in_halves", "halves_fit"]
+__all__ = ["forward_in_halves", "halves_fit", "AHEAD_LAYERS", "layers_gathered_ahead"]
+
+# Layers whose pages a layer with its own indexer gathers ahead, itself included: two beside
+# each half's indexer kernel. Each costs its gathered buffer (656 MB a GLM-5.2 layer a device
+# at 1M tokens) from there to its own layer.
+AHEAD_LAYERS = 4
 
 
 def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
@@ -48,6 +63,29 @@ def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
     evenly over the shards."""
     b, q = rows_shape
     return q % 2 == 0 and (b * q // 2) % num_shards == 0
+
+
+def layers_gathered_ahead(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+    """The layers whose pages `layer` gathers ahead: itself and the shared layers after it,
+    at most AHEAD_LAYERS; none where it has no indexer of its own."""
+    if cfg.indexer_types[layer] != "full":
+        return ()
+    group = [layer]
+    while (len(group) < AHEAD_LAYERS and group[-1] + 1 < cfg.num_hidden_layers
+           and cfg.indexer_types[group[-1] + 1] != "full"):
+        group.append(group[-1] + 1)
+    return tuple(group)
+
+
+def _gather_ahead(cfg: ModelConfig, layer: int, attend: Any, state: Any) -> Any:
+    """`state` with the pages of `layers_gathered_ahead(layer)` gathered by `attend` (a
+    ShardAttention), each under its own layer's scope, to be tied to the halves' indexer
+    kernels (module docstring)."""
+    ahead = []
+    for later in layers_gathered_ahead(cfg, layer):
+        with layer_scope(later):
+            ahead.append((later, attend.every_page(state.latent[later])))
+    return dataclasses.replace(state, ahead=tuple(ahead))
 
 
 def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
@@ -71,11 +109,15 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
     selection = [None, None]
     b_partial = None                  # B's MLP sums of the layer before, not yet joined
     for layer in range(cfg.num_hidden_layers):
+        ahead_here = bool(layers_gathered_ahead(cfg, layer))
+        if ahead_here:
+            state = _gather_ahead(cfg, layer, attends[0], state)
         with layer_scope(layer):
             p = attention_weights(layer_params(params, layer), cfg, ws)    # gathered once
 
             def attention(i: int, state):
-                state = dataclasses.replace(state, selection=selection[i],
+                tie = tuple(later for later, _ in state.ahead[i::2]) if ahead_here else ()
+                state = dataclasses.replace(state, selection=selection[i], tie_ahead=tie,
                                             every=state.every if i else None)
                 out, state = attention_block(p, cfg, layer, x[i], pos_of[i], attends[i],
                                              state, ws)
