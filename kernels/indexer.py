@@ -139,9 +139,10 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     """Pallas twin of `reference.indexer_page_scores`; same arguments and result.
 
     tie: None, or arrays whose producers are to finish beside the kernel: they are tied
-    (`lax.optimization_barrier`) to its output before anything else reads it (the transpose
-    below runs on the SparseCores, which take one operation at a time), and the call returns
-    (scores, tie). cp_runtime.model.halves ties the pages it gathers ahead.
+    (`lax.optimization_barrier`) to its output before anything else reads it (XLA:TPU runs
+    the transpose below on the SparseCores and kept no offloaded collective in flight across
+    it), and the call returns (scores, tie). cp_runtime.model.halves ties the pages it
+    gathers ahead.
 
     q:           f[B, Q, Hi, Di]   indexer queries (Hi a multiple of 8 on TPU)
     w:           f[B, Q, Hi]       per-head weights
