@@ -367,7 +367,9 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     heads' reduce-scatter    the heads' projections summed into each device's R/S rows:
                              (S-1)/S R hid w
     MLP all-gather +         the MLP's normed input to every device and its sums back:
-      reduce-scatter         2 (S-1)/S R hid w; 2 collectives
+      reduce-scatter         2 (S-1)/S R hid w; 2 collectives. With fp8 rows (--mlp-rows):
+                             (S-1)/S R (hid + 4 (1 + [MoE] 2k)) + (S-1)/S R hid w, the rows'
+                             values, their scales and routing (f32) in a third collective
     q_lora all-gather        each device's rows of q_lora: (S-1)/S R q_lora w
     row features all-gather  the cached latent row, and (full layers) the indexer's key and
                              head weights, in f32 (they feed the cache and the selection):
@@ -416,10 +418,23 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
         terms.append(Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
                           collectives=1))
     return terms + [
-        Term("MLP all-gather + reduce-scatter",
-             ici_bytes=2 * one_way * rows * model.hidden_size * w, collectives=2),
+        _mlp_rows_collectives(model, hw, setup, kind, rows),
         Term("row features all-gather", ici_bytes=one_way * rows * features * 4,
              collectives=1)]
+
+
+def _mlp_rows_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: str,
+                          rows: int) -> Term:
+    """The split rows' MLP: its input all-gathered (on the wire, or as fp8 values beside each
+    row's f32 scale and, in MoE layers, its k experts and weights) and its sums
+    reduce-scattered on the wire."""
+    one_way, hid, w = (hw.devices - 1) / hw.devices, model.hidden_size, setup.wire_bytes
+    if setup.mlp_rows != "fp8":
+        return Term("MLP all-gather + reduce-scatter", ici_bytes=2 * one_way * rows * hid * w,
+                    collectives=2)
+    side = 1 + (2 * model.num_experts_per_tok if _is_moe(kind) else 0)
+    return Term("MLP all-gather + reduce-scatter",
+                ici_bytes=one_way * rows * (hid + 4 * side + hid * w), collectives=3)
 
 
 # The head-split weights' gathers a layer, as the compiled step issues them: q_b and kv_b, o_proj,

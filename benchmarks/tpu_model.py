@@ -227,6 +227,9 @@ def build_parser() -> BenchmarkParser:
                    help="activations on the interconnect (q heads, indexer q, merge partials, "
                         "all-reduces, the designs' all-to-alls); f32 is what the runtime sends "
                         "on the CPU, bf16 near what it sends on a TPU")
+    p.add_argument("--mlp-rows", choices=("wire", "fp8"), default="wire",
+                   help="how gather_kv's split rows reach the MLP: on the wire, or as fp8 "
+                        "values with a scale a row (the runtime's choice on a TPU)")
     p.add_argument("--prefill-design", choices=DESIGNS, default="gather_q",
                    help="how a prefill chunk is split over the devices for the summary and "
                         "term tables: gather_q (every head of q to the pages), gather_kv (the "
@@ -371,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
                   chunk_size=args.chunk_size, weight_bytes=1 if args.weight_dtype == "fp8" else 2,
                   prefill_union=args.prefill_union, wire_bytes=WIRE_BYTES[args.wire_dtype],
-                  prefill_design=args.prefill_design, row_attention=args.row_attention)
+                  prefill_design=args.prefill_design, row_attention=args.row_attention,
+                  mlp_rows=args.mlp_rows)
     results = [evaluate(model, hw, setup, c)
                for c in scenarios(args.prefill_lengths, args.contexts, args.batches)]
     longest = max(args.prefill_lengths)

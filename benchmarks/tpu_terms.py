@@ -139,7 +139,8 @@ class Setup:
     CPU; 2: bf16, near what it sends on a TPU. prefill_design: how a prefill chunk's work is
     split over the devices (DESIGNS; benchmarks/tpu_designs.py's docstring); decode always
     runs `gather_q`. row_attention: how gather_kv's split rows attend (the runtime field's
-    modes; auto decides as the runtime does).
+    modes; auto decides as the runtime does). mlp_rows: how gather_kv's split rows reach the
+    MLP (RuntimeConfig.mlp_rows: "fp8" on a TPU).
     """
 
     kv_cache_dtype: str = "fp8_e4m3"
@@ -150,6 +151,7 @@ class Setup:
     query_block: int = RuntimeConfig.query_block
     prefill_union: float = 2.0                 # a query block's union of pages, in units of N
     wire_bytes: int = 4                        # f32 activations on the ICI (the program's now)
+    mlp_rows: str = "wire"                     # a split chunk's MLP rows: "wire" or "fp8"
     prefill_design: str = "gather_q"
     row_attention: str = "auto"                # gather_kv's split rows: RuntimeConfig's field
 
@@ -159,6 +161,8 @@ class Setup:
         if self.row_attention not in ROW_ATTENTION_MODES:
             raise ValueError(f"row_attention {self.row_attention!r}: not one of "
                              f"{ROW_ATTENTION_MODES}")
+        if self.mlp_rows not in ("wire", "fp8"):
+            raise ValueError(f"mlp_rows {self.mlp_rows!r}: not wire or fp8")
         if self.wire_bytes not in WIRE_BYTES.values():
             raise ValueError(f"wire_bytes {self.wire_bytes}: not one of "
                              f"{sorted(WIRE_BYTES.values())} (bf16, f32)")

@@ -45,6 +45,7 @@ ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
 # Whether a chunk's rows run as two interleaved halves (cp_runtime.model.halves).
 CHUNK_HALVES = ("auto", "on", "off")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
+MLP_ROWS_CHOICES = ("auto", "wire", "fp8")
 # How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
 TPU_SCHEDULES = ("overlap", "xla")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
@@ -298,6 +299,12 @@ class RuntimeConfig:
     # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
     # f32 elsewhere (the CPU path stays the exact reference).
     wire_dtype: str = "auto"
+    # How a prefill chunk's MLP rows are gathered and read where the residual stream is split
+    # by row (`residual`): "fp8", as e4m3 values with one f32 scale a row, half the bytes of
+    # bf16 on the interconnect and into the experts' kernel (each row routed before it is
+    # rounded; cp_runtime.model.fp8_rows); "wire", in wire_dtype; "auto", fp8 on a TPU and wire
+    # elsewhere (the CPU path stays the exact reference). Decode steps' rows are not split.
+    mlp_rows: str = "auto"
     # How XLA:TPU schedules a step: "overlap", with its scheduler's memory-pressure tracking
     # off, so collectives and SparseCore transfers run beside compute although the pool fills
     # HBM (whether the program fits is still the compiler's own check); "xla", XLA's default,
@@ -380,6 +387,8 @@ class RuntimeConfig:
         if self.chunk_halves not in CHUNK_HALVES:
             raise ConfigError(f"chunk_halves={self.chunk_halves!r} is not one of "
                               f"{CHUNK_HALVES}")
+        if self.mlp_rows not in MLP_ROWS_CHOICES:
+            raise ConfigError(f"mlp_rows={self.mlp_rows!r} is not one of {MLP_ROWS_CHOICES}")
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")

@@ -15,7 +15,12 @@ from jax.experimental.pallas import tpu as pltpu
 from cp_runtime.kernels.packing import interpret_params
 from cp_runtime.kernels.vmem import vmem_limit_bytes
 
-__all__ = ["call_options", "cost_estimate"]
+__all__ = ["call_options", "cost_estimate", "FP8_MXU_SUFFIX"]
+
+# A kernel whose matmuls multiply fp8 by fp8 carries this at the end of its name: its estimate's
+# flops run at the MXU's fp8 rate, which the compiler's figures read from the name
+# (cp_runtime.aot.hlo, `Instruction.fp8_mxu`).
+FP8_MXU_SUFFIX = "_fp8"
 
 
 def cost_estimate(figures: dict) -> pl.CostEstimate:
@@ -26,12 +31,14 @@ def cost_estimate(figures: dict) -> pl.CostEstimate:
                            bytes_accessed=int(figures["bytes"]))
 
 
-def call_options(name: str, figures: dict, semantics: tuple[str, ...], interpret) -> dict:
+def call_options(name: str, figures: dict, semantics: tuple[str, ...], interpret, *,
+                 fp8_mxu: bool = False) -> dict:
     """The keywords every kernel's `pallas_call` takes: the grid's dimension semantics and a
     VMEM limit from its cost() figures (`vmem_bytes`), their cost estimate, interpret mode
-    (packing.interpret_params) and the kernel's name."""
+    (packing.interpret_params) and the kernel's name (with FP8_MXU_SUFFIX where `fp8_mxu`:
+    its flops are fp8 x fp8 products)."""
     return dict(compiler_params=pltpu.CompilerParams(
                     dimension_semantics=semantics,
                     vmem_limit_bytes=vmem_limit_bytes(figures["vmem_bytes"])),
                 cost_estimate=cost_estimate(figures), interpret=interpret_params(interpret),
-                name=name)
+                name=name + (FP8_MXU_SUFFIX if fp8_mxu else ""))

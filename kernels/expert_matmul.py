@@ -25,25 +25,28 @@ are its largest operand).
 Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs` in
 cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
+fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.model.fp8_rows) are read at half the
+bytes of bf16 ones and widened in VMEM; a row's scale multiplies each of its sums once.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
         (`plan_visits`; `visit_plan` is its XLA twin);
-        rows bf16[tm, K] by the visit's tile, weight f8[K, tn] by its group (VMEM), scales
-        f32[K / ga, tn / gb, E] of every group by the column tile (SMEM: fetched once a column
-        tile), output [tm, tn] by its tile (f32, or bf16 with `out_dtype`: each row's f32 sum
+        rows bf16[tm, K] (or fp8, with their scales f32[tm, 1]) by the visit's tile, weight
+        f8[K, tn] by its group (VMEM), scales f32[K / ga, tn / gb, E] of every group by the
+        column tile (SMEM: fetched once a column tile), output [tm, tn] by its tile (f32, or bf16 with `out_dtype`: each row's f32 sum
         rounded once, as the MoE's down projection writes its [T k, hidden] products). The
         scales go in with the experts last: stored [E, K / ga, M / gb], a device's
         [256, 48, 1] (GLM-5.2's gate and up on 16 devices) is laid out by XLA:TPU with the
         experts innermost, and XLA copied it into the kernel's row-major layout before every
         call (10 us a MoE layer in the compiler's figures); the transposed view is that
         layout as it lies.
-VMEM:   2 * (tm * K * 2 + W * K * tn * w + tm * tn * o)    (double-buffered blocks; o the
-                                                           output's bytes a value)
+VMEM:   2 * (tm * K * r + W * K * tn * w + tm * tn * o)    (double-buffered blocks; r, o the
+                                                           rows' and output's bytes a value)
         + W * tm * tn * 4                                  (the accumulators)
 Per call (upper bound: every visit a whole tile; min(E, N) experts read; W weights, 2 gated):
         flops = 2 * V * tm * K * M * W
-        bytes = (M / tn) * N' * K * 2 + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
+        bytes = (M / tn) * N' * (K * r [+ 4 fp8 rows' scales])
+                + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
                 + N' * M * o                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
 grid has (M / tn) * V steps, about 500 for an 8K-token chunk of GLM-5.2, 8 for a decode step.
@@ -70,21 +73,23 @@ __all__ = ["grouped_matmul", "visit_plan", "plan_visits", "visits_bound", "row_t
            "column_tile", "supports", "cost"]
 
 ROW_TILE = 256                  # rows per m-tile at most (`row_tile`)
-ROW_ALIGN = 16                  # bf16 rows per sublane tile
+ROW_ALIGN = 16                  # bf16 rows per sublane tile (fp8: 32, `row_tile`)
 WEIGHT_BLOCK_BYTES = 2 << 20    # a weight block [K, tn] of at most this many bytes
 
 
-def row_tile(num_rows: int, num_groups: int) -> int:
+def row_tile(num_rows: int, num_groups: int, row_itemsize: int = 2) -> int:
     """tm: about the rows a group has when the rows spread over every group they can reach (a
     power of two, ROW_ALIGN to ROW_TILE). Each visit computes a whole tile, so a tile much
     taller than a group wastes the MXU on masked rows: a decode step's 256 rows over 256
     experts would compute 256 x 256 rows in tiles of 256, 16 x 271 in tiles of 16. Fewer
-    rows than ROW_ALIGN are one tile of the next power of two (a block as tall as the array
-    needs no padding: a B = 1 decode step's 8 rows go in as they are)."""
-    if num_rows < ROW_ALIGN:
+    rows than a sublane tile are one tile of the next power of two (a block as tall as the
+    array needs no padding: a B = 1 decode step's 8 rows go in as they are). A sublane tile
+    holds ROW_ALIGN bf16 rows, twice as many fp8 ones (row_itemsize 1)."""
+    align = ROW_ALIGN * 2 // row_itemsize
+    if num_rows < align:
         return 1 << (max(num_rows, 1) - 1).bit_length()
     per_group = cdiv(max(num_rows, 1), max(min(num_groups, num_rows), 1))
-    return min(ROW_TILE, max(ROW_ALIGN, 1 << (per_group - 1).bit_length()))
+    return min(ROW_TILE, max(align, 1 << (per_group - 1).bit_length()))
 
 
 def column_tile(k: int, m: int, gb: int, itemsize: int) -> int:
@@ -209,30 +214,41 @@ def plan_visits(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int, 
 
 
 def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
-         w_itemsize: int = 1, weights: int = 1, out_itemsize: int = 4) -> dict:
+         w_itemsize: int = 1, weights: int = 1, out_itemsize: int = 4,
+         row_itemsize: int = 2) -> dict:
     """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring), with
-    `weights` weights of w_shape (2: gated) and outputs of `out_itemsize` bytes."""
+    `weights` weights of w_shape (2: gated), outputs of `out_itemsize` bytes and rows of
+    `row_itemsize` (1: fp8 rows, each with its f32 scale)."""
     e, k, m = w_shape
     ga, gb = k // s_shape[-2], m // s_shape[-1]
-    tm = row_tile(num_rows, e)
+    tm = row_tile(num_rows, e, row_itemsize)
     rows = cdiv(num_rows, tm) * tm
     tn = column_tile(k, m, gb, w_itemsize)
     visits = visits_bound(rows, e, tm)
     read = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
-    vmem = (2 * (tiled_bytes((tm, k), 2) + weights * tiled_bytes((k, tn), w_itemsize)
-                 + tiled_bytes((tm, tn), out_itemsize)) + weights * tiled_bytes((tm, tn), 4))
+    row_bytes = k * row_itemsize + (4 if row_itemsize == 1 else 0)
+    vmem = (2 * (tiled_bytes((tm, k), row_itemsize) + weights * tiled_bytes((k, tn), w_itemsize)
+                 + tiled_bytes((tm, tn), out_itemsize)) + weights * tiled_bytes((tm, tn), 4)
+            + (2 * tiled_bytes((tm, 1), 4) if row_itemsize == 1 else 0))
     return {"flops": 2 * visits * tm * k * m * weights,
-            "bytes": (m // tn) * rows * k * 2 + weights * read + rows * m * out_itemsize,
+            "bytes": (m // tn) * rows * row_bytes + weights * read + rows * m * out_itemsize,
             "vmem_bytes": vmem,
             "transcendentals": visits * tm * m if weights > 1 else 0}
 
 
+def fp8_mxu(rows_dtype, w_dtype) -> bool:
+    """Whether the MXU multiplies rows and weights of these dtypes as they are, in fp8 (both
+    e4m3: rows scaled by row, `row_scales`), rather than widened to bf16."""
+    return jnp.dtype(rows_dtype) == jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
 def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
-            rows_ref,                                        # [tm, K] bf16
-            *refs):
-    """refs: per weight (one; two when gated) its block w [K, tn] fp8 (or any float) and
-    scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn] (f32 or bf16) and an accumulator
-    [tm, tn] f32 scratch per weight."""
+            rows_ref,                                        # [tm, K] bf16 or fp8
+            *refs, scaled_rows: bool):
+    """refs: with scaled_rows, the rows' scales [tm, 1] f32 first; per weight (one; two when
+    gated) its block w [K, tn] fp8 (or any float) and scales [K / ga, tn / gb, E] f32 SMEM;
+    then out [tm, tn] (f32 or bf16) and an accumulator [tm, tn] f32 scratch per weight."""
+    row_scales_ref, refs = (refs[0], refs[1:]) if scaled_rows else (None, refs)
     n_w = (len(refs) - 1) // 3
     weights, out_ref, accs = refs[:2 * n_w], refs[2 * n_w], refs[2 * n_w + 1:]
     v = pl.program_id(1)
@@ -252,16 +268,19 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
             n0 = pl.multiple_of(nr * gb, gb)
             x = rows_ref[:, pl.ds(k0, ga)]
             for w_ref, s_ref, acc_ref in zip(weights[::2], weights[1::2], accs):
-                w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)].astype(jnp.bfloat16)
+                w = w_ref[pl.ds(k0, ga), pl.ds(n0, gb)]
+                if not fp8_mxu(x.dtype, w.dtype):      # else fp8 x fp8 products, exact in f32
+                    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
                 part = jnp.dot(x, w, preferred_element_type=jnp.float32)
                 acc_ref[:, pl.ds(n0, gb)] += part * s_ref[kr, nr, g]
             return carry
 
         jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
-        if n_w == 1:
-            result = accs[0][...]
-        else:
-            result = jax.nn.silu(accs[0][...]) * accs[1][...]
+        # A row's scale multiplies every product of its row, so it is applied once, to the
+        # sums, before the gate's nonlinearity.
+        sums = [acc[...] if row_scales_ref is None else acc[...] * row_scales_ref[...]
+                for acc in accs]
+        result = sums[0] if n_w == 1 else jax.nn.silu(sums[0]) * sums[1]
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
@@ -275,10 +294,13 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes: jax.Array,
                    *, up: tuple[jax.Array, jax.Array] | None = None,
-                   out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
+                   out_dtype=jnp.float32, row_scales: jax.Array | None = None,
+                   interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.grouped_matmul`.
 
-    rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input)
+    rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input), or f8[N, K]
+                                  with row_scales, read as fp8 (half the bytes of bf16) and
+                                  widened in VMEM
     w:           f8[E, K, M]      (or any float dtype) one weight per group
     scales:      f32[E, K/ga, M/gb] block scales of w
     group_sizes: i32[E]           rows of each group, in order; rows past their sum are not
@@ -289,9 +311,14 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
                  products never leave VMEM)
     out_dtype:   f32, or bf16 to halve the output's HBM writes (each row's f32 sum rounded
                  once, as it leaves VMEM)
+    row_scales:  f32[N, 1] or None: fp8 rows' scales, row r standing for rows[r] * row_scales[r]
+                 (each row's sums are scaled once, before the gate's nonlinearity)
     returns:     out_dtype[N, M]
     """
     n, k = rows.shape
+    if row_scales is not None and (rows.dtype.itemsize != 1 or row_scales.shape != (n, 1)):
+        raise ValueError(f"scaled rows must be fp8 [N, K] with scales [N, 1]: got rows "
+                         f"{rows.dtype}{list(rows.shape)}, scales {list(row_scales.shape)}")
     e, kw, m = w.shape
     if kw != k or scales.shape[0] != e or m % scales.shape[-1] or k % scales.shape[-2]:
         raise ValueError(f"rows {rows.shape}, weights {w.shape} and scales {scales.shape} do "
@@ -301,14 +328,21 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
         raise ValueError(f"up {up[0].shape} / {up[1].shape} is not shaped as the gate "
                          f"{w.shape} / {scales.shape}")
     gb = m // scales.shape[-1]
-    tm = row_tile(n, e)
+    row_itemsize = 2 if row_scales is None else 1
+    tm = row_tile(n, e, row_itemsize)
     m_tiles = cdiv(n, tm)
     tn = column_tile(k, m, gb, w.dtype.itemsize)
     num_visits = visits_bound(m_tiles * tm, e, tm)
-    padded = jnp.pad(rows.astype(jnp.bfloat16), ((0, m_tiles * tm - n), (0, 0)))
+    pad = ((0, m_tiles * tm - n), (0, 0))
+    row_operands = [jnp.pad(rows if row_scales is not None else rows.astype(jnp.bfloat16), pad)]
+    padded_rows_dtype = row_operands[0].dtype
+    row_specs = [pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0))]
+    if row_scales is not None:
+        row_operands.append(jnp.pad(row_scales.astype(jnp.float32), pad))
+        row_specs.append(pl.BlockSpec((tm, 1), lambda j, v, g, t, *_: (t[v], 0)))
     plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
     figures = cost(n, w.shape, scales.shape, w.dtype.itemsize, weights=len(pairs),
-                   out_itemsize=jnp.dtype(out_dtype).itemsize)
+                   out_itemsize=jnp.dtype(out_dtype).itemsize, row_itemsize=row_itemsize)
     weight_specs = [
         pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
         pl.BlockSpec((scales.shape[1], tn // gb, e), lambda j, v, g, t, *_: (0, j, 0),
@@ -317,15 +351,15 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     operands = [a for pw, ps in pairs
                 for a in (pw, jnp.transpose(ps.astype(jnp.float32), (1, 2, 0)))]
     out = pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, scaled_rows=row_scales is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(m // tn, num_visits),
-            in_specs=[pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0)),
-                      *weight_specs * len(pairs)],
+            in_specs=[*row_specs, *weight_specs * len(pairs)],
             out_specs=pl.BlockSpec((tm, tn), lambda j, v, g, t, *_: (t[v], j)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)] * len(pairs)),
         out_shape=jax.ShapeDtypeStruct((m_tiles * tm, m), out_dtype),
-        **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret),
-    )(*plan, padded, *operands)
+        **call_options("expert_grouped_matmul", figures, ("parallel", "arbitrary"), interpret,
+                       fp8_mxu=fp8_mxu(padded_rows_dtype, w.dtype)),
+    )(*plan, *row_operands, *operands)
     return out[:n]

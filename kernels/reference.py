@@ -210,8 +210,8 @@ def dequantize(w: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
-                   group_sizes: jax.Array, *, up: tuple[jax.Array, jax.Array] | None = None
-                   ) -> jax.Array:
+                   group_sizes: jax.Array, *, up: tuple[jax.Array, jax.Array] | None = None,
+                   row_scales: jax.Array | None = None) -> jax.Array:
     """Rows sorted by group through their group's block-scaled weight, in f32: a ragged dot
     over the dequantised weights (an f32 copy of every group's weight, never one per row).
 
@@ -221,9 +221,12 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     group_sizes: i32[E]             rows of each group in order; rows past their sum give zeros
     up:          (w_up, scales_up) shaped as (w, scales), or None: the gated product
                  silu(rows . w) * (rows . w_up)
+    row_scales:  f32[N, 1] or None: rows f8[N, K] stand for rows * row_scales
     returns:     f32[N, M]          out[r] = rows[r] @ (w[g] * scales[g] per block), g = r's group
     """
     x = rows.astype(jnp.bfloat16).astype(jnp.float32)
+    if row_scales is not None:
+        x = x * row_scales
     past = jnp.arange(rows.shape[0]) >= group_sizes.sum()
 
     def through(weight, weight_scales):

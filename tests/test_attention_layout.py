@@ -240,6 +240,22 @@ def test_auto_wire_dtype_is_f32_on_the_cpu():
         RuntimeConfig(wire_dtype="f16")
 
 
+def test_auto_mlp_rows_are_the_wire_on_the_cpu_and_fp8_on_a_tpu():
+    import jax
+    from jax.sharding import Mesh
+
+    from cp_runtime.engine.step import resolve_mlp_rows
+
+    cpu = Mesh(np.array(jax.devices()[:2]), ("cp",))
+    assert resolve_mlp_rows("auto", cpu) == "wire"
+    assert resolve_mlp_rows("fp8", cpu) == "fp8"
+    if topology.has_libtpu():
+        tpu = Mesh(np.array(topology.compile_only_devices("tpu7x-16")[:2]), ("cp",))
+        assert resolve_mlp_rows("auto", tpu) == "fp8"
+    with pytest.raises(ConfigError, match="mlp_rows='int8' is not one of"):
+        RuntimeConfig(mlp_rows="int8")
+
+
 needs_libtpu = pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu (tpu extra)")
 
 

@@ -18,7 +18,7 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import expert_matmul, reference
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.model import forward, fp8_rows
 from cp_runtime.weights.fp8_blocks import quantize
 
 # Under CI (which installs the tpu extra) a missing libtpu fails these instead of skipping them.
@@ -104,6 +104,35 @@ def test_gated_kernel_matches_reference(rows, sizes, shape, runs):
         expert_matmul.grouped_matmul(x, *gate, sizes, up=(up[0][:, :, :128], up[1]),
                                      interpret=True)
 
+@pytest.mark.parametrize("rows, sizes, shape, runs", [
+    (8, [3, 0, 5, 0], (4, 256, 256), (128, 128)),          # decode-sized: one tile of 8 rows
+    (300, [100, 0, 190], (3, 128, 256), (128, 128)),      # fp8 tiles of 32 rows and more
+    (600, [0, 520, 0, 40], (4, 64, 32), (32, 16)),        # narrow runs; rows past the groups
+])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_rows_kernel_matches_reference(rows, sizes, shape, runs, gated):
+    """Rows as e4m3 with one scale a row (cp_runtime.model.fp8_rows; rows of very different
+    sizes) against the reference over the same fp8 rows: within the kernel's bound. Against
+    the unrounded rows they differ by e4m3's rounding, rel-L2 about 0.025 (0.035 gated);
+    a row's scale applied twice or not at all moves them by its size."""
+    rng = np.random.default_rng(rows + 7)
+    gate, up = _weights(rng, *shape, runs), _weights(rng, *shape, runs)
+    x = rng.standard_normal((rows, shape[1])) * rng.uniform(0.01, 100, (rows, 1))
+    fp8 = fp8_rows.quantize(jnp.asarray(x, jnp.float32))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    up = up if gated else None
+    got = expert_matmul.grouped_matmul(fp8.values, *gate, sizes, up=up, row_scales=fp8.scales,
+                                       interpret=True)
+    want = reference.grouped_matmul(fp8.values, *gate, sizes, up=up, row_scales=fp8.scales)
+    assert not np.asarray(got[int(sizes.sum()):]).any()
+    assert float(jnp.abs(got - want).max()) <= KERNEL_BOUND * float(jnp.abs(want).max())
+    exact = reference.grouped_matmul(jnp.asarray(x, jnp.float32), *gate, sizes, up=up)
+    assert float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact)) <= 0.05
+    with pytest.raises(ValueError, match="scaled rows must be fp8"):
+        expert_matmul.grouped_matmul(fp8.values.astype(jnp.bfloat16), *gate, sizes,
+                                     row_scales=fp8.scales, interpret=True)
+
+
 def test_visit_plan_reads_each_group_once():
     """Groups with rows, in order, each tile of theirs once; the tiles past the groups zeroed
     once; nothing after."""
@@ -181,16 +210,18 @@ def device():
     return topology.compile_only_devices("tpu7x-16")[0]
 
 
-def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32):
+def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32, fp8=False):
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     w, s = struct((e, k, m), jnp.float8_e4m3fn), struct((e, k // 128, m // 128), jnp.float32)
-    args = (struct((rows, k), jnp.bfloat16), w, s, struct((e,), jnp.int32))
-    fn = functools.partial(expert_matmul.grouped_matmul, out_dtype=out_dtype)
-    if gated:                     # gate and up at once: up's weight and scales as the gate's
-        fn = lambda x, w, s, sizes, wu, su: expert_matmul.grouped_matmul(  # noqa: E731
-            x, w, s, sizes, up=(wu, su))
-        args = (*args, w, s)
+    x = struct((rows, k), jnp.float8_e4m3fn if fp8 else jnp.bfloat16)
+    args = (x, w, s, struct((e,), jnp.int32), struct((rows, 1), jnp.float32))
+    up = (w, s) if gated else ()  # gate and up at once: up's weight and scales as the gate's
+
+    def fn(x, w, s, sizes, row_scales, *up):
+        return expert_matmul.grouped_matmul(x, w, s, sizes, up=up or None, out_dtype=out_dtype,
+                                            row_scales=row_scales if fp8 else None)
+    args = (*args, *up)
     with jax.default_device(device):
         compiled = jax.jit(fn).lower(*args).compile()
     return hlo.parse_module(compiled.as_text())
@@ -198,27 +229,34 @@ def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32):
 
 @needs_libtpu
 @pytest.mark.parametrize("rows", [8, 8192 * 8])     # a B = 1 decode step; an 8K prefill chunk
-@pytest.mark.parametrize("proj", ["gate", "gate_up", "down"])
+@pytest.mark.parametrize("proj", ["gate", "gate_up", "down", "gate_up_fp8"])
 def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     """GLM-5.2's routed experts per device of tpu7x-16 (256 experts, inner 2048 / 16 = 128):
     Mosaic compiles the kernel, its cost estimate reaches the module, and the HBM bytes it
-    claims are only the chosen experts' at decode (8 rows: 8 of 256 experts)."""
+    claims are only the chosen experts' at decode (8 rows: 8 of 256 experts). gate_up_fp8:
+    the prefill chunk's rows as fp8 with their scales (RuntimeConfig.mlp_rows), multiplied
+    by the fp8 weights as they are, which the kernel's name tells the compiler's figures."""
     cfg = load_model_config("glm-5.2")
     e, hid, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size // 16
     k, m = (inner, hid) if proj == "down" else (hid, inner)
     out_itemsize = 2 if proj == "down" else 4         # down's outputs bf16, as the model runs it
-    module = _compiled(device, rows, e, k, m, gated=proj == "gate_up",
-                       out_dtype=jnp.bfloat16 if proj == "down" else jnp.float32)
+    fp8 = proj == "gate_up_fp8"
+    module = _compiled(device, rows, e, k, m, gated=proj.startswith("gate_up"),
+                       out_dtype=jnp.bfloat16 if proj == "down" else jnp.float32, fp8=fp8)
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
-    assert sorted(i.name.split(".")[0] for i in calls) == ["expert_grouped_matmul",
-                                                           "expert_visit_plan"]
+    matmul = "expert_grouped_matmul" + ("_fp8" if fp8 else "")   # priced at the fp8 rate
+    assert sorted(i.name.split(".")[0] for i in calls) == [matmul, "expert_visit_plan"]
+    assert [i.fp8_mxu for i in calls if i.name.startswith(matmul)] == [fp8]
     flops, nbytes = next(i for i in calls if i.name.startswith("expert_grouped")).kernel_cost
-    n_w = 2 if proj == "gate_up" else 1
+    n_w = 2 if proj.startswith("gate_up") else 1
     figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w,
-                                 out_itemsize=out_itemsize)
+                                 out_itemsize=out_itemsize, row_itemsize=1 if fp8 else 2)
     assert (flops, nbytes) == (figures["flops"], figures["bytes"])
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
     weights = n_w * min(e, rows) * k * m
     assert weights <= nbytes
     if rows == 8:
         assert nbytes < 0.05 * n_w * e * k * m    # far below reading every expert
+    if fp8:                                       # the rows at a byte a value, plus a scale
+        bf16 = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w)
+        assert bf16["bytes"] - nbytes >= 0.9 * rows * k

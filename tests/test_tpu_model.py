@@ -140,9 +140,9 @@ INDEXER_W = 32 * 128 * 2048 + 128 * 6144 + 32 * 6144
 
 
 def _chunk(glm, design: str, *, wire: int = 4, start: int = C - T, end: int = C,
-           row_attention: str = "auto") -> dict:
+           row_attention: str = "auto", mlp_rows: str = "wire") -> dict:
     setup = dataclasses.replace(SETUP, prefill_design=design, wire_bytes=wire,
-                                row_attention=row_attention)
+                                row_attention=row_attention, mlp_rows=mlp_rows)
     return {t.name: t for t in tpu_model.chunk_terms(glm, HW, setup, start=start, end=end,
                                                      union=setup.prefill_union)}
 
@@ -214,6 +214,21 @@ def test_units_of_gather_kv_terms(glm):
     heads = _chunk(glm, "gather_q")["weights + projections"]
     assert terms["weights + projections"].flops == pytest.approx(
         heads.flops - 15 / 16 * 2 * T * down)
+
+
+def test_fp8_mlp_rows_halve_the_mlp_gather(glm):
+    """gather_kv's split rows reach the MLP as fp8 values (RuntimeConfig.mlp_rows): a byte a
+    value, beside each row's f32 scale and, in the 75 MoE layers, its 8 experts and weights,
+    in a third collective; the sums still come back on the (bf16) wire."""
+    L, moe = glm.num_hidden_layers, 75
+    wire = _chunk(glm, "gather_kv", wire=2)["MLP all-gather + reduce-scatter"]
+    fp8 = _chunk(glm, "gather_kv", wire=2, mlp_rows="fp8")["MLP all-gather + reduce-scatter"]
+    assert wire.ici_bytes == pytest.approx(L * 2 * 15 / 16 * T * 6144 * 2)
+    assert fp8.ici_bytes == pytest.approx(
+        15 / 16 * T * (L * (6144 + 1 * 4 + 6144 * 2) + moe * 2 * 8 * 4))
+    assert (wire.collectives, fp8.collectives) == (2 * L, 3 * L)
+    with pytest.raises(ValueError, match="mlp_rows 'int8'"):
+        dataclasses.replace(SETUP, mlp_rows="int8")
 
 
 def test_units_of_sequence_terms(glm):

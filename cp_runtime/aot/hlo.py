@@ -29,6 +29,8 @@ import dataclasses
 import math
 import re
 
+from cp_runtime.kernels.costs import FP8_MXU_SUFFIX
+
 __all__ = ["Instruction", "Module", "parse_module", "called_computations", "shape_bytes",
            "array_bytes", "last_array_bytes", "ici_bytes", "COLLECTIVES", "matmul_flops",
            "hbm_bytes", "FREE_OPS"]
@@ -133,6 +135,11 @@ class Instruction:
     @property
     def is_kernel(self) -> bool:
         return 'custom_call_target="tpu_custom_call"' in self.line
+
+    @property
+    def fp8_mxu(self) -> bool:
+        """A Mosaic call whose name says its matmuls are fp8 x fp8 (kernels/costs.py)."""
+        return self.is_kernel and self.name.split(".")[0].endswith(FP8_MXU_SUFFIX)
 
     @property
     def kernel_cost(self) -> tuple[int, int]:

@@ -17,6 +17,7 @@ computation (cp_runtime.aot.hlo says how each figure is read):
     mxu_flops_f8       of which with both operands fp8 (the fp8 MXU rate)
     kernels          Mosaic calls: our Pallas kernels and XLA's ragged dots
     kernel_flops     their flops and HBM bytes, from the cost estimate each carries
+    kernel_flops_f8    of which in kernels whose matmuls are fp8 x fp8 (`Instruction.fp8_mxu`)
     kernel_bytes
     collectives      all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
                      instructions anywhere in the module (XLA:TPU runs them asynchronously,
@@ -80,6 +81,7 @@ class PhaseFigures:
     mxu_flops_f8: float = 0
     kernels: float = 0
     kernel_flops: float = 0
+    kernel_flops_f8: float = 0
     kernel_bytes: float = 0
     collectives: float = 0
     collective_bytes: float = 0
@@ -174,6 +176,7 @@ def layer_figures(hlo_text: str, clock_hz: float,
             f.kernels += 1
             kernel_flops, kernel_bytes = ins.kernel_cost
             f.kernel_flops += kernel_flops
+            f.kernel_flops_f8 += kernel_flops if ins.fp8_mxu else 0
             f.kernel_bytes += kernel_bytes
     caller_in_entry = _entry_callers(module)
 
@@ -266,7 +269,7 @@ def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float) -> list[d
             "-done") else []
         for span in waited:
             wait_until(span["end"])
-        clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates)
+        clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates, ins.fp8_mxu)
                                           if ins.is_kernel else 0.0)
     return [{"collectives": span["collectives"], "figures": [
         1, sum(hlo.ici_bytes(c)[1] for _, c in span["collectives"]), len(span["collectives"]),

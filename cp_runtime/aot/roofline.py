@@ -118,9 +118,11 @@ class PhaseTime:
                 "overlapped_s": self.overlapped_s}
 
 
-def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates) -> float:
-    """A Mosaic call at its roofline: its flops at the bf16 rate or its bytes at HBM rate."""
-    return max(flops / rates.bf16_flops, nbytes / rates.hbm_bytes_per_s)
+def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates, fp8: bool = False) -> float:
+    """A Mosaic call at its roofline: its flops at the bf16 rate (fp8: the fp8 rate) or its
+    bytes at HBM rate."""
+    return max(flops / (rates.fp8_flops if fp8 else rates.bf16_flops),
+               nbytes / rates.hbm_bytes_per_s)
 
 
 def collective_seconds(ici_bytes: float, collectives: float, rates: DeviceRates) -> float:
@@ -137,11 +139,15 @@ def hidden_seconds(windows, rates: DeviceRates) -> float:
 
 def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
     """The estimate and floor of one phase's figures `f` (cp_runtime.aot.phases.PhaseFigures)."""
-    bf16_flops = f.mxu_flops - f.mxu_flops_f8 + f.kernel_flops
+    bf16_flops = f.mxu_flops - f.mxu_flops_f8 + f.kernel_flops - f.kernel_flops_f8
+    f8_flops = f.mxu_flops_f8 + f.kernel_flops_f8
+    kernel_mxu_s = ((f.kernel_flops - f.kernel_flops_f8) / rates.bf16_flops
+                    + f.kernel_flops_f8 / rates.fp8_flops)
     return PhaseTime(
-        xla_s=f.cycles / clock_hz, kernel_s=kernel_seconds(f.kernel_flops, f.kernel_bytes, rates),
+        xla_s=f.cycles / clock_hz,
+        kernel_s=max(kernel_mxu_s, f.kernel_bytes / rates.hbm_bytes_per_s),
         collective_s=collective_seconds(f.ici_bytes, f.collectives, rates),
-        mxu_floor_s=bf16_flops / rates.bf16_flops + f.mxu_flops_f8 / rates.fp8_flops,
+        mxu_floor_s=bf16_flops / rates.bf16_flops + f8_flops / rates.fp8_flops,
         hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
         ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s,
         hidden_s=hidden_seconds(f.windows, rates))

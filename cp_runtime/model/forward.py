@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,8 @@ import numpy as np
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.kernels import latent_heads, reference, router, scaled_linear, whole_heads
+from cp_runtime.model import fp8_rows
+from cp_runtime.model.fp8_rows import Fp8Rows
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -50,6 +52,7 @@ from cp_runtime.weights.shards import WeightShards
 
 __all__ = [
     "IndexerInputs",
+    "MlpInput",
     "OutputProjection",
     "dequantised_whole",
     "forward",
@@ -496,10 +499,20 @@ class OutputProjection:
         return linear(self.p, "self_attn.o_proj.weight", o.reshape(*lead, -1))
 
 
-def _swiglu(p: Params, prefix: str, x: jax.Array) -> jax.Array:
-    g = linear(p, f"{prefix}.gate_proj.weight", x)
-    u = linear(p, f"{prefix}.up_proj.weight", x)
+def _swiglu(p: Params, prefix: str, x: jax.Array | Fp8Rows) -> jax.Array:
+    g = _rows_linear(p, f"{prefix}.gate_proj.weight", x)
+    u = _rows_linear(p, f"{prefix}.up_proj.weight", x)
     return linear(p, f"{prefix}.down_proj.weight", jax.nn.silu(g) * u)
+
+
+def _rows_linear(p: Params, name: str, x: jax.Array | Fp8Rows) -> jax.Array:
+    """`linear` of rows x f[..., in], or of fp8 rows through their values, each row's scale
+    then multiplying its outputs (a row's scale factors out of its sums): XLA:TPU wrote a
+    dequantised bf16 copy of a 16K chunk's rows in a pass of its own, 0.125 ms a half-layer,
+    where the values' widening fuses into the matmul."""
+    if isinstance(x, Fp8Rows):
+        return linear(p, name, x.values.astype(jnp.bfloat16)) * x.scales
+    return linear(p, name, x)
 
 
 def routing(cfg: ModelConfig) -> dict:
@@ -559,8 +572,8 @@ ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Arra
 
 
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
-                    expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False
-                    ) -> jax.Array:
+                    expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False,
+                    fp8: Fp8Rows | None = None) -> jax.Array:
     """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden] (bf16 through
     `expert_matmul`, else x's dtype): each token through its k experts, weighted. Split
     weights hold a slice of every expert's inner features, so this is the device's partial
@@ -583,7 +596,9 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
     slower in XLA:TPU's estimate). `by_expert`: each token's choices come in ascending
-    expert order, so one token's are sorted already (XLA ran the sort as four ops)."""
+    expert order, so one token's are sorted already (XLA ran the sort as four ops). `fp8`:
+    x's rows as `fp8_rows` (f8[T, hidden], f32[T, 1]), which the kernel's rows are gathered
+    from instead, at half the bytes."""
     name = "mlp.experts.{}_proj.weight"
     n_experts = p[name.format("gate")].shape[0]
     flat = chosen.reshape(-1)                                    # [T*k]
@@ -604,8 +619,12 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     def blocks(key: str) -> tuple[jax.Array, jax.Array]:
         return p[key], p[key + SCALE_SUFFIX]
 
-    rows = x.astype(jnp.bfloat16)[token]
-    h = expert_matmul(rows, *blocks(gate), sizes, up=blocks(up))       # gate and up at once
+    if fp8 is None:
+        h = expert_matmul(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes,
+                          up=blocks(up))                               # gate and up at once
+    else:
+        h = expert_matmul(fp8.values[token], *blocks(gate), sizes, up=blocks(up),
+                          row_scales=fp8.scales[token])
     y = expert_matmul(h * routing, *blocks(down), sizes, out_dtype=jnp.bfloat16)
     return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y)
 
@@ -654,23 +673,47 @@ def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array
     return (through("down", h) * gate[..., None]).sum(1)                # [T, hidden]
 
 
-def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
+class MlpInput(NamedTuple):
+    """The MLP's input rows (`mlp_input`).
+
+    x:      f[..., hidden], the rows
+    fp8:    the same rows as `fp8_rows` (f8[..., hidden], f32[..., 1]), or None. With them,
+            the SwiGLUs and the experts' kernel take these, and x is their dequantised copy,
+            which only the experts' XLA paths read
+    routed: (chosen i32[T, k], weights f32[T, k]) of a MoE layer, routed from the rows before
+            they were rounded to fp8, or None (x is routed)
+    """
+
+    x: jax.Array
+    fp8: Fp8Rows | None = None
+    routed: tuple[jax.Array, jax.Array] | None = None
+
+
+def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array | MlpInput,
         ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None,
         *, join: bool = True) -> jax.Array:
     """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
     experts only) plus the shared experts. Split weights give partial sums, joined once
     (into this device's rows where the rows are split: `WeightShards.join_rows`), or left
     for the caller to join (`join` False). `expert_matmul` runs block-scaled experts from
-    their fp8 blocks (kernels)."""
+    their fp8 blocks (kernels), from x's fp8 rows where it has them (`MlpInput`)."""
+    rows = x if isinstance(x, MlpInput) else MlpInput(x)
+    x = rows.x
     finish = ws.join_rows if join else (lambda partial: partial)
+    dense_rows = x if rows.fp8 is None else rows.fp8          # what the SwiGLUs take
     if not cfg.is_moe_layer(layer):
-        return finish(_swiglu(p, "mlp", x))
+        return finish(_swiglu(p, "mlp", dense_rows))
     flat = x.reshape(-1, x.shape[-1])
-    chosen, weights, by_expert = _routed(p, cfg, flat)                  # [T, k] each
+    if rows.routed is None:
+        chosen, weights, by_expert = _routed(p, cfg, flat)              # [T, k] each
+    else:
+        (chosen, weights), by_expert = rows.routed, False
     if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
         out = _routed_experts(p, flat, chosen, weights)
     elif expert_matmul is not None:
-        out = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert)
+        fp8 = None if rows.fp8 is None else Fp8Rows(
+            *(a.reshape(-1, a.shape[-1]) for a in rows.fp8))
+        out = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert, fp8)
     elif flat.shape[0] <= EVERY_EXPERT_MAX_ROWS:
         out = _every_expert(p, flat, chosen, weights)
     else:
@@ -683,7 +726,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array,
             # wire's bf16 in a pass of its own (0.31 ms a GLM-5.2 layer at 16K rows); so the
             # add and the cast fuse into the shared down projection (16K chunk: 525 -> 512 ms).
             out = jax.lax.optimization_barrier(out)
-        out = out + _swiglu(p, "mlp.shared_experts", x)
+        out = out + _swiglu(p, "mlp.shared_experts", dense_rows)
     return finish(out.astype(x.dtype))
 
 
@@ -727,7 +770,8 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
     out, state = attention_block(p, cfg, layer, x, pos, attend, state, ws)
     with phase("dense"):
         x = x + out
-        return x + mlp(p, cfg, layer, mlp_input(p, cfg, x, pos, ws), ws, expert_matmul), state
+        return x + mlp(p, cfg, layer, mlp_input(p, cfg, layer, x, pos, ws), ws,
+                       expert_matmul), state
 
 
 def attention_block(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
@@ -749,12 +793,28 @@ def attention_block(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: 
     return attend(layer, state, q_row, kv_row, index, OutputProjection(p, cfg))
 
 
-def mlp_input(p: Params, cfg: ModelConfig, x: jax.Array, pos: jax.Array, ws: WeightShards
-              ) -> jax.Array:
+def mlp_input(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Array,
+              ws: WeightShards) -> MlpInput:
     """The MLP's input: x f[..., hidden] after the attention, normed, every row of it where
-    the rows are split (gathered on the wire)."""
+    the rows are split: gathered on the wire, or with `WeightShards.mlp_rows` "fp8" as
+    `fp8_rows`, each device routing its own rows first (a MoE layer's router takes them
+    unrounded) and gathering their choices beside the rows' scales."""
     h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    return ws.gather_rows(h, pos.shape, wire=True)
+    if not (ws.rows_split and ws.mlp_rows == "fp8"):
+        return MlpInput(ws.gather_rows(h, pos.shape, wire=True))
+    own = fp8_rows.quantize(h)                                  # [R / S, hidden], [R / S, 1]
+    side = [own.scales]
+    k = cfg.num_experts_per_tok
+    if cfg.is_moe_layer(layer):
+        chosen, weights, _ = _routed(p, cfg, h)
+        side += [chosen.astype(jnp.float32), weights]           # expert ids exact in f32
+    every = ws.gather_rows(jnp.concatenate(side, -1), pos.shape)      # [B, Q, 1 (+ 2k)]
+    rows = Fp8Rows(ws.gather_rows(own.values, pos.shape), every[..., :1])
+    routed = None
+    if cfg.is_moe_layer(layer):
+        routed = (every[..., 1:1 + k].reshape(-1, k).astype(jnp.int32),
+                  every[..., 1 + k:].reshape(-1, k))
+    return MlpInput(fp8_rows.dequantize(rows), rows, routed)
 
 
 # The attention's weights split by head (cp_runtime.weights.layout), which a device that

@@ -131,13 +131,13 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
                 x[1] = x[1] + b_sum
             with phase("dense"):
                 x[0] = x[0] + a_out
-                a_in = mlp_input(p, cfg, x[0], pos_of[0], ws)
+                a_in = mlp_input(p, cfg, layer, x[0], pos_of[0], ws)
             b_out, state = attention(1, state)
             state = dataclasses.replace(state, every=None)
             with phase("dense"):
                 a_in, b_out = lax.optimization_barrier((a_in, b_out))
                 x[1] = x[1] + b_out
-                b_in = mlp_input(p, cfg, x[1], pos_of[1], ws)
+                b_in = mlp_input(p, cfg, layer, x[1], pos_of[1], ws)
                 a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)
                 b_in, a_partial = lax.optimization_barrier((b_in, a_partial))
                 a_sum = ws.join_rows(a_partial)

@@ -20,6 +20,10 @@ all-to-all trades each device's heads of every row for every head of its rows
 (`heads_to_rows`), and another trades them back (`rows_to_heads`); or, `whole_heads`, each
 device gathers the attention's head-split weights (`gather_weights`) and projects its own rows
 through every head itself, where those weigh less than the rows' heads and sums.
+
+`mlp_rows` "fp8" gathers the MLP's rows, where the rows are split, as e4m3 values with one f32
+scale a row (cp_runtime.model.fp8_rows; `forward.mlp_input`) rather than on the wire: the
+experts' kernel reads the same fp8 rows.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["WeightShards", "WIRE_DTYPES", "FUSED_GATHER_MAX_ROWS"]
+__all__ = ["WeightShards", "WIRE_DTYPES", "MLP_ROWS", "FUSED_GATHER_MAX_ROWS"]
 
 WIRE_DTYPES = ("f32", "bf16")
+MLP_ROWS = ("wire", "fp8")
 
 # The most rows `gather_heads` joins into one all-gather (a decode step's batch).
 FUSED_GATHER_MAX_ROWS = 64
@@ -48,10 +53,13 @@ class WeightShards:
     wire_dtype: str = "f32"          # "f32" or "bf16": see the module docstring
     rows_split: bool = False         # the residual stream split by row: the module docstring
     whole_heads: bool = False        # split rows attend from the attention weights gathered
+    mlp_rows: str = "wire"           # "wire" or "fp8": the MLP's split rows (module docstring)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+        if self.mlp_rows not in MLP_ROWS:
+            raise ValueError(f"mlp_rows={self.mlp_rows!r} is not one of {MLP_ROWS}")
         if self.rows_split and self.axis is None:
             raise ValueError("rows_split needs an axis to split the rows over")
         if self.whole_heads and not self.rows_split:
