@@ -29,7 +29,13 @@ absorb_queries
   Blocks: q f32[R, Dq] per head (of q_b's output [R, H Dq]; q_nope its first nope lanes);
           kv_b f8[nope + v, Dv] per head; scales flat in SMEM; output bf16[1, R, Dv] per
           head of [H, R, Dv]. Scratch: W_uk bf16[nope, Dv].
+          With `rope` (each head's rotated rope part, bf16[R, Dr] per head of [R, H Dr]) the
+          output is the attention's query rows themselves, bf16[R, Dv + Dr] per head of
+          [R, H (Dv + Dr)]: [q_nope . W_uk | rope] side by side, so no pass lays the heads
+          out again and joins the rope part (0.10 ms of XLA:TPU's a GLM-5.2 layer's half of a
+          16K chunk, for the transpose and the concatenation).
   flops = 2 R H nope Dv;  bytes = R H Dq 4 + H (nope + v) Dv w + scales + H R Dv 2
+          (with rope, + R H Dr 2 read, + R H Dr 2 written)
 project_output
   Blocks: o_lat f32[R, Dv] per head, copied by the kernel out of [R, H, Dv] (a head's rows
           are strided there, which no block can be), the next head's while this one's
@@ -80,15 +86,16 @@ def _kv_b_fits(heads: int, nope: int, kv_b_shape: tuple[int, ...],
 
 
 def absorb_cost(rows: int, heads: int, nope: int, v: int, dq: int, dv: int, kv_b_scales: int,
-                w_itemsize: int = 1) -> dict:
-    """HBM bytes, flops and VMEM bytes of one `absorb_queries` call (module docstring)."""
+                w_itemsize: int = 1, rope: int = 0) -> dict:
+    """HBM bytes, flops and VMEM bytes of one `absorb_queries` call (module docstring); `rope`
+    the lanes Dr of each head's rope part written beside its product, 0 for none."""
     vmem = (2 * (tiled_bytes((rows, dq), 4) + tiled_bytes((nope + v, dv), w_itemsize)
-                 + tiled_bytes((rows, dv), 2))
+                 + tiled_bytes((rows, dv + rope), 2) + tiled_bytes((rows, rope), 2))
             + tiled_bytes((nope, dv), 2) + tiled_bytes((rows, nope), 2)
             + tiled_bytes((rows, dv), 4))
     return {"flops": 2 * rows * heads * nope * dv,
             "bytes": (rows * heads * dq * 4 + heads * (nope + v) * dv * w_itemsize
-                      + kv_b_scales * 4 + heads * rows * dv * 2),
+                      + kv_b_scales * 4 + heads * rows * (dv + 2 * rope) * 2),
             "vmem_bytes": vmem}
 
 
@@ -109,14 +116,16 @@ def output_cost(rows: int, heads: int, nope: int, v: int, dv: int, hidden: int,
 
 
 def supports_absorb(rows: int, heads: int, nope: int, dq: int, kv_b_shape: tuple[int, ...],
-                    kv_b_scales: tuple[int, ...]) -> bool:
+                    kv_b_scales: tuple[int, ...], rope: int = 0) -> bool:
     """Whether a TPU compiles `absorb_queries` for `rows` rows (at most MAX_ROWS) of `heads`
-    heads of Dq lanes (whole lane tiles) with this kv_b, within the VMEM budget."""
-    if not (0 < rows <= MAX_ROWS and dq % LANES == 0 and dq >= nope
+    heads of Dq lanes (whole lane tiles) with this kv_b, and `rope` lanes of rope part a head
+    (whole lane tiles; 0: none), within the VMEM budget."""
+    if not (0 < rows <= MAX_ROWS and dq % LANES == 0 and dq >= nope and rope % LANES == 0
             and _kv_b_fits(heads, nope, kv_b_shape, kv_b_scales)):
         return False
     n, dv = kv_b_shape
-    figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, math.prod(kv_b_scales))
+    figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, math.prod(kv_b_scales),
+                          rope=rope)
     return figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
 
 
@@ -165,15 +174,23 @@ def _head_rows(kv_b_ref, s_ref, dst_ref, *, head, first: int, per_head: int, run
 def _absorb_kernel(q_ref,       # [R, Dq] f32: this head's queries, q_nope its first lanes
                    kv_b_ref,    # [nope + v, Dv] fp8: this head's kv_b rows
                    s_ref,       # f32 SMEM: kv_b's scales, flat, row-major
-                   out_ref,     # [1, R, Dv] bf16
-                   w_uk_ref,    # [nope, Dv] bf16 scratch
-                   *, run: int, gb: int):
+                   *refs,       # [rope_ref [R, Dr] bf16,] out_ref, w_uk_ref
+                   run: int, gb: int, with_rope: bool):
+    """out_ref [1, R, Dv] bf16; with rope_ref, [R, Dv + Dr] bf16 (its rope part beside).
+    w_uk_ref: [nope, Dv] bf16 scratch."""
+    rope_ref, (out_ref, w_uk_ref) = (refs[0], refs[1:]) if with_rope else (None, refs)
     nope = w_uk_ref.shape[0]
     _head_rows(kv_b_ref, s_ref, w_uk_ref, head=pl.program_id(0), first=0,
                per_head=kv_b_ref.shape[0], run=run, gb=gb)
     q_nope = q_ref[:, pl.ds(0, nope)].astype(jnp.bfloat16)                 # [R, nope]
-    out_ref[0] = jnp.dot(q_nope, w_uk_ref[...],
-                         preferred_element_type=jnp.float32).astype(out_ref.dtype)
+    product = jnp.dot(q_nope, w_uk_ref[...],
+                      preferred_element_type=jnp.float32).astype(out_ref.dtype)
+    if rope_ref is None:
+        out_ref[0] = product
+        return
+    dv = product.shape[-1]
+    out_ref[:, pl.ds(0, dv)] = product
+    out_ref[:, pl.ds(dv, rope_ref.shape[-1])] = rope_ref[...]
 
 
 def _output_kernel(o_hbm_ref,   # [R, H, Dv] f32 in HBM: every head's latent output
@@ -246,36 +263,52 @@ def _misfit(what: str, shapes: dict, nope: int) -> ValueError:
 
 @functools.partial(jax.jit, static_argnames=("heads", "nope", "interpret"))
 def absorb_queries(q: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array, *, heads: int,
-                   nope: int, interpret: bool = False) -> jax.Array:
+                   nope: int, rope: jax.Array | None = None,
+                   interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.absorb_queries` for every head of R rows.
 
     q:           f32[R, H Dq]          q_b's output as it comes, each head's q_nope its first
                                        nope lanes
     kv_b:        f8[H (nope + v), Dv]  per head [W_uk (nope rows) | W_uv (v rows)]
     kv_b_scales: f32[H (nope + v) / ga, Dv / gb]
-    returns:     bf16[H, R, Dv]        q_nope . W_uk per head
+    rope:        bf16[R, H Dr] or None  each head's rotated rope part, Dr whole lane tiles
+    returns:     bf16[H, R, Dv]        q_nope . W_uk per head; with rope
+                 bf16[R, H (Dv + Dr)]  each row's heads side by side, [q_nope . W_uk | rope]
     """
     rows, width = q.shape
     n, dv = kv_b.shape
-    if width % heads or not supports_absorb(rows, heads, nope, width // heads, kv_b.shape,
-                                            kv_b_scales.shape):
+    dr = 0 if rope is None else rope.shape[-1] // heads
+    if (width % heads or not supports_absorb(rows, heads, nope, width // heads, kv_b.shape,
+                                             kv_b_scales.shape, dr)
+            or (rope is not None and rope.shape != (rows, heads * dr))):
         raise _misfit("absorb_queries", {"q": q.shape, "kv_b": kv_b.shape,
-                                         "scales": kv_b_scales.shape}, nope)
+                                         "scales": kv_b_scales.shape,
+                                         "rope": None if rope is None else rope.shape}, nope)
     dq = width // heads
     figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, kv_b_scales.size,
-                          kv_b.dtype.itemsize)
+                          kv_b.dtype.itemsize, dr)
+    in_specs = [pl.BlockSpec((rows, dq), lambda h: (0, h)),
+                pl.BlockSpec((n // heads, dv), lambda h: (h, 0)),
+                pl.BlockSpec(memory_space=pltpu.SMEM)]
+    operands = [q.astype(jnp.float32), kv_b, kv_b_scales.astype(jnp.float32).reshape(-1)]
+    if rope is None:
+        out_spec = pl.BlockSpec((1, rows, dv), lambda h: (h, 0, 0))
+        out_shape = (heads, rows, dv)
+    else:
+        in_specs.append(pl.BlockSpec((rows, dr), lambda h: (0, h)))
+        operands.append(rope.astype(jnp.bfloat16))
+        out_spec = pl.BlockSpec((rows, dv + dr), lambda h: (0, h))
+        out_shape = (rows, heads * (dv + dr))
     return pl.pallas_call(
         functools.partial(_absorb_kernel, run=n // kv_b_scales.shape[0],
-                          gb=dv // kv_b_scales.shape[1]),
+                          gb=dv // kv_b_scales.shape[1], with_rope=rope is not None),
         grid=(heads,),
-        in_specs=[pl.BlockSpec((rows, dq), lambda h: (0, h)),
-                  pl.BlockSpec((n // heads, dv), lambda h: (h, 0)),
-                  pl.BlockSpec(memory_space=pltpu.SMEM)],
-        out_specs=pl.BlockSpec((1, rows, dv), lambda h: (h, 0, 0)),
+        in_specs=in_specs,
+        out_specs=out_spec,
         scratch_shapes=[pltpu.VMEM((nope, dv), jnp.bfloat16)],
-        out_shape=jax.ShapeDtypeStruct((heads, rows, dv), jnp.bfloat16),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
         **call_options("absorb_queries", figures, ("arbitrary",), interpret),
-    )(q.astype(jnp.float32), kv_b, kv_b_scales.astype(jnp.float32).reshape(-1))
+    )(*operands)
 
 
 @functools.partial(jax.jit, static_argnames=("nope", "interpret"))

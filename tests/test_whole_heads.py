@@ -72,6 +72,33 @@ def test_absorb_matches_reference(rows, heads, nope, v, dv):
     assert float(jnp.abs(got - want).max()) <= 2.0 ** -8 * float(jnp.abs(want).max())
 
 
+@pytest.mark.parametrize("rows, heads, nope, v, dv", [
+    (72, 4, 192, 256, 512),           # GLM-5.2's heads
+    (40, 3, 128, 128, 256),           # DeepSeek-V3.2's
+])
+def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v, dv):
+    """With `rope`, each row's heads side by side as the attention takes them: every head's
+    product exactly as the call without rope writes it, its rope part beside it as given."""
+    rng = np.random.default_rng(rows + 1)
+    kv_b, kv_b_s = quantize(rng.standard_normal((heads * (nope + v), dv)).astype(np.float32),
+                            (128, 128))
+    dq = nope + 64 if nope % 128 else nope + 128
+    q = jnp.asarray(rng.standard_normal((rows, heads * dq)), jnp.float32)
+    rope = jnp.asarray(rng.standard_normal((rows, heads * 128)), jnp.bfloat16)
+    args = (q, jnp.asarray(kv_b), jnp.asarray(kv_b_s * 0.05))
+    got = whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=rope, interpret=True)
+    apart = whole_heads.absorb_queries(*args, heads=heads, nope=nope, interpret=True)
+    assert got.shape == (rows, heads * (dv + 128)) and got.dtype == jnp.bfloat16
+    got = got.reshape(rows, heads, dv + 128)
+    np.testing.assert_array_equal(np.asarray(got[..., :dv], np.float32),
+                                  np.asarray(jnp.moveaxis(apart, 0, 1), np.float32))
+    np.testing.assert_array_equal(np.asarray(got[..., dv:], np.float32),
+                                  np.asarray(rope.reshape(rows, heads, 128), np.float32))
+    with pytest.raises(ValueError, match="absorb_queries"):
+        whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=rope[:, :-64],
+                                   interpret=True)
+
+
 def test_reference_is_the_models_xla_path():
     """Off a TPU `forward.mla_output` runs W_uv and o_proj in XLA, rounding o_proj's output to
     bf16 (the kernel keeps f32): the two differ by that rounding only."""
@@ -116,10 +143,11 @@ def test_absorb_needs_whole_lane_tiles_of_q():
 
 @needs_libtpu
 @pytest.mark.parametrize("rows", [1024, 512])
-def test_absorb_compiles_for_tpu7x_at_every_head(device, rows):
+@pytest.mark.parametrize("rope", [0, 128])
+def test_absorb_compiles_for_tpu7x_at_every_head(device, rows, rope):
     """GLM-5.2's W_uk for every head of a device's own rows of a 16K (1,024 rows) or 8K (512)
-    chunk, q as q_b's output: Mosaic compiles it within the VMEM budget and its estimate
-    reaches the module."""
+    chunk, q as q_b's output (with `rope`, the query rows written whole): Mosaic compiles it
+    within the VMEM budget and its estimate reaches the module."""
     cfg = load_model_config("glm-5.2")
     heads, nope, v, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                           cfg.kv_lora_rank)
@@ -129,13 +157,14 @@ def test_absorb_compiles_for_tpu7x_at_every_head(device, rows):
     n = heads * (nope + v)
     args = (struct((rows, heads * cfg.qk_head_dim), jnp.float32),
             struct((n, dv), jnp.float8_e4m3fn), struct((n // 128, dv // 128), jnp.float32))
+    rope_rows = struct((rows, heads * rope), jnp.bfloat16) if rope else None
     with jax.default_device(device):
         absorb = jax.jit(whole_heads.absorb_queries, static_argnames=("heads", "nope"))
-        compiled = absorb.lower(*args, heads=heads, nope=nope).compile()
+        compiled = absorb.lower(*args, heads=heads, nope=nope, rope=rope_rows).compile()
     module = hlo.parse_module(compiled.as_text())
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     figures = whole_heads.absorb_cost(rows, heads, nope, v, cfg.qk_head_dim, dv,
-                                      n // 128 * dv // 128)
+                                      n // 128 * dv // 128, rope=rope)
     assert [i.kernel_cost for i in calls] == [(figures["flops"], figures["bytes"])]
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
 

@@ -346,10 +346,43 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, pos: jax.Array,
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_pe = rope(q[..., cfg.qk_nope_head_dim:], pos, rope_frequencies(cfg),
                 interleaved=cfg.mla_rope_interleaved, mscale=_rope_mscale(cfg))
-    q_lat = _absorbed_queries(p, cfg, q)                                  # [..., H, kv_lora]
-    q_row = jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad),
-                             _pad_last(q_pe, cfg.latent_rope_pad)], -1)
-    return q_row, rows["kv_row"], rows["q_lora"]
+    return _query_rows(p, cfg, q, _pad_last(q_pe, cfg.latent_rope_pad)), rows["kv_row"], \
+        rows["q_lora"]
+
+
+def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, q_pe: jax.Array) -> jax.Array:
+    """q f32[..., H', nope + rope] and its rotated rope part, padded, f32[..., H', rope_pad]
+    -> the attention's query rows f32[..., H', D_lat]: [q_nope . W_uk, padded | q_pe].
+
+    On a TPU, where every head of a device's rows goes through kernels/whole_heads.py, its
+    absorb kernel writes the rows whole, the rope part beside each head's product (XLA:TPU
+    laid the kernel's [H', R, kv_lora] out again and joined the rope part in two passes of
+    its own, 0.10 ms a GLM-5.2 half-layer of a 16K chunk); the rope part is then rounded to
+    bf16 there, as the attention kernels' bf16 queries take it anyway."""
+    nope, name = cfg.qk_nope_head_dim, "self_attn.kv_b_proj.weight"
+    w, s = p[name], p.get(name + SCALE_SUFFIX)
+    rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
+    rope_pad = q_pe.shape[-1]
+
+    def joined(q_lat: jax.Array) -> jax.Array:
+        return jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad), q_pe], -1)
+
+    fused = (s is not None and rows > LATENT_KERNEL_MAX_ROWS
+             and cfg.kv_lora_rank == cfg.latent_nope_pad
+             and whole_heads.supports_absorb(rows, heads, nope, dq, w.shape, s.shape, rope_pad))
+    if not fused:
+        return joined(_absorbed_queries(p, cfg, q))
+
+    def kernel(q, w, s, q_pe):
+        out = whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope,
+                                         rope=q_pe.reshape(rows, -1).astype(jnp.bfloat16))
+        return out.reshape(*q_pe.shape[:-1], -1).astype(jnp.float32)
+
+    def xla(q, w, s, q_pe):
+        return joined(_absorbed_queries(p, cfg, q.reshape(*q_pe.shape[:-1], dq)))
+
+    return jax.lax.platform_dependent(q.reshape(rows, heads * dq), w, s, q_pe, tpu=kernel,
+                                      default=xla)
 
 
 # Steps of at most this many rows run kv_b's per-head products (W_uk on the queries; the
