@@ -26,15 +26,18 @@ Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs
 cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
 fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.model.fp8_rows) are read at half the
-bytes of bf16 ones and widened in VMEM; a row's scale multiplies each of its sums once.
+bytes of bf16 ones. With fp8 weights the MXU multiplies them as they are (`fp8_mxu`; the call's
+name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they are widened to bf16 in VMEM;
+a row's scale multiplies each of its sums once.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
         (`plan_visits`; `visit_plan` is its XLA twin);
         rows bf16[tm, K] (or fp8, with their scales f32[tm, 1]) by the visit's tile, weight
         f8[K, tn] by its group (VMEM), scales f32[K / ga, tn / gb, E] of every group by the
-        column tile (SMEM: fetched once a column tile), output [tm, tn] by its tile (f32, or bf16 with `out_dtype`: each row's f32 sum
-        rounded once, as the MoE's down projection writes its [T k, hidden] products). The
+        column tile (SMEM: fetched once a column tile), output [tm, tn] by its tile (f32,
+        or bf16 with `out_dtype`: each row's f32 sum rounded once, as the MoE's down
+        projection writes its [T k, hidden] products). The
         scales go in with the experts last: stored [E, K / ga, M / gb], a device's
         [256, 48, 1] (GLM-5.2's gate and up on 16 devices) is laid out by XLA:TPU with the
         experts innermost, and XLA copied it into the kernel's row-major layout before every

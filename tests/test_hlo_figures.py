@@ -133,6 +133,23 @@ def test_phase_time_floor_and_fraction():
     assert f8.mxu_floor_s == 1
 
 
+def test_a_kernel_named_fp8_runs_its_flops_at_the_fp8_rate():
+    """A Mosaic call whose name ends in FP8_MXU_SUFFIX (kernels/costs.py) multiplies fp8 by
+    fp8: its estimate's flops at the fp8 rate, in the phase's time and floor alike; other
+    kernels' flops at the bf16 rate."""
+    r = TPU7X_DEVICE
+    kernels = {name: hlo.Instruction(f"{name}.3", "custom-call", "f32[8,128]", ("p",),
+                                     'custom_call_target="tpu_custom_call"')
+               for name in ("expert_grouped_matmul_fp8", "expert_grouped_matmul")}
+    assert kernels["expert_grouped_matmul_fp8"].fp8_mxu
+    assert not kernels["expert_grouped_matmul"].fp8_mxu
+    flops = 2 * r.fp8_flops                        # 2 s at the fp8 rate, 4 s at bf16
+    both = PhaseFigures(kernels=2, kernel_flops=2 * flops, kernel_flops_f8=flops)
+    t = phase_time(both, r, clock_hz=1e9)
+    assert t.kernel_s == pytest.approx(2 + 4)
+    assert t.mxu_floor_s == pytest.approx(2 + 4)
+
+
 def test_case_matrix_and_the_prefill_sum():
     cases = case_matrix(chunk=8192)
     names = [c.name for c in cases]

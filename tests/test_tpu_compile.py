@@ -239,8 +239,8 @@ def test_schedule_options_reach_tpu_programs_only():
 @pytest.mark.slow
 def test_overlap_hides_collectives_that_xla_runs_alone():
     """The 8K chunk of a GLM-5.2 prompt at 120K (5 layers: every kind of layer; figures
-    scaled to 78), in one pass: the same program text both ways. Measured: 43.3 of its
-    129.8 ms of collectives hidden with "overlap", 1.5 ms with "xla"."""
+    scaled to 78), in one pass: the same program text both ways. Measured: 43.6 of its
+    118.5 ms of collectives hidden with "overlap", 1.5 ms with "xla"."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     runs = {schedule: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -263,10 +263,10 @@ def test_overlap_hides_collectives_that_xla_runs_alone():
 @pytest.mark.slow
 def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
     """The 8K chunk of a GLM-5.2 prompt at 0 (5 layers, scaled to 78), in one pass and as
-    two halves (cp_runtime.model.halves). Measured: of the MLP's all-gathers and
-    reduce-scatters (the dense phase's 51.6 ms of ICI; 53.2 as halves), 0.05 ms hidden in one
-    pass and 47.4 ms as halves; the chunk's overlapped time 222.3 -> 188.2 ms, its serial time
-    266.4 -> 287.9 ms (every weight read twice)."""
+    two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8: of the MLP's
+    all-gathers and reduce-scatters (the dense phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms
+    hidden in one pass and 36.1 ms as halves; the chunk's overlapped time 193.4 -> 175.6 ms,
+    its serial time 238.8 -> 264.4 ms (every weight read twice)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
     runs = {halves: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -290,7 +290,7 @@ def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     """The 8K chunk of a GLM-5.2 prompt at 120K as two halves, 7 layers (layer 3's indexer
     gathers ahead for the shared 4-6; figures scaled to 78). Measured: 16.0 of the kv_gather's
     21.5 ms hidden (an 8K chunk's half-kernel outlasts one of its two gathers; before the
-    pages were gathered ahead, 6.5 ms), the overlapped chunk 225.1 -> 209.4 ms, peak 87.6 GiB."""
+    pages were gathered ahead, 6.5 ms), the overlapped chunk 196.0 ms, peak 87.7 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     r = run_case(case, model="glm-5.2", layers=7, chunk=8192, page_size=64,

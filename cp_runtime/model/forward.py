@@ -346,8 +346,8 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, pos: jax.Array,
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
     q_pe = rope(q[..., cfg.qk_nope_head_dim:], pos, rope_frequencies(cfg),
                 interleaved=cfg.mla_rope_interleaved, mscale=_rope_mscale(cfg))
-    return _query_rows(p, cfg, q, _pad_last(q_pe, cfg.latent_rope_pad)), rows["kv_row"], \
-        rows["q_lora"]
+    q_row = _query_rows(p, cfg, q, _pad_last(q_pe, cfg.latent_rope_pad))
+    return q_row, rows["kv_row"], rows["q_lora"]
 
 
 def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, q_pe: jax.Array) -> jax.Array:
