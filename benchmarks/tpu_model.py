@@ -35,6 +35,7 @@ import sys
 from cp_runtime.aot.roofline import TPU7X_CHIP  # noqa: F401 - read as tpu_model.TPU7X_CHIP
 from cp_runtime.benchmarks.args import BenchmarkParser
 from cp_runtime.benchmarks.common import print_table
+from cp_runtime.weights.shards import MLP_ROWS
 from cp_runtime.benchmarks.tpu_designs import (LayerGroup, _summed, chunk_groups, chunk_terms,
                                                compute_floor, decode_groups, decode_terms,
                                                design_sweep, hbm_use, layer_kinds, layer_seconds,
@@ -44,6 +45,7 @@ from cp_runtime.benchmarks.tpu_terms import (DESIGNS, GB, TFLOP, WIRE_BYTES, Har
 from cp_runtime.cli.args import (finite_nonnegative_float, finite_positive_float, length_list,
                                  positive_int, positive_int_list)
 from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, load_model_config
+from cp_runtime.weights.shards import MLP_ROWS
 
 __all__ = ["Hardware", "Term", "Setup", "LayerGroup", "DESIGNS", "WIRE_BYTES", "ANCHORS",
            "CASES", "tpu7x_16", "layer_kinds", "layer_weights", "layer_seconds", "decode_groups",
@@ -227,7 +229,7 @@ def build_parser() -> BenchmarkParser:
                    help="activations on the interconnect (q heads, indexer q, merge partials, "
                         "all-reduces, the designs' all-to-alls); f32 is what the runtime sends "
                         "on the CPU, bf16 near what it sends on a TPU")
-    p.add_argument("--mlp-rows", choices=("wire", "fp8"), default="wire",
+    p.add_argument("--mlp-rows", choices=MLP_ROWS, default="wire",
                    help="how gather_kv's split rows reach the MLP: on the wire, or as fp8 "
                         "values with a scale a row (the runtime's choice on a TPU)")
     p.add_argument("--prefill-design", choices=DESIGNS, default="gather_q",

@@ -47,6 +47,7 @@ from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
 from cp_runtime.kernels.storage import cdiv
+from cp_runtime.weights.shards import MLP_ROWS
 
 __all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "GB", "TFLOP", "tpu7x_16"]
 
@@ -161,8 +162,8 @@ class Setup:
         if self.row_attention not in ROW_ATTENTION_MODES:
             raise ValueError(f"row_attention {self.row_attention!r}: not one of "
                              f"{ROW_ATTENTION_MODES}")
-        if self.mlp_rows not in ("wire", "fp8"):
-            raise ValueError(f"mlp_rows {self.mlp_rows!r}: not wire or fp8")
+        if self.mlp_rows not in MLP_ROWS:
+            raise ValueError(f"mlp_rows {self.mlp_rows!r}: not one of {MLP_ROWS}")
         if self.wire_bytes not in WIRE_BYTES.values():
             raise ValueError(f"wire_bytes {self.wire_bytes}: not one of "
                              f"{sorted(WIRE_BYTES.values())} (bf16, f32)")
