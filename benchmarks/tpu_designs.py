@@ -351,7 +351,8 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
 
     top-k all-gather         full layers: _top_k_gather
     indexer q all-gather     full layers: [R, Hi, Di] in f32 whatever the wire (the selection
-                             must be exact), (S-1)/S R Hi Di 4
+                             must be exact), (S-1)/S R Hi Di 4; with --indexer-scores fp8 its
+                             e4m3 values, rounded before they cross, (S-1)/S R Hi Di
     KV all-gather            the layer's latent cache of the C = pages x ps tokens the chunk
                              sees: (S-1)/S C D c (c = the latent cache itemsize)
     with the residual stream split by row (R divisible by S; the runtime's `residual` auto):
@@ -390,7 +391,8 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     if _is_full(kind):
         terms += [_top_k_gather(model, hw, setup, rows, pages),
                   Term("indexer q all-gather", ici_bytes=one_way * rows * model.index_n_heads
-                       * model.index_head_dim * 4, collectives=1)]
+                       * model.index_head_dim * (1 if setup.indexer_scores == "fp8" else 4),
+                       collectives=1)]
     terms.append(Term("KV all-gather", ici_bytes=one_way * pages * setup.page_size
                       * model.latent_dim * c, collectives=1))
     if rows % s:
@@ -711,6 +713,9 @@ def compute_floor(model: ModelConfig, hw: Hardware, setup: Setup, *, length: int
         indexer      indexer_work,   sum_t (t // ps) * ps pairs                      / S, bf16
         attention    attention_work, sum_t min(K, t // ps) * ps + t % ps + 1 pairs   / S, bf16
         projections  projection_work(length tokens, 1 logit row)        / S, the weights' dtype
+
+    The indexer stays at the bf16 rate whatever `setup.indexer_scores`: the floor the targets
+    were set from is that of the work as the cache holds it (bf16 keys).
 
     {part: {"tflop", "precision", "seconds"}} for the three parts and their "total".
     """

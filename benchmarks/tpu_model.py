@@ -40,8 +40,8 @@ from cp_runtime.benchmarks.tpu_designs import (LayerGroup, _summed, chunk_groups
                                                compute_floor, decode_groups, decode_terms,
                                                design_sweep, hbm_use, layer_kinds, layer_seconds,
                                                layer_weights, prefill_schedule, prefill_terms)
-from cp_runtime.benchmarks.tpu_terms import (DESIGNS, GB, TFLOP, WIRE_BYTES, Hardware, Setup,
-                                             Term, tpu7x_16)
+from cp_runtime.benchmarks.tpu_terms import (DESIGNS, GB, INDEXER_SCORES, TFLOP, WIRE_BYTES,
+                                             Hardware, Setup, Term, tpu7x_16)
 from cp_runtime.cli.args import (finite_nonnegative_float, finite_positive_float, length_list,
                                  positive_int, positive_int_list)
 from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, load_model_config
@@ -232,6 +232,10 @@ def build_parser() -> BenchmarkParser:
     p.add_argument("--mlp-rows", choices=MLP_ROWS, default="wire",
                    help="how gather_kv's split rows reach the MLP: on the wire, or as fp8 "
                         "values with a scale a row (the runtime's choice on a TPU)")
+    p.add_argument("--indexer-scores", choices=INDEXER_SCORES, default="cache",
+                   help="how a prefill chunk's indexer scores its keys: from the bf16 cache, "
+                        "or with q and keys rounded to fp8 at the fp8 rate (the runtime's "
+                        "choice on a TPU)")
     p.add_argument("--prefill-design", choices=DESIGNS, default="gather_q",
                    help="how a prefill chunk is split over the devices for the summary and "
                         "term tables: gather_q (every head of q to the pages), gather_kv (the "
@@ -377,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                   chunk_size=args.chunk_size, weight_bytes=1 if args.weight_dtype == "fp8" else 2,
                   prefill_union=args.prefill_union, wire_bytes=WIRE_BYTES[args.wire_dtype],
                   prefill_design=args.prefill_design, row_attention=args.row_attention,
-                  mlp_rows=args.mlp_rows)
+                  mlp_rows=args.mlp_rows, indexer_scores=args.indexer_scores)
     results = [evaluate(model, hw, setup, c)
                for c in scenarios(args.prefill_lengths, args.contexts, args.batches)]
     longest = max(args.prefill_lengths)

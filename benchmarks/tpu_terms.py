@@ -19,7 +19,9 @@ design has: benchmarks/tpu_designs.py.
 
 Assumptions (each a flag or a constant below):
   * Weights fp8 (--weight-dtype), so projection matmuls run at the fp8 rate; the indexer (bf16
-    keys) and attention (fp8 pages upcast to bf16 queries in VMEM) run at the bf16 rate.
+    keys) and attention (fp8 pages upcast to bf16 queries in VMEM) run at the bf16 rate, except
+    a prefill chunk's indexer with --indexer-scores fp8 (q and keys rounded to e4m3, the
+    runtime's choice on a TPU), which runs at the fp8 rate.
   * Activations cross the ICI in f32 (--wire-dtype): what the runtime sends on the CPU. On a
     TPU it sends the q rows, merge partials and psums of [R, hidden] in bf16 (runtime field
     wire_dtype), closer to --wire-dtype bf16 (which also halves the indexer q, kept f32).
@@ -43,17 +45,20 @@ import jax
 import jax.numpy as jnp
 
 from cp_runtime.aot.roofline import TPU7X_CHIP
-from cp_runtime.config import ROW_ATTENTION_MODES, ModelConfig, RuntimeConfig
+from cp_runtime.config import (INDEXER_SCORES_CHOICES, ROW_ATTENTION_MODES, ModelConfig,
+                               RuntimeConfig)
 from cp_runtime.dtypes import dtype_bytes, indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.weights.shards import MLP_ROWS
 
-__all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "GB", "TFLOP", "tpu7x_16"]
+__all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "INDEXER_SCORES", "GB", "TFLOP",
+           "tpu7x_16"]
 
 GB, TFLOP = 1e9, 1e12
 DESIGNS = ("gather_q", "gather_kv", "sequence")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
+INDEXER_SCORES = tuple(c for c in INDEXER_SCORES_CHOICES if c != "auto")   # as resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +146,9 @@ class Setup:
     split over the devices (DESIGNS; benchmarks/tpu_designs.py's docstring); decode always
     runs `gather_q`. row_attention: how gather_kv's split rows attend (the runtime field's
     modes; auto decides as the runtime does). mlp_rows: how gather_kv's split rows reach the
-    MLP (RuntimeConfig.mlp_rows: "fp8" on a TPU).
+    MLP (RuntimeConfig.mlp_rows: "fp8" on a TPU). indexer_scores: how a prefill chunk's
+    indexer scores its keys (RuntimeConfig.indexer_scores: "fp8" on a TPU; decode keeps the
+    cache's bf16).
     """
 
     kv_cache_dtype: str = "fp8_e4m3"
@@ -153,6 +160,7 @@ class Setup:
     prefill_union: float = 2.0                 # a query block's union of pages, in units of N
     wire_bytes: int = 4                        # f32 activations on the ICI (the program's now)
     mlp_rows: str = "wire"                     # a split chunk's MLP rows: "wire" or "fp8"
+    indexer_scores: str = "cache"              # a prefill chunk's indexer: "cache" or "fp8"
     prefill_design: str = "gather_q"
     row_attention: str = "auto"                # gather_kv's split rows: RuntimeConfig's field
 
@@ -164,6 +172,9 @@ class Setup:
                              f"{ROW_ATTENTION_MODES}")
         if self.mlp_rows not in MLP_ROWS:
             raise ValueError(f"mlp_rows {self.mlp_rows!r}: not one of {MLP_ROWS}")
+        if self.indexer_scores not in INDEXER_SCORES:
+            raise ValueError(f"indexer_scores {self.indexer_scores!r}: not one of "
+                             f"{INDEXER_SCORES}")
         if self.wire_bytes not in WIRE_BYTES.values():
             raise ValueError(f"wire_bytes {self.wire_bytes}: not one of "
                              f"{sorted(WIRE_BYTES.values())} (bf16, f32)")
@@ -187,16 +198,22 @@ def _kernel_term(name: str, cost: dict) -> Term:
 # -- kernels --------------------------------------------------------------------------------
 def _indexer(model: ModelConfig, hw: Hardware, setup: Setup, batch: int, queries: int,
              local_pages: int) -> Term:
-    """One call of the indexer kernel over one device's `local_pages` pages per sequence."""
+    """One call of the indexer kernel over one device's `local_pages` pages per sequence; a
+    prefill chunk's (queries > 1) in fp8 where `setup.indexer_scores` says so: q and keys
+    e4m3 with a scale per key, at the fp8 rate."""
     ps, di, hi = setup.page_size, model.index_head_dim, model.index_n_heads
-    cost = indexer.cost(_spec((batch, queries, hi, di), jnp.bfloat16),
+    fp8 = setup.indexer_scores == "fp8" and queries > 1
+    values = jnp.float8_e4m3fn if fp8 else None
+    cost = indexer.cost(_spec((batch, queries, hi, di), values or jnp.bfloat16),
                         _spec((batch, queries, hi), jnp.float32),
                         _spec((batch * local_pages + 1, ps, di),
-                              indexer_cache_dtype(setup.kv_cache_dtype)),
+                              values or indexer_cache_dtype(setup.kv_cache_dtype)),
                         _spec((batch, local_pages), jnp.int32),
                         _spec((batch, queries), jnp.int32),
+                        k_scale=_spec((batch, local_pages, ps), jnp.float32) if fp8 else None,
                         num_shards=hw.devices, key_block_pages=setup.key_block_pages)
-    return _kernel_term("indexer scores", cost)
+    return dataclasses.replace(_kernel_term("indexer scores", cost),
+                               precision="fp8" if fp8 else "bf16")
 
 
 def _attention_args(model: ModelConfig, setup: Setup, batch: int, queries: int, heads: int,

@@ -46,6 +46,7 @@ ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
 CHUNK_HALVES = ("auto", "on", "off")
 WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
 MLP_ROWS_CHOICES = ("auto", "wire", "fp8")
+INDEXER_SCORES_CHOICES = ("auto", "cache", "fp8")
 # How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
 TPU_SCHEDULES = ("overlap", "xla")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
@@ -302,9 +303,17 @@ class RuntimeConfig:
     # How a prefill chunk's MLP rows are gathered and read where the residual stream is split
     # by row (`residual`): "fp8", as e4m3 values with one f32 scale a row, half the bytes of
     # bf16 on the interconnect and into the experts' kernel (each row routed before it is
-    # rounded; cp_runtime.model.fp8_rows); "wire", in wire_dtype; "auto", fp8 on a TPU and wire
+    # rounded; cp_runtime.kernels.fp8_rows); "wire", in wire_dtype; "auto", fp8 on a TPU and wire
     # elsewhere (the CPU path stays the exact reference). Decode steps' rows are not split.
     mlp_rows: str = "auto"
+    # How a prefill chunk's indexer scores its keys: "fp8", each query head and each key
+    # rounded to e4m3 with its own f32 scale, multiplied at the MXU's fp8 rate (the rounding
+    # DeepSeek-V3.2's reference indexer makes; the pool keeps its keys in their own dtype;
+    # cp_runtime.kernels.indexer.quantized_scores_inputs); "cache", the queries against the
+    # keys as the pool holds them; "auto", fp8 on a TPU and cache elsewhere (the CPU path stays
+    # the exact reference). Decode steps, one query a row, read their keys as they are: their
+    # cost is the keys' bytes, which rounding them first would only add to.
+    indexer_scores: str = "auto"
     # How XLA:TPU schedules a step: "overlap", with its scheduler's memory-pressure tracking
     # off, so collectives and SparseCore transfers run beside compute although the pool fills
     # HBM (whether the program fits is still the compiler's own check); "xla", XLA's default,
@@ -389,6 +398,9 @@ class RuntimeConfig:
                               f"{CHUNK_HALVES}")
         if self.mlp_rows not in MLP_ROWS_CHOICES:
             raise ConfigError(f"mlp_rows={self.mlp_rows!r} is not one of {MLP_ROWS_CHOICES}")
+        if self.indexer_scores not in INDEXER_SCORES_CHOICES:
+            raise ConfigError(f"indexer_scores={self.indexer_scores!r} is not one of "
+                              f"{INDEXER_SCORES_CHOICES}")
         if self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
                               f"{WIRE_DTYPE_CHOICES}")

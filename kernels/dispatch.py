@@ -32,7 +32,8 @@ class Kernels:
     """The per-shard operations, all with the signatures of kernels/reference.py (including the
     `cache_dtype` keyword for caches in storage form); `expert_matmul` None where the model's
     XLA path runs the experts. `indexer_page_scores` also takes `tie` (kernels/indexer.py):
-    arrays tied to its scores, returned beside them."""
+    arrays tied to its scores, returned beside them; and `fp8`: score the queries and keys
+    rounded to e4m3 (`indexer.quantized_scores_inputs`), at the MXU's fp8 rate on a TPU."""
 
     name: str
     write_kv: Callable
@@ -50,14 +51,35 @@ def _tied_after(scores_fn: Callable) -> Callable:
     return scores
 
 
+def _scored_in_fp8(scores_fn: Callable) -> Callable:
+    """scores_fn taking `fp8` as the TPU path does: True scores the queries and keys rounded to
+    e4m3, each with its own scale, here on those values widened to f32 (the TPU kernel's fp8
+    products are exact; only the f32 sums' order and the scales' rounding differ)."""
+    @functools.wraps(scores_fn)
+    def scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, fp8=False,
+               cache_dtype=None, **kwargs):
+        if not fp8:
+            return scores_fn(q, w, k_cache, local_pages, q_pos, shard, rotation,
+                             cache_dtype=cache_dtype, **kwargs)
+        r = indexer.quantized_scores_inputs(q, w, _values(k_cache, cache_dtype), local_pages)
+        ps = r.k_cache.shape[1]
+        scales = jnp.concatenate([r.k_scale.reshape(-1, ps), jnp.ones((1, ps), jnp.float32)])
+        keys = r.k_cache.astype(jnp.float32) * scales[..., None]          # [B * M + 1, ps, Di]
+        return scores_fn(r.q.astype(jnp.float32), r.w, keys, r.local_pages, q_pos, shard,
+                         rotation, **kwargs)
+    return scores
+
+
 REFERENCE = Kernels("reference", reference.write_kv,
-                    _tied_after(reference.indexer_page_scores), reference.sparse_attention)
+                    _tied_after(_scored_in_fp8(reference.indexer_page_scores)),
+                    reference.sparse_attention)
 
 BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
 
 def _xla(num_shards: int) -> Kernels:
-    return Kernels("xla", reference.write_kv, _tied_after(native_indexer.indexer_page_scores),
+    return Kernels("xla", reference.write_kv,
+                   _tied_after(_scored_in_fp8(native_indexer.indexer_page_scores)),
                    functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
 
 
@@ -86,11 +108,16 @@ QUERY_DTYPE = jnp.bfloat16
 
 
 def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, tie=None,
-                   num_shards: int, key_block_pages: int, cache_dtype=None, interpret: bool):
-    return indexer.indexer_page_scores(q.astype(QUERY_DTYPE), w,
-                                       _values(k_cache, cache_dtype), local_pages, q_pos,
-                                       shard, rotation, tie, num_shards=num_shards,
-                                       key_block_pages=key_block_pages, interpret=interpret)
+                   fp8: bool = False, num_shards: int, key_block_pages: int, cache_dtype=None,
+                   interpret: bool):
+    kw = dict(num_shards=num_shards, key_block_pages=key_block_pages, interpret=interpret)
+    k_cache = _values(k_cache, cache_dtype)
+    if fp8:
+        r = indexer.quantized_scores_inputs(q, w, k_cache, local_pages)
+        return indexer.indexer_page_scores(r.q, r.w, r.k_cache, r.local_pages, q_pos, shard,
+                                           rotation, tie, r.k_scale, **kw)
+    return indexer.indexer_page_scores(q.astype(QUERY_DTYPE), w, k_cache, local_pages, q_pos,
+                                       shard, rotation, tie, **kw)
 
 
 def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,

@@ -25,7 +25,7 @@ are its largest operand).
 Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs` in
 cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
-fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.model.fp8_rows) are read at half the
+fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.kernels.fp8_rows) are read at half the
 bytes of bf16 ones. With fp8 weights the MXU multiplies them as they are (`fp8_mxu`; the call's
 name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they are widened to bf16 in VMEM;
 a row's scale multiplies each of its sums once.

@@ -4,6 +4,7 @@ attends its own heads): the same logits and greedy tokens, `auto`'s choice by by
 program it compiles for TPU7x."""
 
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -14,7 +15,8 @@ from cp_runtime.aot import topology
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.model.attention import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
                                         row_attention_mode)
-from cp_runtime.model.halves import AHEAD_LAYERS, layers_gathered_ahead
+from cp_runtime.model.halves import (AHEAD_LAYERS, layers_gathered_ahead,
+                                     layers_gathered_in_chain)
 from cp_runtime.weights.params import init_params
 
 GLM = load_model_config("glm-5.2")
@@ -164,12 +166,16 @@ def test_two_halves_of_a_chunk_give_the_logits_of_one_pass():
 
 
 def test_pages_gathered_ahead_give_the_logits_of_gathering_them_in_their_layer():
-    """As two halves, a layer with its own indexer gathers the pages of the shared layers
-    after it too (cp_runtime.model.halves, `ShardState.ahead`). tiny's layers are full,
-    shared, full, shared: halves against one pass, 64-row chunks over 16 shards, each device
-    attending every head of its 4 rows; bound as above, measured 3.6e-7 (a page gathered
-    from the wrong layer: 0.38)."""
-    tiny = load_model_config("tiny")
+    """As two halves, every layer's pages are gathered at the start of an earlier layer
+    (cp_runtime.model.halves, `ShardState.ahead`). tiny with one indexer layer and three
+    shared ones: layer 0 gathers 0 and 1 beside its kernels, 0 gathers 2 and 1 gathers 3 in
+    the chain. Halves against one pass, 64-row chunks over 16 shards, each device attending
+    every head of its 4 rows; bound as above, measured 3.6e-7 (layer 3's pages gathered
+    from layer 2's cache: 0.23)."""
+    tiny = dataclasses.replace(load_model_config("tiny"),
+                               indexer_types=("full", "shared", "shared", "shared"))
+    assert [layers_gathered_ahead(tiny, i) + layers_gathered_in_chain(tiny, i)
+            for i in range(4)] == [(0, 1, 2), (3,), (), ()]
     logits = {}
     for halves in ("on", "off"):
         engine = make_engine(tiny, init_params(tiny, seed=0), kv_cache_dtype="fp8_e4m3",
@@ -182,15 +188,23 @@ def test_pages_gathered_ahead_give_the_logits_of_gathering_them_in_their_layer()
     assert rel_l2(logits["on"], logits["off"]) <= 1e-5
 
 
-def test_each_full_layer_gathers_its_own_and_the_next_shared_layers_pages_ahead():
-    """GLM-5.2's indexers (layers 0-3, then every fourth to 71): layer 3 gathers 3-6, the
-    last full layer 71-74 (AHEAD_LAYERS), a shared layer none."""
+def test_every_layers_pages_are_gathered_ahead_once():
+    """GLM-5.2's indexers (layers 0-3, then every fourth to 71): layer 3 gathers 3 and 4
+    beside its kernels (AHEAD_LAYERS), 5 and 6 in the chain, two layers before each; the six
+    shared layers after 71 all in the chain; a shared layer nothing beside kernels of its own.
+    Every layer is gathered by exactly one layer, before or at its own."""
     assert layers_gathered_ahead(GLM, 0) == (0,)
-    assert layers_gathered_ahead(GLM, 3) == (3, 4, 5, 6)
-    assert layers_gathered_ahead(GLM, 71) == tuple(range(71, 71 + AHEAD_LAYERS))
+    assert layers_gathered_ahead(GLM, 3) == tuple(range(3, 3 + AHEAD_LAYERS)) == (3, 4)
+    assert [layers_gathered_in_chain(GLM, i) for i in range(3, 8)] == [(5,), (6,), (), (), (9,)]
     assert layers_gathered_ahead(GLM, 5) == ()
-    ahead = {layer for full in GLM.full_layers for layer in layers_gathered_ahead(GLM, full)}
-    assert sorted(set(range(GLM.num_hidden_layers)) - ahead) == [75, 76, 77]
+    assert [layers_gathered_in_chain(GLM, i) for i in range(71, 78)] == [
+        (73,), (74,), (75,), (76,), (77,), (), ()]
+    by = {}
+    for i in range(GLM.num_hidden_layers):
+        for later in layers_gathered_ahead(GLM, i) + layers_gathered_in_chain(GLM, i):
+            assert later not in by and later >= i
+            by[later] = i
+    assert sorted(by) == list(range(GLM.num_hidden_layers))
 
 
 def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():

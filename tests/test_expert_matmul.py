@@ -16,9 +16,9 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
-from cp_runtime.kernels import expert_matmul, reference
+from cp_runtime.kernels import expert_matmul, fp8_rows, reference
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward, fp8_rows
+from cp_runtime.model import forward
 from cp_runtime.weights.fp8_blocks import quantize
 
 # Under CI (which installs the tpu extra) a missing libtpu fails these instead of skipping them.
@@ -111,7 +111,7 @@ def test_gated_kernel_matches_reference(rows, sizes, shape, runs):
 ])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fp8_rows_kernel_matches_reference(rows, sizes, shape, runs, gated):
-    """Rows as e4m3 with one scale a row (cp_runtime.model.fp8_rows; rows of very different
+    """Rows as e4m3 with one scale a row (cp_runtime.kernels.fp8_rows; rows of very different
     sizes) against the reference over the same fp8 rows: within the kernel's bound. Against
     the unrounded rows they differ by e4m3's rounding, rel-L2 about 0.025 (0.035 gated);
     a row's scale applied twice or not at all moves them by its size."""

@@ -140,9 +140,11 @@ INDEXER_W = 32 * 128 * 2048 + 128 * 6144 + 32 * 6144
 
 
 def _chunk(glm, design: str, *, wire: int = 4, start: int = C - T, end: int = C,
-           row_attention: str = "auto", mlp_rows: str = "wire") -> dict:
+           row_attention: str = "auto", mlp_rows: str = "wire",
+           indexer_scores: str = "cache") -> dict:
     setup = dataclasses.replace(SETUP, prefill_design=design, wire_bytes=wire,
-                                row_attention=row_attention, mlp_rows=mlp_rows)
+                                row_attention=row_attention, mlp_rows=mlp_rows,
+                                indexer_scores=indexer_scores)
     return {t.name: t for t in tpu_model.chunk_terms(glm, HW, setup, start=start, end=end,
                                                      union=setup.prefill_union)}
 
@@ -229,6 +231,25 @@ def test_fp8_mlp_rows_halve_the_mlp_gather(glm):
     assert (wire.collectives, fp8.collectives) == (2 * L, 3 * L)
     with pytest.raises(ValueError, match="mlp_rows 'int8'"):
         dataclasses.replace(SETUP, mlp_rows="int8")
+
+
+def test_fp8_indexer_scores_run_at_the_fp8_rate_on_keys_of_a_byte(glm):
+    """A chunk's indexer in fp8 (RuntimeConfig.indexer_scores): the same flops plus a scale a
+    key and query block at the fp8 rate, keys of a byte and not two (plus an f32 scale each),
+    q gathered as its e4m3 values; a decode step's indexer keeps the cache's bf16."""
+    cache, fp8 = (_chunk(glm, "gather_kv", wire=2, indexer_scores=s)
+                  for s in ("cache", "fp8"))
+    bf16, e4m3 = cache["indexer scores"], fp8["indexer scores"]
+    assert (bf16.precision, e4m3.precision) == ("bf16", "fp8")
+    assert e4m3.parts(HW)["MXU"] < 0.51 * bf16.parts(HW)["MXU"]
+    assert 0.5 < e4m3.hbm_bytes / bf16.hbm_bytes < 0.6
+    assert fp8["indexer q all-gather"].ici_bytes == pytest.approx(
+        cache["indexer q all-gather"].ici_bytes / 4)
+    setup = dataclasses.replace(SETUP, indexer_scores="fp8")
+    decode = {t.name: t for t in tpu_model.decode_terms(glm, HW, setup, context=C, batch=1)}
+    assert decode["indexer scores"].precision == "bf16"
+    with pytest.raises(ValueError, match="indexer_scores 'int4'"):
+        dataclasses.replace(SETUP, indexer_scores="int4")
 
 
 def test_units_of_sequence_terms(glm):

@@ -152,7 +152,27 @@ def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tup
 
         out.append(KernelCase(f"indexer Q={q}", "indexer", fn, args,
                               indexer.cost(*args, **statics)))
+        if q > 1:                # a chunk's scores in fp8 (RuntimeConfig.indexer_scores)
+            out.append(_fp8_indexer_case(q, hi, di, local, page_size, statics, device))
     return out
+
+
+def _fp8_indexer_case(q: int, hi: int, di: int, local: int, page_size: int, statics: dict,
+                      device) -> KernelCase:
+    """The indexer kernel as a chunk's fp8 scoring calls it: e4m3 queries and the row's pages
+    rounded to e4m3 beside their keys' scales (`indexer.quantized_scores_inputs`)."""
+    e4m3 = jnp.float8_e4m3fn
+    args = _structs(device, ((1, q, hi, di), e4m3), ((1, q, hi), jnp.float32),
+                    ((local + 1, page_size, di), e4m3), ((1, local), jnp.int32),
+                    ((1, q), jnp.int32), ((), jnp.int32),
+                    ((1, local, page_size), jnp.float32))
+
+    def fn(q, w, k, pages, pos, shard, k_scale):
+        return indexer.indexer_page_scores(q, w, k, pages, pos, shard, k_scale=k_scale,
+                                           **statics)
+
+    return KernelCase(f"indexer fp8 Q={q}", "indexer", fn, args,
+                      indexer.cost(*args[:6], k_scale=args[6], **statics))
 
 
 def _gated_experts(rows, w, scales, group_sizes, w_up, scales_up):

@@ -54,7 +54,7 @@ from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
 
 __all__ = ["KINDS", "Segment", "StepInputs", "make_step", "resolve_chunk_halves",
-           "resolve_wire_dtype", "resolve_mlp_rows"]
+           "resolve_wire_dtype", "resolve_mlp_rows", "resolve_indexer_scores"]
 
 KINDS = ("fill", "sample", "logits", "all_logits")
 
@@ -131,7 +131,7 @@ class Segment:
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
                   kernels: Kernels, kind: str, combine_fn, wire_dtype: str, mlp_rows: str,
-                  halves: bool):
+                  indexer_scores: str, halves: bool):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
     every head of its own, runs them as two halves (`resolve_chunk_halves`)."""
@@ -140,7 +140,8 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
-                            merge=runtime.merge, ws=ws, combine=combine_fn)
+                            merge=runtime.merge, ws=ws, combine=combine_fn,
+                            indexer_scores=indexer_scores)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
     if attend.splits_rows(state.latent[0]):
@@ -205,6 +206,14 @@ def resolve_mlp_rows(choice: str, mesh: Mesh) -> str:
     return "fp8" if mesh.devices.flat[0].platform == "tpu" else "wire"
 
 
+def resolve_indexer_scores(choice: str, mesh: Mesh) -> str:
+    """RuntimeConfig.indexer_scores for the mesh's devices: auto is fp8 on TPU, cache
+    elsewhere."""
+    if choice != "auto":
+        return choice
+    return "fp8" if mesh.devices.flat[0].platform == "tpu" else "cache"
+
+
 def resolve_chunk_halves(choice: str, mesh: Mesh) -> bool:
     """RuntimeConfig.chunk_halves for the mesh's devices: auto runs a chunk's rows as two
     halves on a TPU only, where each half's collectives then run beside the other's compute
@@ -242,6 +251,7 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     weights = param_specs(weight_tensors, CP_AXIS)
     wire_dtype = resolve_wire_dtype(runtime.wire_dtype, mesh)
     mlp_rows = resolve_mlp_rows(runtime.mlp_rows, mesh)
+    indexer_scores = resolve_indexer_scores(runtime.indexer_scores, mesh)
     halves = resolve_chunk_halves(runtime.chunk_halves, mesh)
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",),
@@ -249,7 +259,8 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
-                                 wire_dtype=wire_dtype, mlp_rows=mlp_rows, halves=halves)
+                                 wire_dtype=wire_dtype, mlp_rows=mlp_rows,
+                                 indexer_scores=indexer_scores, halves=halves)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

@@ -173,6 +173,8 @@ class ShardAttention:
     hands_over:  the step runs its rows as two halves (cp_runtime.model.halves): a call hands
                  the pages it gathered to the next half in its state (`ShardState.every`), and
                  the next half's in-place writes wait for this call's reads of the pool
+    indexer_scores: RuntimeConfig.indexer_scores resolved ("cache" or "fp8"): how a step of
+                 more than one query a row scores its keys
     """
 
     model: ModelConfig
@@ -191,6 +193,7 @@ class ShardAttention:
     hands_over: bool = False
     layout: str | None = None        # `attention_layout`'s choice made for the whole chunk
                                      # (its halves keep it); None: this call's rows choose
+    indexer_scores: str = "cache"
 
     @property
     def num_shards(self) -> int:
@@ -199,6 +202,11 @@ class ShardAttention:
     @property
     def page_size(self) -> int:
         return self.runtime.page_size
+
+    @property
+    def fp8_scores(self) -> bool:
+        """Whether this step's indexer scores in fp8: a chunk's, where `indexer_scores` is."""
+        return self.indexer_scores == "fp8" and self.pos.shape[1] > 1
 
     def _slots_of(self, pages: jax.Array, sentinel: int) -> jax.Array:
         """Local slot of logical pages i32[B, ...] if this shard owns them, else `sentinel`."""
@@ -230,9 +238,10 @@ class ShardAttention:
         k = self.model.index_topk // self.page_size
         with phase("indexer"):
             scores = self.kernels.indexer_page_scores(
-                index.q, index.w, icache, self.local_table, self.pos, self.shard, self.rotation,
-                num_shards=self.num_shards, key_block_pages=self.runtime.key_block_pages,
-                cache_dtype=self.pool.indexer_dtype, tie=tie)
+                index.q, index.scoring_weights(), icache, self.local_table, self.pos,
+                self.shard, self.rotation, num_shards=self.num_shards,
+                key_block_pages=self.runtime.key_block_pages,
+                cache_dtype=self.pool.indexer_dtype, tie=tie, fp8=self.fp8_scores)
         if tie is not None:
             scores, tie = scores
         with phase("selection"):
@@ -265,7 +274,7 @@ class ShardAttention:
             q_row, index = self._gather_queries(q_row, index)
         elif index is not None:
             with phase("attention_inputs"):
-                index = index.gathered(self.ws)
+                index = (index.rounded() if self.fp8_scores else index).gathered(self.ws)
         before = latent[layer]
         latent[layer] = self._write(before, kv_row, self.pool.latent_dtype)
         indexer, selection = state.indexer, state.selection
@@ -358,8 +367,9 @@ class ShardAttention:
         (`_write_every`): nothing of the layer's own work comes before the all-gather, so XLA
         may issue it early. Left to XLA:TPU, a 1M-token prompt's last chunk starts it after
         the indexer's kernel, with almost nothing beside it (docs/performance.md, "What the
-        schedule leaves exposed"); a chunk run as two halves gathers it ahead, beside the
-        indexer kernels (cp_runtime.model.halves, `ShardState.ahead`).
+        schedule leaves exposed"); a chunk run as two halves gathers it ahead, beside an
+        earlier layer's indexer kernels or attention (cp_runtime.model.halves,
+        `ShardState.ahead`).
         """
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]

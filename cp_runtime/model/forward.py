@@ -41,8 +41,8 @@ import numpy as np
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.kernels import latent_heads, reference, router, scaled_linear, whole_heads
-from cp_runtime.model import fp8_rows
-from cp_runtime.model.fp8_rows import Fp8Rows
+from cp_runtime.kernels import fp8_rows
+from cp_runtime.kernels.fp8_rows import Fp8Rows
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -82,21 +82,41 @@ class IndexerInputs:
     """q f32[..., Hi', Di], w f32[..., Hi], k f32[..., Di] of one `full` layer. q holds the
     heads whose weights this device holds: every head (heads None), or with split weights its
     Hi' = ceil(Hi / S) of `heads` in all, which the attention gathers (`gathered`, or with
-    the q heads in one collective: cp_runtime.model.attention)."""
+    the q heads in one collective: cp_runtime.model.attention). `rounded`, q holds e4m3
+    values and q_scale f32[..., Hi'] each head's scale."""
 
     q: jax.Array
     w: jax.Array
     k: jax.Array
     heads: int | None = None
+    q_scale: jax.Array | None = None
+
+    def rounded(self) -> "IndexerInputs":
+        """q's heads rounded to e4m3, one f32 scale a head (kernels/fp8_rows.py), as a chunk's
+        fp8 scoring takes them (RuntimeConfig.indexer_scores): rounded where they are made,
+        each device its own heads, they cross the interconnect a byte a value."""
+        if self.q_scale is not None:
+            return self
+        heads = fp8_rows.quantize(self.q)
+        return dataclasses.replace(self, q=heads.values, q_scale=heads.scales[..., 0])
 
     def gathered(self, ws: WeightShards) -> "IndexerInputs":
-        """These inputs with every head of q."""
+        """These inputs with every head of q (and of its scales, where rounded)."""
         if self.heads is None:
             return self
-        return dataclasses.replace(self, q=ws.gather(self.q, -2, self.heads), heads=None)
+        scale = None if self.q_scale is None else ws.gather(self.q_scale, -1, self.heads)
+        return dataclasses.replace(self, q=ws.gather(self.q, -2, self.heads), q_scale=scale,
+                                   heads=None)
+
+    def scoring_weights(self) -> jax.Array:
+        """f32[..., Hi]: w, times each head's scale where q is rounded: ReLU(s q . k) is
+        s ReLU(q . k) for s > 0, so the scores of the e4m3 values with these weights are
+        those of the heads they stand for."""
+        w = self.w.astype(jnp.float32)
+        return w if self.q_scale is None else w * self.q_scale
 
 
-jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k"],
+jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k", "q_scale"],
                                  meta_fields=["heads"])
 
 

@@ -26,12 +26,18 @@ unsplit step's: each row's math is the same, and B sees A's rows as it would in 
 The pages' all-gather of a layer (gather_kv: the pages as the step found them, `ShardAttention.
 every_page`) depends on nothing the step computes, and at a million tokens it is the largest
 collective left: 2.1 ms a GLM-5.2 layer, which XLA:TPU issued after the layer's indexer kernel
-with almost nothing beside it. So at each layer with its own indexer, the pages of that layer
-and of the shared layers after it (at most AHEAD_LAYERS in all) are gathered up front and
-tied to the two halves' indexer kernels, alternately: A's kernel runs beside the gathers of
-the first, third, ... of them, B's beside the second, fourth, ... (`ShardState.ahead`). The
-indexer's cost grows with the context as the pages' gather does, so a 16K chunk's half-kernel
-(4.2 ms at 1M) outlasts two gathers at every length, an 8K chunk's one.
+with almost nothing beside it. So each layer's pages are gathered ahead, at the start of an
+earlier layer, and tied to a piece of that layer's work (`ShardState.ahead`):
+
+    a layer with its own indexer   its own pages beside half A's indexer kernel, the next
+                                   layer's (where shared) beside half B's
+    a shared layer after those     at the start of the layer two before it, beside that
+                                   layer's B attention (tied with A's MLP input)
+
+The indexer's cost grows with the context as the pages' gather does, and a 16K chunk's
+half-kernel in fp8 (2.05 ms at 1M) outlasts about one gather: the two kernels of a layer with
+its own indexer take two, and the shared layers' gathers are spread over the group's layers
+(docs/performance.md, "The indexer's scores in fp8"), each buffer held for two layers.
 """
 
 from __future__ import annotations
@@ -50,12 +56,17 @@ from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["forward_in_halves", "halves_fit", "AHEAD_LAYERS", "layers_gathered_ahead"]
+__all__ = ["forward_in_halves", "halves_fit", "AHEAD_LAYERS", "CHAIN_DISTANCE",
+           "layers_gathered_ahead", "layers_gathered_in_chain"]
 
-# Layers whose pages a layer with its own indexer gathers ahead, itself included: two beside
-# each half's indexer kernel. Each costs its gathered buffer (656 MB a GLM-5.2 layer a device
-# at 1M tokens) from there to its own layer.
-AHEAD_LAYERS = 4
+# Layers whose pages a layer with its own indexer gathers beside its two halves' indexer
+# kernels, itself included: one beside each.
+AHEAD_LAYERS = 2
+# How many layers before its own a shared layer past those has its pages gathered: two, so
+# that each gather has a whole layer's work to run beside (one layer before left more of it
+# exposed, docs/performance.md). Each costs its gathered buffer (656 MB a GLM-5.2 layer a
+# device at 1M tokens) for that long.
+CHAIN_DISTANCE = 2
 
 
 def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
@@ -66,8 +77,9 @@ def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
 
 
 def layers_gathered_ahead(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
-    """The layers whose pages `layer` gathers ahead: itself and the shared layers after it,
-    at most AHEAD_LAYERS; none where it has no indexer of its own."""
+    """The layers whose pages `layer` gathers beside its halves' indexer kernels: itself and
+    the shared layers after it, at most AHEAD_LAYERS; none where it has no indexer of its
+    own."""
     if cfg.indexer_types[layer] != "full":
         return ()
     group = [layer]
@@ -77,15 +89,35 @@ def layers_gathered_ahead(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
     return tuple(group)
 
 
-def _gather_ahead(cfg: ModelConfig, layer: int, attend: Any, state: Any) -> Any:
-    """`state` with the pages of `layers_gathered_ahead(layer)` gathered by `attend` (a
-    ShardAttention), each under its own layer's scope, to be tied to the halves' indexer
-    kernels (module docstring)."""
-    ahead = []
-    for later in layers_gathered_ahead(cfg, layer):
+def layers_gathered_in_chain(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+    """The shared layer whose pages `layer` gathers beside its own work: the layer
+    CHAIN_DISTANCE on, where it and the layers between share an indexer and the indexer's
+    layer does not gather it beside its kernels; else none."""
+    later = layer + CHAIN_DISTANCE
+    if later >= cfg.num_hidden_layers or any(
+            cfg.indexer_types[i] == "full" for i in range(layer + 1, later + 1)):
+        return ()
+    owner = max(i for i in cfg.full_layers if i < later)
+    return () if later in layers_gathered_ahead(cfg, owner) else (later,)
+
+
+def _gather_ahead(layers: tuple[int, ...], layer: int, attend: Any, state: Any) -> Any:
+    """`state` with the pages of `layers` gathered by `attend` (a ShardAttention), each under
+    its own layer's scope, and those of layers before `layer` (already run) dropped."""
+    ahead = [(later, pages) for later, pages in state.ahead if later >= layer]
+    for later in layers:
         with layer_scope(later):
             ahead.append((later, attend.every_page(state.latent[later])))
     return dataclasses.replace(state, ahead=tuple(ahead))
+
+
+def _tie_ahead(state: Any, layers: tuple[int, ...], values: tuple) -> tuple[Any, tuple]:
+    """(state, values), the gathered pages of `layers` tied (`lax.optimization_barrier`) to
+    `values`, so that the gathers run beside the work that makes them."""
+    ahead = dict(state.ahead)
+    values, tied = lax.optimization_barrier((values, tuple(ahead[i] for i in layers)))
+    ahead.update(zip(layers, tied))
+    return dataclasses.replace(state, ahead=tuple(ahead.items())), values
 
 
 def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
@@ -109,15 +141,15 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
     selection = [None, None]
     b_partial = None                  # B's MLP sums of the layer before, not yet joined
     for layer in range(cfg.num_hidden_layers):
-        ahead_here = bool(layers_gathered_ahead(cfg, layer))
-        if ahead_here:
-            state = _gather_ahead(cfg, layer, attends[0], state)
+        beside_kernels = layers_gathered_ahead(cfg, layer)
+        chained = layers_gathered_in_chain(cfg, layer)
+        state = _gather_ahead(beside_kernels + chained, layer, attends[0], state)
         with layer_scope(layer):
             p = attention_weights(layer_params(params, layer), cfg, ws)    # gathered once
 
             def attention(i: int, state):
-                tie = tuple(later for later, _ in state.ahead[i::2]) if ahead_here else ()
-                state = dataclasses.replace(state, selection=selection[i], tie_ahead=tie,
+                state = dataclasses.replace(state, selection=selection[i],
+                                            tie_ahead=beside_kernels[i::2],
                                             every=state.every if i else None)
                 out, state = attention_block(p, cfg, layer, x[i], pos_of[i], attends[i],
                                              state, ws)
@@ -135,7 +167,7 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
             b_out, state = attention(1, state)
             state = dataclasses.replace(state, every=None)
             with phase("dense"):
-                a_in, b_out = lax.optimization_barrier((a_in, b_out))
+                state, (a_in, b_out) = _tie_ahead(state, chained, (a_in, b_out))
                 x[1] = x[1] + b_out
                 b_in = mlp_input(p, cfg, layer, x[1], pos_of[1], ws)
                 a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)

@@ -1,9 +1,11 @@
-"""A prefill chunk's MLP rows in fp8: e4m3 values with one f32 scale a row.
+"""Rows in fp8: e4m3 values with one f32 scale a row. Two users: a prefill chunk's MLP rows
+(below) and the indexer's query heads and keys in a chunk's fp8 scoring
+(`indexer.quantized_scores_inputs`).
 
-Why. Where the residual stream is split by row, every device gathers every row of the chunk
-(its experts hold a slice of every expert's features) and runs all T k (token, expert) rows
-through its slice: the [T, hidden] rows cross the interconnect, and the [T k, hidden] rows are
-written by a gather and read by the gate and up kernel. Those are the MLP's largest arrays
+Why the MLP's rows. Where the residual stream is split by row, every device gathers every row
+of the chunk (its experts hold a slice of every expert's features) and runs all T k (token,
+expert) rows through its slice: the [T, hidden] rows cross the interconnect, and the
+[T k, hidden] rows are written by a gather and read by the gate and up kernel. Those are the MLP's largest arrays
 (GLM-5.2, 16K chunk: 201 MB and 1.6 GB a layer in bf16); in fp8 each is half the bytes.
 
 One scale a row. e4m3 is a float, so a scale only places a row's range of normal values
