@@ -287,10 +287,11 @@ def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
 
 @pytest.mark.slow
 def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
-    """The 8K chunk of a GLM-5.2 prompt at 120K as two halves, 7 layers (layer 3's indexer
-    gathers ahead for the shared 4-6; figures scaled to 78). Measured: 16.0 of the kv_gather's
-    21.5 ms hidden (an 8K chunk's half-kernel outlasts one of its two gathers; before the
-    pages were gathered ahead, 6.5 ms), the overlapped chunk 196.0 ms, peak 87.7 GiB."""
+    """The 8K chunk of a GLM-5.2 prompt at 120K as two halves, 7 layers (layer 3 gathers its
+    own pages and 4's beside its indexer kernels, 5's and 6's in the chain, beside 3's and 4's
+    attention; figures scaled to 78). Measured, the indexer in fp8: 19.3 of the kv_gather's
+    21.5 ms hidden (16.0 with four layers gathered beside the bf16 kernels, 6.5 before the
+    pages were gathered ahead), the overlapped chunk 183.3 ms, peak 87.6 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     r = run_case(case, model="glm-5.2", layers=7, chunk=8192, page_size=64,
