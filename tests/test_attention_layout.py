@@ -133,7 +133,8 @@ def test_gathering_the_pages_gives_the_logits_of_gathering_q():
     assert kv_tokens == q_tokens
 
 
-@pytest.mark.parametrize("row_attention", ["heads", "rows", "weights"])
+@pytest.mark.parametrize("row_attention", [pytest.param("heads", marks=pytest.mark.slow),
+                                           "rows", "weights"])
 def test_splitting_the_rows_gives_the_logits_of_every_row_on_every_device(row_attention):
     """gather_kv's chunks (64 rows, 4 a shard) with the residual stream split by row (auto),
     each shard attending its own head of every row, or every head of its rows (q and outputs
@@ -274,9 +275,13 @@ needs_libtpu = pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtp
 
 
 @needs_libtpu
-@pytest.mark.parametrize("residual, row_attention", [("auto", "rows"), ("auto", "heads"),
-                                                     ("auto", "weights"),
-                                                     ("replicated", "auto")])
+# The default run compiles the TPU's own layout (each device attending every head of its rows
+# from the gathered weights); the other three (22-36 s each here) run with the slow tests.
+@pytest.mark.parametrize("residual, row_attention", [
+    pytest.param("auto", "rows", marks=pytest.mark.slow),
+    pytest.param("auto", "heads", marks=pytest.mark.slow),
+    ("auto", "weights"),
+    pytest.param("replicated", "auto", marks=pytest.mark.slow)])
 def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge(residual, row_attention):
     """The prefill chunk with gather_kv, compiled for tpu7x-16 with the Pallas kernels: its
     collectives are the pages' all-gather and the heads' sum in hidden space, none gathers q
