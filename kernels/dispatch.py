@@ -133,17 +133,18 @@ def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: in
 
 
 def _pallas_experts(rows, w, scales, group_sizes, *, up=None, out_dtype=jnp.float32,
-                    row_scales=None, interpret: bool):
+                    row_scales=None, row_weights=None, interpret: bool):
     """The fp8 grouped-matmul kernel (gated with `up`); the XLA reference (a ragged dot over
     f32 dequantised weights) where a TPU cannot tile the weights' scale runs: runs narrower
     than 128 lanes, as small test models have and as a 32-way split of 2,048 expert features
     (64 a device) cuts the checkpoints' 128 x 128 blocks."""
     if not interpret and not expert_matmul.supports(w.shape, scales.shape):
         return reference.grouped_matmul(rows, w, scales, group_sizes, up=up,
-                                        row_scales=row_scales).astype(out_dtype)
+                                        row_scales=row_scales,
+                                        row_weights=row_weights).astype(out_dtype)
     return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, up=up,
                                         out_dtype=out_dtype, row_scales=row_scales,
-                                        interpret=interpret)
+                                        row_weights=row_weights, interpret=interpret)
 
 
 def _pallas(interpret: bool) -> Kernels:

@@ -26,14 +26,19 @@ Scales. A weight [K, M] has one f32 scale per run of ga x gb values (`scale_runs
 cp_runtime.weights.format): the kernel multiplies x[:, run] . w[run, cols] (a bf16 matmul with f32
 accumulation; fp8 values are exact in bf16) by its scale, summed over the K runs in f32.
 fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.kernels.fp8_rows) are read at half the
-bytes of bf16 ones. With fp8 weights the MXU multiplies them as they are (`fp8_mxu`; the call's
+bytes of bf16 ones. `row_weights` (one f32 a row: a MoE's routing weights) multiply each row's
+result as it is written, so the gated call hands the down projection its weighted inputs in
+bf16 and no pass of XLA's scales and casts them in between. A row's scale and weight travel
+as one [tm, 2] block: an f32[N, 1] array is laid out a lane tile a row (512 bytes), so two
+of them cost twice what one [N, 2] does. With fp8 weights the MXU multiplies them as they are (`fp8_mxu`; the call's
 name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they are widened to bf16 in VMEM;
 a row's scale multiplies each of its sums once.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
         (`plan_visits`; `visit_plan` is its XLA twin);
-        rows bf16[tm, K] (or fp8, with their scales f32[tm, 1]) by the visit's tile, weight
+        rows bf16[tm, K] (or fp8) by the visit's tile, with each row's factors f32[tm, F]
+        (F = 0-2: the fp8 rows' scales, the row weights), weight
         f8[K, tn] by its group (VMEM), scales f32[K / ga, tn / gb, E] of every group by the
         column tile (SMEM: fetched once a column tile), output [tm, tn] by its tile (f32,
         or bf16 with `out_dtype`: each row's f32 sum rounded once, as the MoE's down
@@ -48,7 +53,7 @@ VMEM:   2 * (tm * K * r + W * K * tn * w + tm * tn * o)    (double-buffered bloc
         + W * tm * tn * 4                                  (the accumulators)
 Per call (upper bound: every visit a whole tile; min(E, N) experts read; W weights, 2 gated):
         flops = 2 * V * tm * K * M * W
-        bytes = (M / tn) * N' * (K * r [+ 4 fp8 rows' scales])
+        bytes = (M / tn) * N' * (K * r + 4 F)           (F factors a row: scale, weight)
                 + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
                 + N' * M * o                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
@@ -218,10 +223,11 @@ def plan_visits(group_sizes: jax.Array, tm: int, m_tiles: int, num_visits: int, 
 
 def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
          w_itemsize: int = 1, weights: int = 1, out_itemsize: int = 4,
-         row_itemsize: int = 2) -> dict:
+         row_itemsize: int = 2, row_weights: bool = False) -> dict:
     """HBM bytes, flops and VMEM bytes of one call (upper bounds; module docstring), with
-    `weights` weights of w_shape (2: gated), outputs of `out_itemsize` bytes and rows of
-    `row_itemsize` (1: fp8 rows, each with its f32 scale)."""
+    `weights` weights of w_shape (2: gated), outputs of `out_itemsize` bytes, rows of
+    `row_itemsize` (1: fp8 rows, each with its f32 scale) and, with `row_weights`, an f32
+    weight a row."""
     e, k, m = w_shape
     ga, gb = k // s_shape[-2], m // s_shape[-1]
     tm = row_tile(num_rows, e, row_itemsize)
@@ -229,10 +235,11 @@ def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
     tn = column_tile(k, m, gb, w_itemsize)
     visits = visits_bound(rows, e, tm)
     read = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
-    row_bytes = k * row_itemsize + (4 if row_itemsize == 1 else 0)
+    factors = (row_itemsize == 1) + row_weights
+    row_bytes = k * row_itemsize + 4 * factors
     vmem = (2 * (tiled_bytes((tm, k), row_itemsize) + weights * tiled_bytes((k, tn), w_itemsize)
                  + tiled_bytes((tm, tn), out_itemsize)) + weights * tiled_bytes((tm, tn), 4)
-            + (2 * tiled_bytes((tm, 1), 4) if row_itemsize == 1 else 0))
+            + (2 * tiled_bytes((tm, factors), 4) if factors else 0))
     return {"flops": 2 * visits * tm * k * m * weights,
             "bytes": (m // tn) * rows * row_bytes + weights * read + rows * m * out_itemsize,
             "vmem_bytes": vmem,
@@ -247,11 +254,12 @@ def fp8_mxu(rows_dtype, w_dtype) -> bool:
 
 def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
             rows_ref,                                        # [tm, K] bf16 or fp8
-            *refs, scaled_rows: bool):
-    """refs: with scaled_rows, the rows' scales [tm, 1] f32 first; per weight (one; two when
-    gated) its block w [K, tn] fp8 (or any float) and scales [K / ga, tn / gb, E] f32 SMEM;
-    then out [tm, tn] (f32 or bf16) and an accumulator [tm, tn] f32 scratch per weight."""
-    row_scales_ref, refs = (refs[0], refs[1:]) if scaled_rows else (None, refs)
+            *refs, scaled_rows: bool, weighted_rows: bool):
+    """refs: with scaled_rows or weighted_rows, the rows' factors [tm, F] f32 first (the scale
+    in column 0 with scaled_rows, then the weight); per weight (one; two when gated) its block
+    w [K, tn] fp8 (or any float) and scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn]
+    (f32 or bf16) and an accumulator [tm, tn] f32 scratch per weight."""
+    factors_ref, refs = (refs[0], refs[1:]) if scaled_rows or weighted_rows else (None, refs)
     n_w = (len(refs) - 1) // 3
     weights, out_ref, accs = refs[:2 * n_w], refs[2 * n_w], refs[2 * n_w + 1:]
     v = pl.program_id(1)
@@ -281,9 +289,10 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
         jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
         # A row's scale multiplies every product of its row, so it is applied once, to the
         # sums, before the gate's nonlinearity.
-        sums = [acc[...] if row_scales_ref is None else acc[...] * row_scales_ref[...]
-                for acc in accs]
+        sums = [acc[...] * factors_ref[:, 0:1] if scaled_rows else acc[...] for acc in accs]
         result = sums[0] if n_w == 1 else jax.nn.silu(sums[0]) * sums[1]
+        if weighted_rows:
+            result = result * factors_ref[:, scaled_rows:scaled_rows + 1]
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
@@ -298,7 +307,7 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes: jax.Array,
                    *, up: tuple[jax.Array, jax.Array] | None = None,
                    out_dtype=jnp.float32, row_scales: jax.Array | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   row_weights: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.grouped_matmul`.
 
     rows:        f[N, K]          sorted by group; cast to bf16 (the MXU's input), or f8[N, K]
@@ -316,12 +325,18 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
                  once, as it leaves VMEM)
     row_scales:  f32[N, 1] or None: fp8 rows' scales, row r standing for rows[r] * row_scales[r]
                  (each row's sums are scaled once, before the gate's nonlinearity)
+    row_weights: f32[N, 1] or None: each row's result multiplied by its weight (in f32, before
+                 it is rounded to out_dtype): a MoE's routing weights, which scale the down
+                 projection's inputs
     returns:     out_dtype[N, M]
     """
     n, k = rows.shape
     if row_scales is not None and (rows.dtype.itemsize != 1 or row_scales.shape != (n, 1)):
         raise ValueError(f"scaled rows must be fp8 [N, K] with scales [N, 1]: got rows "
                          f"{rows.dtype}{list(rows.shape)}, scales {list(row_scales.shape)}")
+    if row_weights is not None and row_weights.shape != (n, 1):
+        raise ValueError(f"row weights must be [N, 1] = [{n}, 1]: got "
+                         f"{list(row_weights.shape)}")
     e, kw, m = w.shape
     if kw != k or scales.shape[0] != e or m % scales.shape[-1] or k % scales.shape[-2]:
         raise ValueError(f"rows {rows.shape}, weights {w.shape} and scales {scales.shape} do "
@@ -340,12 +355,14 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     row_operands = [jnp.pad(rows if row_scales is not None else rows.astype(jnp.bfloat16), pad)]
     padded_rows_dtype = row_operands[0].dtype
     row_specs = [pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0))]
-    if row_scales is not None:
-        row_operands.append(jnp.pad(row_scales.astype(jnp.float32), pad))
-        row_specs.append(pl.BlockSpec((tm, 1), lambda j, v, g, t, *_: (t[v], 0)))
+    factors = [f.astype(jnp.float32) for f in (row_scales, row_weights) if f is not None]
+    if factors:
+        row_operands.append(jnp.pad(jnp.concatenate(factors, axis=1), pad))
+        row_specs.append(pl.BlockSpec((tm, len(factors)), lambda j, v, g, t, *_: (t[v], 0)))
     plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
     figures = cost(n, w.shape, scales.shape, w.dtype.itemsize, weights=len(pairs),
-                   out_itemsize=jnp.dtype(out_dtype).itemsize, row_itemsize=row_itemsize)
+                   out_itemsize=jnp.dtype(out_dtype).itemsize, row_itemsize=row_itemsize,
+                   row_weights=row_weights is not None)
     weight_specs = [
         pl.BlockSpec((None, k, tn), lambda j, v, g, t, *_: (g[v], 0, j)),
         pl.BlockSpec((scales.shape[1], tn // gb, e), lambda j, v, g, t, *_: (0, j, 0),
@@ -354,7 +371,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     operands = [a for pw, ps in pairs
                 for a in (pw, jnp.transpose(ps.astype(jnp.float32), (1, 2, 0)))]
     out = pl.pallas_call(
-        functools.partial(_kernel, scaled_rows=row_scales is not None),
+        functools.partial(_kernel, scaled_rows=row_scales is not None,
+                          weighted_rows=row_weights is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(m // tn, num_visits),

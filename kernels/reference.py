@@ -211,7 +211,8 @@ def dequantize(w: jax.Array, scales: jax.Array) -> jax.Array:
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
                    group_sizes: jax.Array, *, up: tuple[jax.Array, jax.Array] | None = None,
-                   row_scales: jax.Array | None = None) -> jax.Array:
+                   row_scales: jax.Array | None = None,
+                   row_weights: jax.Array | None = None) -> jax.Array:
     """Rows sorted by group through their group's block-scaled weight, in f32: a ragged dot
     over the dequantised weights (an f32 copy of every group's weight, never one per row).
 
@@ -222,6 +223,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
     up:          (w_up, scales_up) shaped as (w, scales), or None: the gated product
                  silu(rows . w) * (rows . w_up)
     row_scales:  f32[N, 1] or None: rows f8[N, K] stand for rows * row_scales
+    row_weights: f32[N, 1] or None: each row's result times its weight
     returns:     f32[N, M]          out[r] = rows[r] @ (w[g] * scales[g] per block), g = r's group
     """
     x = rows.astype(jnp.bfloat16).astype(jnp.float32)
@@ -234,9 +236,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array,
                              precision=lax.Precision.HIGHEST)
         return jnp.where(past[:, None], 0.0, out)
 
-    if up is None:
-        return through(w, scales)
-    return jax.nn.silu(through(w, scales)) * through(*up)
+    out = through(w, scales) if up is None else jax.nn.silu(through(w, scales)) * through(*up)
+    return out if row_weights is None else out * row_weights
 
 
 def project_output(o_lat: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array,

@@ -133,6 +133,45 @@ def test_fp8_rows_kernel_matches_reference(rows, sizes, shape, runs, gated):
                                      row_scales=fp8.scales, interpret=True)
 
 
+@pytest.mark.parametrize("rows, sizes, shape, runs", [
+    (8, [3, 0, 5, 0], (4, 256, 256), (128, 128)),          # decode-sized
+    (300, [100, 0, 190], (3, 128, 256), (128, 128)),      # a row tile shared by two groups
+])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_weights_are_the_product_taken_outside_rounded_once(rows, sizes, shape, runs, fp8):
+    """The gated call with row weights (a MoE's routing weights) and bf16 outputs, as the MoE
+    layer runs it on a TPU: each row's f32 product times its weight, rounded to bf16 once,
+    bit for bit what the f32 call's output times the weights, cast outside, gave before; the
+    reference's weighted product within the kernel's bound (of bf16's rounding); the rows'
+    scale and weight read as one [tm, 2] block (4 bytes a row more than the scales alone)."""
+    rng = np.random.default_rng(rows + 11)
+    gate, up = _weights(rng, *shape, runs), _weights(rng, *shape, runs)
+    x = jnp.asarray(rng.standard_normal((rows, shape[1])), jnp.float32)
+    scaled = fp8_rows.quantize(x) if fp8 else None
+    x_in, row_scales = (scaled.values, scaled.scales) if fp8 else (x, None)
+    weights = jnp.asarray(rng.uniform(0.1, 2.0, (rows, 1)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    call = functools.partial(expert_matmul.grouped_matmul, x_in, *gate, sizes, up=up,
+                             row_scales=row_scales, interpret=True)
+    got = call(row_weights=weights, out_dtype=jnp.bfloat16)
+    before = (call() * weights).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(before.astype(jnp.float32)))
+    want = reference.grouped_matmul(x_in, *gate, sizes, up=up, row_scales=row_scales,
+                                    row_weights=weights)
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) <= 2 ** -8 * float(
+        jnp.abs(want).max())
+    itemsize = 1 if fp8 else 2
+    plain = expert_matmul.cost(rows, shape, gate[1].shape, weights=2, row_itemsize=itemsize)
+    weighted = expert_matmul.cost(rows, shape, gate[1].shape, weights=2, row_itemsize=itemsize,
+                                  row_weights=True)
+    padded = -(-rows // expert_matmul.row_tile(rows, shape[0], itemsize)) * (
+        expert_matmul.row_tile(rows, shape[0], itemsize))
+    assert weighted["bytes"] - plain["bytes"] == 4 * padded
+    with pytest.raises(ValueError, match="row weights must be"):
+        call(row_weights=weights[:-1])
+
+
 def test_visit_plan_reads_each_group_once():
     """Groups with rows, in order, each tile of theirs once; the tiles past the groups zeroed
     once; nothing after."""
@@ -210,7 +249,8 @@ def device():
     return topology.compile_only_devices("tpu7x-16")[0]
 
 
-def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32, fp8=False):
+def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32, fp8=False,
+              weighted=False):
     def struct(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
     w, s = struct((e, k, m), jnp.float8_e4m3fn), struct((e, k // 128, m // 128), jnp.float32)
@@ -218,9 +258,10 @@ def _compiled(device, rows, e, k, m, gated=False, out_dtype=jnp.float32, fp8=Fal
     args = (x, w, s, struct((e,), jnp.int32), struct((rows, 1), jnp.float32))
     up = (w, s) if gated else ()  # gate and up at once: up's weight and scales as the gate's
 
-    def fn(x, w, s, sizes, row_scales, *up):
+    def fn(x, w, s, sizes, factors, *up):
         return expert_matmul.grouped_matmul(x, w, s, sizes, up=up or None, out_dtype=out_dtype,
-                                            row_scales=row_scales if fp8 else None)
+                                            row_scales=factors if fp8 else None,
+                                            row_weights=factors if weighted else None)
     args = (*args, *up)
     with jax.default_device(device):
         compiled = jax.jit(fn).lower(*args).compile()
@@ -235,14 +276,16 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     Mosaic compiles the kernel, its cost estimate reaches the module, and the HBM bytes it
     claims are only the chosen experts' at decode (8 rows: 8 of 256 experts). gate_up_fp8:
     the prefill chunk's rows as fp8 with their scales (RuntimeConfig.mlp_rows), multiplied
-    by the fp8 weights as they are, which the kernel's name tells the compiler's figures."""
+    by the fp8 weights as they are, which the kernel's name tells the compiler's figures, and,
+    as the MoE layer calls it, each row's product times its routing weight written in bf16."""
     cfg = load_model_config("glm-5.2")
     e, hid, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size // 16
     k, m = (inner, hid) if proj == "down" else (hid, inner)
-    out_itemsize = 2 if proj == "down" else 4         # down's outputs bf16, as the model runs it
     fp8 = proj == "gate_up_fp8"
+    out_itemsize = 2 if proj == "down" or fp8 else 4  # bf16 where the model writes bf16
     module = _compiled(device, rows, e, k, m, gated=proj.startswith("gate_up"),
-                       out_dtype=jnp.bfloat16 if proj == "down" else jnp.float32, fp8=fp8)
+                       out_dtype=jnp.bfloat16 if out_itemsize == 2 else jnp.float32, fp8=fp8,
+                       weighted=fp8)
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     matmul = "expert_grouped_matmul" + ("_fp8" if fp8 else "")   # priced at the fp8 rate
     assert sorted(i.name.split(".")[0] for i in calls) == [matmul, "expert_visit_plan"]
@@ -250,7 +293,8 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     flops, nbytes = next(i for i in calls if i.name.startswith("expert_grouped")).kernel_cost
     n_w = 2 if proj.startswith("gate_up") else 1
     figures = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w,
-                                 out_itemsize=out_itemsize, row_itemsize=1 if fp8 else 2)
+                                 out_itemsize=out_itemsize, row_itemsize=1 if fp8 else 2,
+                                 row_weights=fp8)
     assert (flops, nbytes) == (figures["flops"], figures["bytes"])
     assert figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
     weights = n_w * min(e, rows) * k * m

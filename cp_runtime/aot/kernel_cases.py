@@ -175,8 +175,9 @@ def _fp8_indexer_case(q: int, hi: int, di: int, local: int, page_size: int, stat
                       indexer.cost(*args[:6], k_scale=args[6], **statics))
 
 
-def _gated_experts(rows, w, scales, group_sizes, w_up, scales_up):
-    return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, up=(w_up, scales_up))
+def _gated_experts(rows, w, scales, group_sizes, w_up, scales_up, row_weights):
+    return expert_matmul.grouped_matmul(rows, w, scales, group_sizes, up=(w_up, scales_up),
+                                        row_weights=row_weights, out_dtype=jnp.bfloat16)
 
 
 def _down_experts(rows, w, scales, group_sizes):
@@ -186,7 +187,8 @@ def _down_experts(rows, w, scales, group_sizes):
 def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[KernelCase]:
     """The experts' kernel for steps of `tokens` tokens (each row one (token, expert) pair),
     fp8 weights in 128 x 128 blocks, as the public checkpoints hold them: gate and up in one
-    call, as the model runs them, and down (with bf16 outputs, as the model sums them)."""
+    call, as the model runs them (each row's product times its routing weight, in bf16), and
+    down (with bf16 outputs, as the model sums them)."""
     e, hid = model.n_routed_experts, model.hidden_size
     inner = cdiv(model.moe_intermediate_size, NUM_SHARDS)
     out = []
@@ -197,12 +199,12 @@ def expert_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
                       ((e, cdiv(k, 128), cdiv(m, 128)), jnp.float32))
             gated = proj == "gate_up"
             args = _structs(device, ((rows, k), jnp.bfloat16), *weight, ((e,), jnp.int32),
-                            *(weight if gated else ()))
+                            *((*weight, ((rows, 1), jnp.float32)) if gated else ()))
             fn = _gated_experts if gated else _down_experts
             out.append(KernelCase(f"experts {proj} T={t}", "experts", fn, args,
                                   expert_matmul.cost(rows, (e, k, m), args[2].shape,
                                                      weights=2 if gated else 1,
-                                                     out_itemsize=4 if gated else 2)))
+                                                     out_itemsize=2, row_weights=gated)))
     return out
 
 

@@ -246,9 +246,11 @@ LINEAR_KERNEL_MAX_ROWS = 256
 # A weight of at least this many elements takes the kernel at any number of rows: the
 # head-split weights a device gathers whole to attend every head of its own rows (GLM-5.2's
 # q_b, 25M, and o_proj, 100M), whose scales XLA broadcast to f32 and wrote to HBM at every
-# row count compiled. Its chunk of 16K rows: 580 -> 560 ms; every linear through the kernel
-# instead, 578 ms (docs/performance.md).
-LINEAR_KERNEL_MIN_ELEMENTS = 16 << 20
+# row count compiled, and q_a (12.6M) and the indexer's wq_b (8.4M), whose scales XLA
+# broadcast the same way. Its chunk of 16K rows: 580 -> 560 ms at 16M; every linear through
+# the kernel instead, 578 ms; 8M, attention_inputs 29.0 -> 24.9 ms of TensorCore time at 0
+# (docs/performance.md).
+LINEAR_KERNEL_MIN_ELEMENTS = 8 << 20
 
 
 def dequantised_whole(cfg: ModelConfig, name: str, w_shape: tuple[int, ...],
@@ -617,10 +619,11 @@ def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 # expert_matmul(rows f[N, in], w f8[E, in, out], scales f32[E, in/ga, out/gb], group_sizes
-# i32[E], *, up=None, out_dtype=f32) -> out_dtype[N, out]: rows sorted by expert through their
-# expert's block-scaled weights, read as fp8 (cp_runtime.kernels.expert_matmul); with
-# up=(w_up, scales_up), silu(rows . w) * (rows . w_up) from one pass over the rows. None: the
-# XLA paths below.
+# i32[E], *, up=None, out_dtype=f32, row_scales=None, row_weights=None) -> out_dtype[N, out]:
+# rows sorted by expert through their expert's block-scaled weights, read as fp8
+# (cp_runtime.kernels.expert_matmul); with up=(w_up, scales_up), silu(rows . w) * (rows . w_up)
+# from one pass over the rows; each row's result times its row weight. None: the XLA paths
+# below.
 ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -646,7 +649,9 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     summed in f32 instead, the gather fused into the sum ran 2.8 ms a layer, 1.46 against
     1.26 s for an 8K chunk.) The routing weights scale the
     down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
-    those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk), and a
+    those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk): the gated
+    call multiplies each row's product by its weight and writes it in bf16, the down
+    projection's input dtype (a pass of XLA's own before, 0.03 ms a half-layer), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
     slower in XLA:TPU's estimate). `by_expert`: each token's choices come in ascending
     expert order, so one token's are sorted already (XLA ran the sort as four ops). `fp8`:
@@ -672,13 +677,13 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     def blocks(key: str) -> tuple[jax.Array, jax.Array]:
         return p[key], p[key + SCALE_SUFFIX]
 
+    gated = functools.partial(expert_matmul, up=blocks(up), row_weights=routing,
+                              out_dtype=jnp.bfloat16)                  # gate and up at once
     if fp8 is None:
-        h = expert_matmul(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes,
-                          up=blocks(up))                               # gate and up at once
+        h = gated(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes)
     else:
-        h = expert_matmul(fp8.values[token], *blocks(gate), sizes, up=blocks(up),
-                          row_scales=fp8.scales[token])
-    y = expert_matmul(h * routing, *blocks(down), sizes, out_dtype=jnp.bfloat16)
+        h = gated(fp8.values[token], *blocks(gate), sizes, row_scales=fp8.scales[token])
+    y = expert_matmul(h, *blocks(down), sizes, out_dtype=jnp.bfloat16)
     return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y)
 
 
