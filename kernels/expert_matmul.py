@@ -30,9 +30,9 @@ bytes of bf16 ones. `row_weights` (one f32 a row: a MoE's routing weights) multi
 result as it is written, so the gated call hands the down projection its weighted inputs in
 bf16 and no pass of XLA's scales and casts them in between. A row's scale and weight travel
 as one [tm, 2] block: an f32[N, 1] array is laid out a lane tile a row (512 bytes), so two
-of them cost twice what one [N, 2] does. With fp8 weights the MXU multiplies them as they are (`fp8_mxu`; the call's
-name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they are widened to bf16 in VMEM;
-a row's scale multiplies each of its sums once.
+of them cost twice what one [N, 2] does. With fp8 weights the MXU multiplies them as they
+are (`fp8_mxu`; the call's name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they
+are widened to bf16 in VMEM; a row's scale multiplies each of its sums once.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
