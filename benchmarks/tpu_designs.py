@@ -361,17 +361,20 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
                              head of its rows, (S-1)/S R H/S D w
     outputs all-to-all       and the attention's outputs back to their heads' devices:
                              (S-1)/S R H/S Dv w
-    head weights all-gather  or instead (`_row_mode` "weights") q_b, kv_b and o_proj whole on
-                             every device, (S-1) x its part, HEAD_WEIGHT_GATHERS collectives:
-                             then no all-to-all, no heads' reduce-scatter, and q_lora gathered
-                             in full layers only (for the indexer's q)
+    head weights all-gather  or instead (`_row_mode` "weights") q_b, kv_b and o_proj (and in
+                             full layers the indexer's wq_b) whole on every device, (S-1) x its
+                             part, HEAD_WEIGHT_GATHERS (+ INDEXER_WEIGHT_GATHERS) collectives:
+                             then no all-to-all, no heads' reduce-scatter, and no q_lora
+                             gather (each device makes every q head of its rows, the
+                             indexer's too, which are then gathered by row)
     heads' reduce-scatter    the heads' projections summed into each device's R/S rows:
                              (S-1)/S R hid w
     MLP all-gather +         the MLP's normed input to every device and its sums back:
       reduce-scatter         2 (S-1)/S R hid w; 2 collectives. With fp8 rows (--mlp-rows):
                              (S-1)/S R (hid + 4 (1 + [MoE] 2k)) + (S-1)/S R hid w, the rows'
                              values, their scales and routing (f32) in a third collective
-    q_lora all-gather        each device's rows of q_lora: (S-1)/S R q_lora w
+    q_lora all-gather        each device's rows of q_lora: (S-1)/S R q_lora w (not where the
+                             weights are gathered)
     row features all-gather  the cached latent row, and (full layers) the indexer's key and
                              head weights, in f32 (they feed the cache and the selection):
                              (S-1)/S R (D + [full] (Di + Hi)) 4
@@ -382,7 +385,8 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
     heads of every row where the rows are not split or that costs less) over every page.
     Collectives issued in a prefill chunk: 8 per layer where the rows trade their heads, 6
     where each device attends its heads, 3 with every row on every device, 2 more per full
-    layer; 10 per layer where the weights are gathered, 3 more per full layer (its q_lora).
+    layer; 10 per layer where the weights are gathered, 4 more per full layer (wq_b and its
+    scales).
     """
     s, w = hw.devices, setup.wire_bytes
     one_way = (s - 1) / s
@@ -410,15 +414,17 @@ def _gather_kv_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind:
             Term("outputs all-to-all",
                  ici_bytes=one_way * rows * heads * model.kv_lora_rank * w, collectives=1)]
     if mode == "weights":
-        local = _head_weight_bytes(model, hw, setup)
+        local, gathers = _head_weight_bytes(model, hw, setup), HEAD_WEIGHT_GATHERS
+        if _is_full(kind):
+            local += _indexer_q_weight_bytes(model, hw, setup)
+            gathers += INDEXER_WEIGHT_GATHERS
         terms.append(Term("head weights all-gather", ici_bytes=(s - 1) * local,      # written
-                          hbm_bytes=2 * s * local, collectives=HEAD_WEIGHT_GATHERS))  # and read
+                          hbm_bytes=2 * s * local, collectives=gathers))              # and read
     else:
-        terms.append(Term("heads' reduce-scatter",
-                          ici_bytes=one_way * rows * model.hidden_size * w, collectives=1))
-    if mode != "weights" or _is_full(kind):       # the q heads', or the indexer's
-        terms.append(Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
-                          collectives=1))
+        terms += [Term("heads' reduce-scatter",
+                       ici_bytes=one_way * rows * model.hidden_size * w, collectives=1),
+                  Term("q_lora all-gather", ici_bytes=one_way * rows * model.q_lora_rank * w,
+                       collectives=1)]
     return terms + [
         _mlp_rows_collectives(model, hw, setup, kind, rows),
         Term("row features all-gather", ici_bytes=one_way * rows * features * 4,
@@ -440,8 +446,9 @@ def _mlp_rows_collectives(model: ModelConfig, hw: Hardware, setup: Setup, kind: 
 
 
 # The head-split weights' gathers a layer, as the compiled step issues them: q_b and kv_b, o_proj,
-# each fp8 weight with its scales.
+# each fp8 weight with its scales; and in a full layer the indexer's wq_b with its scales.
 HEAD_WEIGHT_GATHERS = 6
+INDEXER_WEIGHT_GATHERS = 2
 
 
 def _head_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
@@ -453,6 +460,15 @@ def _head_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
                     + model.v_head_dim * model.hidden_size)
     scales = 4 / 128 ** 2 if setup.weight_bytes == 1 else 0
     return elements * (setup.weight_bytes + scales) / hw.devices
+
+
+def _indexer_q_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
+    """A device's part of a full layer's indexer wq_b (heads padded to a multiple of S), with
+    its block scales where fp8."""
+    hi = cdiv(model.index_n_heads, hw.devices) * hw.devices
+    scales = 4 / 128 ** 2 if setup.weight_bytes == 1 else 0
+    return hi * model.index_head_dim * model.q_lora_rank * (setup.weight_bytes + scales) \
+        / hw.devices
 
 
 def _row_mode(model: ModelConfig, hw: Hardware, setup: Setup, rows: int, pages: int) -> str:

@@ -29,16 +29,21 @@ fp8 rows (`row_scales`, one f32 scale a row: cp_runtime.kernels.fp8_rows) are re
 bytes of bf16 ones. `row_weights` (one f32 a row: a MoE's routing weights) multiply each row's
 result as it is written, so the gated call hands the down projection its weighted inputs in
 bf16 and no pass of XLA's scales and casts them in between. A row's scale and weight travel
-as one [tm, 2] block: an f32[N, 1] array is laid out a lane tile a row (512 bytes), so two
-of them cost twice what one [N, 2] does. With fp8 weights the MXU multiplies them as they
-are (`fp8_mxu`; the call's name then ends in kernels/costs.py's FP8_MXU_SUFFIX), else they
-are widened to bf16 in VMEM; a row's scale multiplies each of its sums once.
+together, a row a lane: as rows 0 and 1 of one f32[8, N] array, read [8, tm] a tile and
+turned to columns in VMEM (`factor_lanes`, where tm is whole lane tiles). XLA:TPU lays an
+[N, F] array out a lane tile a row (512 bytes), and it made the [N, 2] of the two by a copy
+from the lane-dense one it built (20 us a GLM-5.2 half-chunk); a decode step's few rows
+(tm under a lane tile) still take them as one [tm, F] block. With fp8 weights the MXU
+multiplies them as they are (`fp8_mxu`; the call's name then ends in kernels/costs.py's
+FP8_MXU_SUFFIX), else they are widened to bf16 in VMEM; a row's scale multiplies each of its
+sums once.
 
 Grid:   (M / tn column tiles, V visits); column tiles parallel, visits in order.
 Blocks: the visit plan scalar prefetch (SMEM), made by a second, scalar-core kernel
         (`plan_visits`; `visit_plan` is its XLA twin);
-        rows bf16[tm, K] (or fp8) by the visit's tile, with each row's factors f32[tm, F]
-        (F = 0-2: the fp8 rows' scales, the row weights), weight
+        rows bf16[tm, K] (or fp8) by the visit's tile, with each row's factors f32[8, tm]
+        (rows 0 to F - 1 of [8, N]; F = 0-2: the fp8 rows' scales, the row weights; [tm, F]
+        where tm is under a lane tile), weight
         f8[K, tn] by its group (VMEM), scales f32[K / ga, tn / gb, E] of every group by the
         column tile (SMEM: fetched once a column tile), output [tm, tn] by its tile (f32,
         or bf16 with `out_dtype`: each row's f32 sum rounded once, as the MoE's down
@@ -53,7 +58,8 @@ VMEM:   2 * (tm * K * r + W * K * tn * w + tm * tn * o)    (double-buffered bloc
         + W * tm * tn * 4                                  (the accumulators)
 Per call (upper bound: every visit a whole tile; min(E, N) experts read; W weights, 2 gated):
         flops = 2 * V * tm * K * M * W
-        bytes = (M / tn) * N' * (K * r + 4 F)           (F factors a row: scale, weight)
+        bytes = (M / tn) * N' * (K * r + 4 F')          (F' = 8 factor rows where F > 0,
+                                                        or F a row: scale, weight)
                 + W * (min(E, N) * K * M * w + E * (K/ga) * (M/gb) * 4)
                 + N' * M * o                            (N' = N padded to tm)
 A grid step costs a fixed overhead the estimate leaves out (a few hundred ns on TPUs); the
@@ -78,7 +84,7 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES, tiled_bytes
 
 __all__ = ["grouped_matmul", "visit_plan", "plan_visits", "visits_bound", "row_tile",
-           "column_tile", "supports", "cost"]
+           "column_tile", "supports", "cost", "factor_lanes", "FACTOR_ROWS"]
 
 ROW_TILE = 256                  # rows per m-tile at most (`row_tile`)
 ROW_ALIGN = 16                  # bf16 rows per sublane tile (fp8: 32, `row_tile`)
@@ -236,14 +242,27 @@ def cost(num_rows: int, w_shape: tuple[int, ...], s_shape: tuple[int, ...],
     visits = visits_bound(rows, e, tm)
     read = min(e, num_rows) * k * m * w_itemsize + e * (k // ga) * (m // gb) * 4
     factors = (row_itemsize == 1) + row_weights
-    row_bytes = k * row_itemsize + 4 * factors
+    # f32 words a row's factors take: FACTOR_ROWS sublanes where they come a row a lane
+    factor_words = (FACTOR_ROWS if factor_lanes(tm) else factors) if factors else 0
+    factor_block = (FACTOR_ROWS, tm) if factor_lanes(tm) else (tm, factors)
+    row_bytes = k * row_itemsize + 4 * factor_words
     vmem = (2 * (tiled_bytes((tm, k), row_itemsize) + weights * tiled_bytes((k, tn), w_itemsize)
                  + tiled_bytes((tm, tn), out_itemsize)) + weights * tiled_bytes((tm, tn), 4)
-            + (2 * tiled_bytes((tm, factors), 4) if factors else 0))
+            + (2 * tiled_bytes(factor_block, 4) if factors else 0))
     return {"flops": 2 * visits * tm * k * m * weights,
             "bytes": (m // tn) * rows * row_bytes + weights * read + rows * m * out_itemsize,
             "vmem_bytes": vmem,
             "transcendentals": visits * tm * m if weights > 1 else 0}
+
+
+# The rows' factors go in as the first F of FACTOR_ROWS sublanes of an f32[FACTOR_ROWS, N]
+# array, a row a lane, where a row tile is whole lane tiles (`factor_lanes`).
+FACTOR_ROWS = 8
+
+
+def factor_lanes(tm: int) -> bool:
+    """Whether row tiles of tm rows take their factors a row a lane ([8, tm] blocks)."""
+    return tm % LANES == 0
 
 
 def fp8_mxu(rows_dtype, w_dtype) -> bool:
@@ -254,11 +273,12 @@ def fp8_mxu(rows_dtype, w_dtype) -> bool:
 
 def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM scalar prefetch
             rows_ref,                                        # [tm, K] bf16 or fp8
-            *refs, scaled_rows: bool, weighted_rows: bool):
-    """refs: with scaled_rows or weighted_rows, the rows' factors [tm, F] f32 first (the scale
-    in column 0 with scaled_rows, then the weight); per weight (one; two when gated) its block
-    w [K, tn] fp8 (or any float) and scales [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn]
-    (f32 or bf16) and an accumulator [tm, tn] f32 scratch per weight."""
+            *refs, scaled_rows: bool, weighted_rows: bool, lanes: bool):
+    """refs: with scaled_rows or weighted_rows, the rows' factors f32 first, [8, tm] a row a
+    lane (`lanes`) or [tm, F] (the scale first with scaled_rows, then the weight); per weight
+    (one; two when gated) its block w [K, tn] fp8 (or any float) and scales
+    [K / ga, tn / gb, E] f32 SMEM; then out [tm, tn] (f32 or bf16) and an accumulator
+    [tm, tn] f32 scratch per weight."""
     factors_ref, refs = (refs[0], refs[1:]) if scaled_rows or weighted_rows else (None, refs)
     n_w = (len(refs) - 1) // 3
     weights, out_ref, accs = refs[:2 * n_w], refs[2 * n_w], refs[2 * n_w + 1:]
@@ -287,12 +307,14 @@ def _kernel(group_ref, tile_ref, fresh_ref, bounds_ref, counts_ref,   # SMEM sca
             return carry
 
         jax.lax.fori_loop(0, k_runs * n_runs, run, 0)
+        if factors_ref is not None:                              # as columns [tm, F']
+            factors = factors_ref[...].T if lanes else factors_ref[...]
         # A row's scale multiplies every product of its row, so it is applied once, to the
         # sums, before the gate's nonlinearity.
-        sums = [acc[...] * factors_ref[:, 0:1] if scaled_rows else acc[...] for acc in accs]
+        sums = [acc[...] * factors[:, 0:1] if scaled_rows else acc[...] for acc in accs]
         result = sums[0] if n_w == 1 else jax.nn.silu(sums[0]) * sums[1]
         if weighted_rows:
-            result = result * factors_ref[:, scaled_rows:scaled_rows + 1]
+            result = result * factors[:, scaled_rows:scaled_rows + 1]
         row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
         mine = (row >= bounds_ref[g]) & (row < bounds_ref[g + 1])
         before = jnp.where(fresh_ref[v] > 0, 0.0, out_ref[...])
@@ -356,7 +378,11 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
     padded_rows_dtype = row_operands[0].dtype
     row_specs = [pl.BlockSpec((tm, k), lambda j, v, g, t, *_: (t[v], 0))]
     factors = [f.astype(jnp.float32) for f in (row_scales, row_weights) if f is not None]
-    if factors:
+    if factors and factor_lanes(tm):
+        lanes = jnp.concatenate(factors, axis=1).T                          # [F, N]
+        row_operands.append(jnp.pad(lanes, ((0, FACTOR_ROWS - len(factors)), pad[0])))
+        row_specs.append(pl.BlockSpec((FACTOR_ROWS, tm), lambda j, v, g, t, *_: (0, t[v])))
+    elif factors:
         row_operands.append(jnp.pad(jnp.concatenate(factors, axis=1), pad))
         row_specs.append(pl.BlockSpec((tm, len(factors)), lambda j, v, g, t, *_: (t[v], 0)))
     plan = plan_visits(group_sizes, tm, m_tiles, num_visits, interpret=interpret)
@@ -372,7 +398,7 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, scales: jax.Array, group_sizes
                 for a in (pw, jnp.transpose(ps.astype(jnp.float32), (1, 2, 0)))]
     out = pl.pallas_call(
         functools.partial(_kernel, scaled_rows=row_scales is not None,
-                          weighted_rows=row_weights is not None),
+                          weighted_rows=row_weights is not None, lanes=factor_lanes(tm)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(m // tn, num_visits),

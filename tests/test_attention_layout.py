@@ -318,13 +318,16 @@ def test_gather_kv_prefill_compiles_for_tpu7x_without_a_merge(residual, row_atte
         assert phases["merge"]["collectives"] == 2 * layers
         assert phases["merge"]["collective_bytes"] == layers * (16 * 64 * 2 + o_bytes)
     elif row_attention == "weights":
-        # q_b and kv_b gathered whole (q_gather), o_proj (merge), in their bf16; no heads' sum
+        # q_b, kv_b and (every layer has its own indexer) wq_b gathered whole (q_gather),
+        # o_proj (merge), in their bf16; no heads' sum, and no q_lora gathered
         m = MINI
         q_b = m.num_attention_heads * m.qk_head_dim * m.q_lora_rank * 2
         kv_b = m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * 2
+        wq_b = m.index_n_heads * m.index_head_dim * m.q_lora_rank * 2
         o_proj = m.hidden_size * m.num_attention_heads * m.v_head_dim * 2
-        assert phases["q_gather"]["collectives"] == 2 * layers
-        assert phases["q_gather"]["collective_bytes"] == layers * (q_b + kv_b)
+        assert set(m.indexer_types) == {"full"}
+        assert phases["q_gather"]["collectives"] == 3 * layers
+        assert phases["q_gather"]["collective_bytes"] == layers * (q_b + kv_b + wq_b)
         assert phases["merge"]["collectives"] == layers
         assert phases["merge"]["collective_bytes"] == layers * o_proj
     else:

@@ -143,7 +143,8 @@ def test_row_weights_are_the_product_taken_outside_rounded_once(rows, sizes, sha
     layer runs it on a TPU: each row's f32 product times its weight, rounded to bf16 once,
     bit for bit what the f32 call's output times the weights, cast outside, gave before; the
     reference's weighted product within the kernel's bound (of bf16's rounding); the rows'
-    scale and weight read as one [tm, 2] block (4 bytes a row more than the scales alone)."""
+    scale and weight read as one block: [8, tm] a row a lane where tm is whole lane tiles (the
+    300-row case; 8 f32 a row for one factor or two), else [tm, 2] (4 bytes a row a factor)."""
     rng = np.random.default_rng(rows + 11)
     gate, up = _weights(rng, *shape, runs), _weights(rng, *shape, runs)
     x = jnp.asarray(rng.standard_normal((rows, shape[1])), jnp.float32)
@@ -165,9 +166,14 @@ def test_row_weights_are_the_product_taken_outside_rounded_once(rows, sizes, sha
     plain = expert_matmul.cost(rows, shape, gate[1].shape, weights=2, row_itemsize=itemsize)
     weighted = expert_matmul.cost(rows, shape, gate[1].shape, weights=2, row_itemsize=itemsize,
                                   row_weights=True)
-    padded = -(-rows // expert_matmul.row_tile(rows, shape[0], itemsize)) * (
-        expert_matmul.row_tile(rows, shape[0], itemsize))
-    assert weighted["bytes"] - plain["bytes"] == 4 * padded
+    tm = expert_matmul.row_tile(rows, shape[0], itemsize)
+    padded = -(-rows // tm) * tm
+    assert expert_matmul.factor_lanes(tm) == (rows == 300)
+    if expert_matmul.factor_lanes(tm):
+        extra = 0 if fp8 else 4 * expert_matmul.FACTOR_ROWS * padded
+    else:
+        extra = 4 * padded
+    assert weighted["bytes"] - plain["bytes"] == extra
     with pytest.raises(ValueError, match="row weights must be"):
         call(row_weights=weights[:-1])
 

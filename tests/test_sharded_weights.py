@@ -16,7 +16,8 @@ from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.kernels import expert_matmul
 from cp_runtime.kernels.reference import dequantize
-from cp_runtime.model.forward import (EVERY_EXPERT_MAX_ROWS, _every_expert, _routed_experts,
+from cp_runtime.model.forward import (EVERY_EXPERT_MAX_ROWS, INDEXER_Q_WEIGHT, IndexerInputs,
+                                      _every_expert, _indexer_queries, _routed_experts,
                                       _swiglu, mlp, route, route_topk)
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.fp8_blocks import quantize
@@ -237,6 +238,53 @@ def test_split_fp8_weights_gather_whole_with_their_scales():
         dequantize(jnp.asarray(cols_w), jnp.asarray(cols_s))))
     with pytest.raises(ValueError, match="whole_heads attends each device's own rows"):
         WeightShards(axis="cp", whole_heads=True)
+
+
+def test_indexer_q_of_own_rows_is_every_rows_heads_gathered():
+    """Where each device attends every head of its own rows, it makes every indexer head of
+    those rows from wq_b gathered whole, and the heads are gathered by row
+    (`IndexerInputs.rows`), against each device making its own heads of every row, gathered by
+    head, and one device making every head of every row (S = 1; deepseek-mini: 16 indexer
+    heads, one a device; fp8 wq_b with 32 x 32 scale runs). The same products of the same
+    weights, each rounded to bf16 once by the projection: XLA:CPU sums a 4-row matmul in
+    another order than a 64-row one, so a value may land one bf16 step away, and rope and
+    the Hadamard transform (both orthonormal) spread that over its head; bound 2^-8 rel-L2,
+    measured 1.7e-3 (by head 4e-8). Rounded to e4m3 (a chunk's fp8 scoring), a value near a
+    rounding boundary may take the next e4m3 step: bound 2^-5, measured 8.7e-3."""
+    cfg = DEEPSEEK_MINI
+    mesh = jax.make_mesh((16,), ("cp",))
+    rng = np.random.default_rng(5)
+    name = INDEXER_Q_WEIGHT
+    w, scales = quantize(rng.normal(size=(cfg.index_n_heads * cfg.index_head_dim,
+                                          cfg.q_lora_rank)), (32, 32))
+    q_lora = rng.normal(size=(2, 32, cfg.q_lora_rank)).astype(np.float32)
+    pos = np.arange(64, dtype=np.int32).reshape(2, 32)
+    specs = {name: P("cp"), name + SCALE_SUFFIX: P("cp")}
+    unused = {"w": jnp.zeros((2, 32, cfg.index_n_heads)), "k": jnp.zeros((2, 32, 1))}
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+                       check_vma=False)
+    def run(local, q_lora, pos):
+        ws = WeightShards(axis="cp", rows_split=True, whole_heads=True)
+        by_head = IndexerInputs(q=_indexer_queries(local, cfg, q_lora, pos),
+                                heads=cfg.index_n_heads, **unused)
+        whole = ws.gather_weights(local, {name: 0}, SCALE_SUFFIX)
+        by_row = IndexerInputs(q=_indexer_queries(whole, cfg, ws.own_rows(q_lora),
+                                                  ws.own_rows(pos)), rows=pos.shape, **unused)
+        rounded = [x.rounded().gathered(ws) for x in (by_head, by_row)]
+        return ([x.gathered(ws).q for x in (by_head, by_row)],
+                [x.q.astype(jnp.float32) * x.q_scale[..., None] for x in rounded])
+
+    placed = {name: jax.device_put(w, NamedSharding(mesh, specs[name])),
+              name + SCALE_SUFFIX: jax.device_put(scales, NamedSharding(mesh, P("cp")))}
+    (by_head, by_row), (e4m3_head, e4m3_row) = run(placed, q_lora, pos)
+    one_device = _indexer_queries({name: jnp.asarray(w), name + SCALE_SUFFIX: jnp.asarray(scales)},
+                                  cfg, q_lora, pos)
+    assert by_row.shape == (2, 32, cfg.index_n_heads, cfg.index_head_dim)
+    for got in (by_head, by_row):
+        assert rel_l2(got, one_device) <= 2 ** -8
+    assert rel_l2(e4m3_row, e4m3_head) <= 2 ** -5
 
 
 def test_heads_trade_for_rows_and_back():

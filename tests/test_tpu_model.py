@@ -199,14 +199,17 @@ def test_units_of_gather_kv_terms(glm):
     # per layer: KV, the two all-to-alls, the reduce-scatter, the MLP's two, q_lora, the row
     # features; full layers: the indexer's q, the top-k
     assert sum(t.collectives for t in terms.values()) == 8 * L + 2 * F
-    # the weights gathered instead: each device's 1/16 of q_b, kv_b and o_proj (fp8, with their
-    # f32 scales) from the 15 others, no trade and no heads' sum; q_lora for the indexers only
+    # the weights gathered instead: each device's 1/16 of q_b, kv_b and o_proj, and in full
+    # layers of the indexer's wq_b (fp8, with their f32 scales) from the 15 others; no trade,
+    # no heads' sum and no q_lora (each device makes every q head of its rows itself)
     weights = _chunk(glm, "gather_kv", row_attention="weights")
     part = 64 * (256 * 2048 + 448 * 512 + 256 * 6144) * (1 + 4 / 128 ** 2) / 16
-    assert weights["head weights all-gather"].ici_bytes == pytest.approx(L * 15 * part)
-    assert not {"q heads all-to-all", "outputs all-to-all", "heads' reduce-scatter"} & set(weights)
-    assert weights["q_lora all-gather"].ici_bytes == pytest.approx(F * 15 / 16 * T * 2048 * 4)
-    assert sum(t.collectives for t in weights.values()) == 10 * L + 3 * F
+    wq_b = 32 * 128 * 2048 * (1 + 4 / 128 ** 2) / 16
+    assert weights["head weights all-gather"].ici_bytes == pytest.approx(
+        L * 15 * part + F * 15 * wq_b)
+    assert not {"q heads all-to-all", "outputs all-to-all", "heads' reduce-scatter",
+                "q_lora all-gather"} & set(weights)
+    assert sum(t.collectives for t in weights.values()) == 10 * L + 4 * F
     assert weights["selected-page attention"] == attention
     assert _chunk(glm, "gather_kv") == weights                     # auto, f32 on the wire
     assert _chunk(glm, "gather_kv", wire=2) == _chunk(glm, "gather_kv", wire=2,   # and bf16

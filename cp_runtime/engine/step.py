@@ -192,35 +192,34 @@ def _head_weights(params, model: ModelConfig, num_shards: int, rows: int) -> tup
     return held, dequantised
 
 
-def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
-    """RuntimeConfig.wire_dtype for the mesh's devices: auto is bf16 on TPU, f32 elsewhere."""
+def _by_platform(choice: str, mesh: Mesh, *, tpu: str, elsewhere: str) -> str:
+    """A runtime field's `choice` as given, or for auto its value on the mesh's devices."""
     if choice != "auto":
         return choice
-    return "bf16" if mesh.devices.flat[0].platform == "tpu" else "f32"
+    return tpu if mesh.devices.flat[0].platform == "tpu" else elsewhere
+
+
+def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
+    """RuntimeConfig.wire_dtype for the mesh's devices: auto is bf16 on TPU, f32 elsewhere."""
+    return _by_platform(choice, mesh, tpu="bf16", elsewhere="f32")
 
 
 def resolve_mlp_rows(choice: str, mesh: Mesh) -> str:
     """RuntimeConfig.mlp_rows for the mesh's devices: auto is fp8 on TPU, wire elsewhere."""
-    if choice != "auto":
-        return choice
-    return "fp8" if mesh.devices.flat[0].platform == "tpu" else "wire"
+    return _by_platform(choice, mesh, tpu="fp8", elsewhere="wire")
 
 
 def resolve_indexer_scores(choice: str, mesh: Mesh) -> str:
     """RuntimeConfig.indexer_scores for the mesh's devices: auto is fp8 on TPU, cache
     elsewhere."""
-    if choice != "auto":
-        return choice
-    return "fp8" if mesh.devices.flat[0].platform == "tpu" else "cache"
+    return _by_platform(choice, mesh, tpu="fp8", elsewhere="cache")
 
 
 def resolve_chunk_halves(choice: str, mesh: Mesh) -> bool:
     """RuntimeConfig.chunk_halves for the mesh's devices: auto runs a chunk's rows as two
     halves on a TPU only, where each half's collectives then run beside the other's compute
     (cp_runtime.model.halves); on the CPU nothing would run beside them."""
-    if choice != "auto":
-        return choice == "on"
-    return mesh.devices.flat[0].platform == "tpu"
+    return _by_platform(choice, mesh, tpu="on", elsewhere="off") == "on"
 
 
 def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:

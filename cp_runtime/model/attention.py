@@ -100,11 +100,13 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
     "heads", each shard its own heads of every row, their projections reduce-scattered into
     the rows' shards; "rows", every head of its own rows, the q heads and outputs traded by
     two all-to-alls, then the same reduce-scatter; "weights", every head of its own rows from
-    the head-split weights (q_b, kv_b, o_proj) all-gathered whole, no all-to-all, no
-    reduce-scatter, and no gather of every row's q_lora (but in a layer whose indexer needs
-    it). auto prices the three: the prefill kernel at its bound (every query's pages
-    distinct; its queries in the TPU kernels' bf16) over the gathered cache of `every_pages`
-    pages, plus what each sends at the interconnect's pace. Attending its own rows reads S
+    the head-split weights (q_b, kv_b, o_proj; in a layer with its own indexer wq_b too)
+    all-gathered whole, no all-to-all, no reduce-scatter, and no gather of every row's q_lora
+    (each shard makes every q head of its own rows, the indexer's too, which are then gathered
+    by row; wq_b, 8 MB of a GLM-5.2 layer, is left out of the price). auto prices the three:
+    the prefill kernel at its bound (every query's pages distinct; its queries in the TPU
+    kernels' bf16) over the gathered cache of `every_pages` pages, plus what each sends at the
+    interconnect's pace. Attending its own rows reads S
     times fewer pages; late in a long prompt that wins by far, early, where the gathered cache
     caps every block's reads, it does not pay for what it sends. Each way also pays XLA's
     passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so, for

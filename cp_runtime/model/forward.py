@@ -82,14 +82,17 @@ class IndexerInputs:
     """q f32[..., Hi', Di], w f32[..., Hi], k f32[..., Di] of one `full` layer. q holds the
     heads whose weights this device holds: every head (heads None), or with split weights its
     Hi' = ceil(Hi / S) of `heads` in all, which the attention gathers (`gathered`, or with
-    the q heads in one collective: cp_runtime.model.attention). `rounded`, q holds e4m3
-    values and q_scale f32[..., Hi'] each head's scale."""
+    the q heads in one collective: cp_runtime.model.attention). With `rows` (the step's
+    [B, Q]), q holds every head of this device's own rows, f32[R / S, Hi, Di], made from
+    wq_b gathered whole (`attention_weights`), and `gathered` gathers them by row. `rounded`,
+    q holds e4m3 values and q_scale f32[..., Hi'] each head's scale."""
 
     q: jax.Array
     w: jax.Array
     k: jax.Array
     heads: int | None = None
     q_scale: jax.Array | None = None
+    rows: tuple[int, ...] | None = None
 
     def rounded(self) -> "IndexerInputs":
         """q's heads rounded to e4m3, one f32 scale a head (kernels/fp8_rows.py), as a chunk's
@@ -101,7 +104,15 @@ class IndexerInputs:
         return dataclasses.replace(self, q=heads.values, q_scale=heads.scales[..., 0])
 
     def gathered(self, ws: WeightShards) -> "IndexerInputs":
-        """These inputs with every head of q (and of its scales, where rounded)."""
+        """These inputs with every head of q (and of its scales, where rounded), for every
+        row."""
+        if self.rows is not None:
+            # Gathered along the rows, their leading axis: each device's block arrives
+            # whole, in the layout the kernel reads (gathered along the heads, XLA:TPU
+            # copied the fp8 heads into it, 76 us a GLM-5.2 half-chunk).
+            scale = None if self.q_scale is None else ws.gather_rows(self.q_scale, self.rows)
+            return dataclasses.replace(self, q=ws.gather_rows(self.q, self.rows),
+                                       q_scale=scale, rows=None)
         if self.heads is None:
             return self
         scale = None if self.q_scale is None else ws.gather(self.q_scale, -1, self.heads)
@@ -117,7 +128,7 @@ class IndexerInputs:
 
 
 jax.tree_util.register_dataclass(IndexerInputs, data_fields=["q", "w", "k", "q_scale"],
-                                 meta_fields=["heads"])
+                                 meta_fields=["heads", "rows"])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -477,12 +488,20 @@ def indexer_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, q_lora: jax
     the indexer's, when the caller has them already (h is then not read)."""
     if rows is None:
         rows = row_features(p, cfg, h, pos, indexer=True)
-    q = linear(p, "self_attn.indexer.wq_b.weight", q_lora)
-    q = _indexer_rope(q.reshape(*q_lora.shape[:-1], -1, cfg.index_head_dim), pos, cfg)
-    if cfg.index_hadamard:
-        q = hadamard(q)
-    return IndexerInputs(q=q, w=rows["index_w"], k=rows["index_k"],
-                         heads=cfg.index_n_heads if ws.split else None)
+    return IndexerInputs(q=_indexer_queries(p, cfg, q_lora, pos), w=rows["index_w"],
+                         k=rows["index_k"], heads=cfg.index_n_heads if ws.split else None)
+
+
+def _indexer_queries(p: Params, cfg: ModelConfig, q_lora: jax.Array, pos: jax.Array
+                     ) -> jax.Array:
+    """q_lora f[..., R] -> the indexer's query heads f32[..., Hi', Di] of the wq_b p holds:
+    this device's heads, or every head (a whole wq_b: its padding heads cut off)."""
+    q = linear(p, INDEXER_Q_WEIGHT, q_lora)
+    # A whole wq_b holds the zero heads that pad Hi to a multiple of S; a device's part
+    # holds at most Hi, so the cut only ever drops padding.
+    q = q.reshape(*q_lora.shape[:-1], -1, cfg.index_head_dim)[..., :cfg.index_n_heads, :]
+    q = _indexer_rope(q, pos, cfg)
+    return hadamard(q) if cfg.index_hadamard else q
 
 
 def mla_output(p: Params, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
@@ -824,7 +843,7 @@ def _layer(params: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.
     the rows are split (`WeightShards.rows_split`), x is this device's rows f[R / S, hidden]:
     the norms and `row_features` run on them, and what the heads and experts need of every
     row is gathered (the attention's and the MLP's sums come back reduce-scattered)."""
-    p = attention_weights(layer_params(params, layer), cfg, ws)
+    p = attention_weights(layer_params(params, layer), cfg, layer, ws)
     out, state = attention_block(p, cfg, layer, x, pos, attend, state, ws)
     with phase("dense"):
         x = x + out
@@ -876,22 +895,52 @@ def mlp_input(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Ar
 
 
 # The attention's weights split by head (cp_runtime.weights.layout), which a device that
-# attends every head of its own rows (`WeightShards.whole_heads`) gathers whole.
-HEAD_SPLIT_WEIGHTS = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
-                      "self_attn.o_proj.weight")
+# attends every head of its own rows (`WeightShards.whole_heads`) gathers whole: those that
+# make its q (and take it into the latent space), and the one that takes its heads to hidden
+# space.
+QUERY_SPLIT_WEIGHTS = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")
+OUTPUT_SPLIT_WEIGHT = "self_attn.o_proj.weight"
+HEAD_SPLIT_WEIGHTS = (*QUERY_SPLIT_WEIGHTS, OUTPUT_SPLIT_WEIGHT)
+# The indexer's query weight, split by indexer head; gathered whole with q_b and kv_b in a
+# layer with its own indexer, so a device makes every indexer head of its own rows too.
+INDEXER_Q_WEIGHT = "self_attn.indexer.wq_b.weight"
 
 
-def attention_weights(p: Params, cfg: ModelConfig, ws: WeightShards) -> Params:
-    """A layer's weights p as its attention takes them: where each device attends every head
-    of its own rows (`WeightShards.whole_heads`), the head-split ones gathered whole."""
+def attention_weights(p: Params, cfg: ModelConfig, layer: int, ws: WeightShards) -> Params:
+    """Layer `layer`'s weights p as its attention takes them: where each device attends every
+    head of its own rows (`WeightShards.whole_heads`), the head-split ones gathered whole
+    (`query_weights`, `output_weights`)."""
+    return output_weights(query_weights(p, cfg, layer, ws), cfg, ws)
+
+
+def query_weights(p: Params, cfg: ModelConfig, layer: int, ws: WeightShards) -> Params:
+    """p with the head-split weights that make q gathered whole where each device attends
+    every head of its own rows: q_b, kv_b and, in a layer with its own indexer, wq_b
+    (`_own_rows_attention_inputs`); with their scales."""
     if not ws.whole_heads:
         return p
-    axes = {name: split_of(name, p[name].shape, cfg).axis for name in HEAD_SPLIT_WEIGHTS}
-    output = "self_attn.o_proj.weight"
-    with phase("q_gather"):          # the weights that make q
-        p = ws.gather_weights(p, {k: a for k, a in axes.items() if k != output}, SCALE_SUFFIX)
-    with phase("merge"):             # and the one that takes the heads to hidden space
-        return ws.gather_weights(p, {output: axes[output]}, SCALE_SUFFIX)
+    with phase("q_gather"):
+        return ws.gather_weights(p, _split_axes(p, cfg, gathered_query_weights(cfg, layer)),
+                                 SCALE_SUFFIX)
+
+
+def gathered_query_weights(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The weights `query_weights` gathers in layer `layer` (their scales beside)."""
+    own_indexer = cfg.indexer_types[layer] == "full"
+    return QUERY_SPLIT_WEIGHTS + ((INDEXER_Q_WEIGHT,) if own_indexer else ())
+
+
+def output_weights(p: Params, cfg: ModelConfig, ws: WeightShards) -> Params:
+    """p with o_proj, which takes the heads to hidden space, gathered whole where each device
+    attends every head of its own rows; with its scales."""
+    if not ws.whole_heads:
+        return p
+    with phase("merge"):
+        return ws.gather_weights(p, _split_axes(p, cfg, (OUTPUT_SPLIT_WEIGHT,)), SCALE_SUFFIX)
+
+
+def _split_axes(p: Params, cfg: ModelConfig, names: tuple[str, ...]) -> dict[str, int]:
+    return {name: split_of(name, p[name].shape, cfg).axis for name in names}
 
 
 def _own_rows_attention_inputs(p: Params, cfg: ModelConfig, rows: dict[str, jax.Array],
@@ -900,14 +949,17 @@ def _own_rows_attention_inputs(p: Params, cfg: ModelConfig, rows: dict[str, jax.
     the head-split weights gathered whole (p, `attention_weights`): rows, its rows'
     `row_features` f[R / S, ...] -> (q f[R / S, H, D_lat] of its rows, kv_row f[B, Q, D_lat]
     of every row, the indexer's inputs or None). Every row's cached row (and, for the
-    indexer, key, weights and q_lora) is still gathered: the cache and the selection need
-    them."""
+    indexer, key and weights) is still gathered: the cache and the selection need them. The
+    indexer's q heads are made for the device's own rows too, every head, and gathered by
+    row (`IndexerInputs.rows`), so q_lora never leaves its device."""
     with phase("attention_inputs"):
-        q_row, _, _ = mla_inputs(p, cfg, None, ws.own_rows(pos), rows)
-        needed = rows if own_indexer else {k: v for k, v in rows.items() if k != "q_lora"}
-        every = ws.gather_rows_of(needed, pos.shape, wired=("q_lora",))
-        index = (indexer_inputs(p, cfg, None, every["q_lora"], pos, ws, every) if own_indexer
-                 else None)
+        own_pos = ws.own_rows(pos)
+        q_row, _, q_lora = mla_inputs(p, cfg, None, own_pos, rows)
+        every = ws.gather_rows_of({k: v for k, v in rows.items() if k != "q_lora"}, pos.shape)
+        index = None
+        if own_indexer:
+            index = IndexerInputs(q=_indexer_queries(p, cfg, q_lora, own_pos),
+                                  w=every["index_w"], k=every["index_k"], rows=pos.shape)
     return q_row, every["kv_row"], index
 
 

@@ -38,6 +38,12 @@ The indexer's cost grows with the context as the pages' gather does, and a 16K c
 half-kernel in fp8 (2.05 ms at 1M) outlasts about one gather: the two kernels of a layer with
 its own indexer take two, and the shared layers' gathers are spread over the group's layers
 (docs/performance.md, "The indexer's scores in fp8"), each buffer held for two layers.
+
+The head-split weights that make a layer's q (q_b, kv_b, and wq_b in a layer with its own
+indexer: `forward.query_weights`) depend on nothing either: they are gathered during the layer
+before, tied with the chained pages (B's attention, A's MLP input), where in their own layer
+its first kernels waited on them (GLM-5.2's 16K chunk at 0: 313.8 -> 303.1 ms overlapped,
+docs/performance.md). o_proj's gather, hidden beside its own layer's attention, stays there.
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ from jax import lax
 
 from cp_runtime.config import ModelConfig
 from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, attention_block,
-                                      attention_weights, embed, mlp, mlp_input, rms_norm)
+                                      attention_weights, embed, gathered_query_weights, mlp,
+                                      mlp_input, output_weights, query_weights, rms_norm)
 from cp_runtime.model.phases import layer_scope, phase
+from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
@@ -120,6 +128,24 @@ def _tie_ahead(state: Any, layers: tuple[int, ...], values: tuple) -> tuple[Any,
     return dataclasses.replace(state, ahead=tuple(ahead.items())), values
 
 
+def _query_weights_ahead(params: Params, cfg: ModelConfig, layer: int, ws: WeightShards
+                         ) -> Params | None:
+    """The next layer's weights with its q weights gathered (`forward.query_weights`), to be
+    gathered during `layer`; None after the last layer."""
+    if layer + 1 == cfg.num_hidden_layers:
+        return None
+    with layer_scope(layer + 1):
+        return query_weights(layer_params(params, layer + 1), cfg, layer + 1, ws)
+
+
+def _tie_weights(p: Params, names: tuple[str, ...], values: tuple) -> tuple[Params, tuple]:
+    """(p, values), p's weights `names` and their scales tied (`lax.optimization_barrier`) to
+    `values`, so that their gathers run beside the work that makes them."""
+    tied = {k: v for k, v in p.items() if k.removesuffix(SCALE_SUFFIX) in names}
+    values, tied = lax.optimization_barrier((values, tied))
+    return {**p, **tied}, values
+
+
 def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
                       attends: tuple[AttendFn, AttendFn], state: Any, ws: WeightShards,
                       expert_matmul: ExpertMatmulFn | None = None) -> tuple[jax.Array, Any]:
@@ -140,12 +166,16 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
         x = [embed(params, t, ws) for t in tokens_of]
     selection = [None, None]
     b_partial = None                  # B's MLP sums of the layer before, not yet joined
+    p_ahead = None                    # this layer's q weights, gathered in the layer before
     for layer in range(cfg.num_hidden_layers):
         beside_kernels = layers_gathered_ahead(cfg, layer)
         chained = layers_gathered_in_chain(cfg, layer)
         state = _gather_ahead(beside_kernels + chained, layer, attends[0], state)
+        with layer_scope(layer):                                           # gathered once
+            p = (attention_weights(layer_params(params, layer), cfg, layer, ws)
+                 if p_ahead is None else output_weights(p_ahead, cfg, ws))
+        p_ahead = _query_weights_ahead(params, cfg, layer, ws)
         with layer_scope(layer):
-            p = attention_weights(layer_params(params, layer), cfg, ws)    # gathered once
 
             def attention(i: int, state):
                 state = dataclasses.replace(state, selection=selection[i],
@@ -168,6 +198,9 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
             state = dataclasses.replace(state, every=None)
             with phase("dense"):
                 state, (a_in, b_out) = _tie_ahead(state, chained, (a_in, b_out))
+                if p_ahead is not None:
+                    p_ahead, (a_in, b_out) = _tie_weights(p_ahead, gathered_query_weights(
+                        cfg, layer + 1), (a_in, b_out))
                 x[1] = x[1] + b_out
                 b_in = mlp_input(p, cfg, layer, x[1], pos_of[1], ws)
                 a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)

@@ -148,8 +148,8 @@ class WeightShards:
 
     def gather_rows(self, x: jax.Array, rows_shape: tuple[int, ...], *, wire: bool = False
                     ) -> jax.Array:
-        """Every device's rows of x f[R / S, F] as f[*rows_shape, F] where the rows are split
-        (wire: in wire_dtype); else x."""
+        """Every device's rows of x f[R / S, ...] as f[*rows_shape, ...] where the rows are
+        split (wire: in wire_dtype); else x."""
         if not self.rows_split:
             return x
 
@@ -157,7 +157,7 @@ class WeightShards:
             return lax.all_gather(v, self.axis, axis=0, tiled=True)
 
         every = self._on_wire(x, all_gather) if wire else all_gather(x)
-        return every.reshape(*rows_shape, x.shape[-1])
+        return every.reshape(*rows_shape, *x.shape[1:])
 
     def gather_rows_of(self, arrays: dict[str, jax.Array], rows_shape: tuple[int, ...], *,
                        wired: tuple[str, ...] = ()) -> dict[str, jax.Array]:
