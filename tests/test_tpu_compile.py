@@ -265,8 +265,8 @@ def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
     """The 8K chunk of a GLM-5.2 prompt at 0 (5 layers, scaled to 78), in one pass and as
     two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8: of the MLP's
     all-gathers and reduce-scatters (the dense phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms
-    hidden in one pass and 36.1 ms as halves; the chunk's overlapped time 187.0 -> 169.5 ms,
-    its serial time 228.5 -> 256.8 ms (every weight read twice)."""
+    hidden in one pass and 36.9 ms as halves; the chunk's overlapped time 183.4 -> 163.9 ms,
+    its serial time 223.9 -> 253.5 ms (every weight read twice)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
     runs = {halves: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -289,9 +289,10 @@ def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
 def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     """The 8K chunk of a GLM-5.2 prompt at 120K as two halves, 7 layers (layer 3 gathers its
     own pages and 4's beside its indexer kernels, 5's and 6's in the chain, beside 3's and 4's
-    attention; figures scaled to 78). Measured, the indexer in fp8: 19.3 of the kv_gather's
-    21.5 ms hidden (16.0 with four layers gathered beside the bf16 kernels, 6.5 before the
-    pages were gathered ahead), the overlapped chunk 179.2 ms, peak 87.6 GiB."""
+    attention; figures scaled to 78). Measured, the indexer in fp8: 17.7 of the kv_gather's
+    21.5 ms hidden (19.3 before each layer's q weights were gathered in the layer before it,
+    16.0 with four layers gathered beside the bf16 kernels, 6.5 before the pages were gathered
+    ahead), the overlapped chunk 177.5 ms, peak 87.8 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     r = run_case(case, model="glm-5.2", layers=7, chunk=8192, page_size=64,

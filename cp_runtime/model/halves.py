@@ -171,10 +171,10 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
         beside_kernels = layers_gathered_ahead(cfg, layer)
         chained = layers_gathered_in_chain(cfg, layer)
         state = _gather_ahead(beside_kernels + chained, layer, attends[0], state)
-        with layer_scope(layer):                                           # gathered once
+        with layer_scope(layer):          # both halves' weights, each gathered once
             p = (attention_weights(layer_params(params, layer), cfg, layer, ws)
                  if p_ahead is None else output_weights(p_ahead, cfg, ws))
-        p_ahead = _query_weights_ahead(params, cfg, layer, ws)
+        p_ahead = _query_weights_ahead(params, cfg, layer, ws)      # in the next layer's scope
         with layer_scope(layer):
 
             def attention(i: int, state):
