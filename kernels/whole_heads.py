@@ -29,13 +29,20 @@ absorb_queries
   Blocks: q f32[R, Dq] per head (of q_b's output [R, H Dq]; q_nope its first nope lanes);
           kv_b f8[nope + v, Dv] per head; scales flat in SMEM; output bf16[1, R, Dv] per
           head of [H, R, Dv]. Scratch: W_uk bf16[nope, Dv].
-          With `rope` (each head's rotated rope part, bf16[R, Dr] per head of [R, H Dr]) the
-          output is the attention's query rows themselves, bf16[R, Dv + Dr] per head of
-          [R, H (Dv + Dr)]: [q_nope . W_uk | rope] side by side, so no pass lays the heads
-          out again and joins the rope part (0.10 ms of XLA:TPU's a GLM-5.2 layer's half of a
-          16K chunk, for the transpose and the concatenation).
+          With `rope` (the rotary factors of each row, f32[R, 2 LANES], `rope_factors`; the
+          same block for every head) the output is the attention's query rows themselves,
+          bf16[R, Dv + LANES] per head of [R, H (Dv + LANES)]: [q_nope . W_uk | q_pe, zeros],
+          the rope part rotated in VMEM from the head's own q block, whose lanes past nope
+          hold it. So no pass lays the heads out again and joins the rope part (0.10 ms of
+          XLA:TPU's a GLM-5.2 layer's half of a 16K chunk, for the transpose and the
+          concatenation), and none slices, rotates and pads it (at 1,024 rows a device,
+          XLA:TPU wrote f32 and bf16 copies of it between those: 86 us a half-layer).
+          Rotation: each lane of the rope's lane tile t times its cos, plus its partner (the
+          other of its pair, or of its halves: a lane roll of t) times its signed sin, then
+          rolled to the tile's first lanes, lanes past the rope zero: the products and sums
+          of `forward.rope`, in f32, rounded to bf16 once.
   flops = 2 R H nope Dv;  bytes = R H Dq 4 + H (nope + v) Dv w + scales + H R Dv 2
-          (with rope, + R H Dr 2 read, + R H Dr 2 written)
+          (with rope, + R 2 LANES 4 read once, + R H LANES 2 written)
 project_output
   Blocks: o_lat f32[R, Dv] per head, copied by the kernel out of [R, H, Dv] (a head's rows
           are strided there, which no block can be), the next head's while this one's
@@ -64,7 +71,7 @@ from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
 
 __all__ = ["absorb_queries", "project_output", "supports_absorb", "supports_output",
-           "absorb_cost", "output_cost", "MAX_ROWS", "COLUMNS"]
+           "absorb_cost", "output_cost", "rope_factors", "MAX_ROWS", "COLUMNS"]
 
 MAX_ROWS = 1024          # rows a call takes at most: project_output's f32 sum stays in VMEM
 COLUMNS = 1024           # o_proj's product is summed this many output columns at a time
@@ -86,16 +93,17 @@ def _kv_b_fits(heads: int, nope: int, kv_b_shape: tuple[int, ...],
 
 
 def absorb_cost(rows: int, heads: int, nope: int, v: int, dq: int, dv: int, kv_b_scales: int,
-                w_itemsize: int = 1, rope: int = 0) -> dict:
-    """HBM bytes, flops and VMEM bytes of one `absorb_queries` call (module docstring); `rope`
-    the lanes Dr of each head's rope part written beside its product, 0 for none."""
+                w_itemsize: int = 1, rope: bool = False) -> dict:
+    """HBM bytes, flops and VMEM bytes of one `absorb_queries` call (module docstring); `rope`:
+    each head's rope part rotated and written beside its product (LANES lanes)."""
+    dr = LANES if rope else 0
     vmem = (2 * (tiled_bytes((rows, dq), 4) + tiled_bytes((nope + v, dv), w_itemsize)
-                 + tiled_bytes((rows, dv + rope), 2) + tiled_bytes((rows, rope), 2))
+                 + tiled_bytes((rows, dv + dr), 2) + tiled_bytes((rows, 2 * dr), 4))
             + tiled_bytes((nope, dv), 2) + tiled_bytes((rows, nope), 2)
-            + tiled_bytes((rows, dv), 4))
+            + tiled_bytes((rows, dv), 4) + 3 * tiled_bytes((rows, dr), 4))
     return {"flops": 2 * rows * heads * nope * dv,
             "bytes": (rows * heads * dq * 4 + heads * (nope + v) * dv * w_itemsize
-                      + kv_b_scales * 4 + heads * rows * (dv + 2 * rope) * 2),
+                      + kv_b_scales * 4 + rows * 2 * dr * 4 + heads * rows * (dv + dr) * 2),
             "vmem_bytes": vmem}
 
 
@@ -116,17 +124,57 @@ def output_cost(rows: int, heads: int, nope: int, v: int, dv: int, hidden: int,
 
 
 def supports_absorb(rows: int, heads: int, nope: int, dq: int, kv_b_shape: tuple[int, ...],
-                    kv_b_scales: tuple[int, ...], rope: int = 0) -> bool:
+                    kv_b_scales: tuple[int, ...], rope: bool = False) -> bool:
     """Whether a TPU compiles `absorb_queries` for `rows` rows (at most MAX_ROWS) of `heads`
-    heads of Dq lanes (whole lane tiles) with this kv_b, and `rope` lanes of rope part a head
-    (whole lane tiles; 0: none), within the VMEM budget."""
-    if not (0 < rows <= MAX_ROWS and dq % LANES == 0 and dq >= nope and rope % LANES == 0
+    heads of Dq lanes (whole lane tiles) with this kv_b, with each head's rope part (its
+    lanes past nope, all in one lane tile) rotated beside its product where `rope`, within
+    the VMEM budget."""
+    if not (0 < rows <= MAX_ROWS and dq % LANES == 0 and dq >= nope
             and _kv_b_fits(heads, nope, kv_b_shape, kv_b_scales)):
+        return False
+    if rope and not (dq > nope and nope % LANES + dq - nope <= LANES):
         return False
     n, dv = kv_b_shape
     figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, math.prod(kv_b_scales),
                           rope=rope)
     return figures["vmem_bytes"] <= VMEM_BUDGET_BYTES
+
+
+def rope_factors(cos: jax.Array, sin: jax.Array, *, nope: int, interleaved: bool) -> jax.Array:
+    """The rotary factors `absorb_queries` takes: cos, sin f32[R, rope/2] (`forward.
+    rope_cos_sin`) -> f32[R, 2 LANES], [C | S] laid on the lane tile of a head's q that holds
+    its rope part (lanes nope to nope + rope): lane j's cos, and its partner's sin signed as
+    `forward.rope` signs it (-sin for the first of a pair or of the halves, +sin for the
+    second); zero off the rope's lanes."""
+    rows, half = cos.shape
+    if interleaved:                                        # pairs (2i, 2i + 1)
+        c = jnp.repeat(cos, 2, axis=-1)
+        s = jnp.stack([-sin, sin], axis=-1).reshape(rows, 2 * half)
+    else:                                                  # halves (i, i + rope/2)
+        c = jnp.concatenate([cos, cos], axis=-1)
+        s = jnp.concatenate([-sin, sin], axis=-1)
+    at = nope % LANES
+    lanes = ((0, 0), (at, LANES - at - 2 * half))
+    return jnp.concatenate([jnp.pad(c, lanes), jnp.pad(s, lanes)], axis=-1).astype(jnp.float32)
+
+
+def _rotated_rope(q_ref, factors_ref, *, nope: int, rope: int, interleaved: bool) -> jax.Array:
+    """f32[R, LANES]: this head's rope part (its q lanes nope to nope + rope) rotated by the
+    factors, moved to the first lanes, zero past them (the module docstring)."""
+    lanes, at = LANES, nope % LANES
+    t = q_ref[:, pl.ds(nope - at, lanes)]                                  # the rope's tile
+    c, s = factors_ref[:, pl.ds(0, lanes)], factors_ref[:, pl.ds(lanes, lanes)]
+    lane = jax.lax.broadcasted_iota(jnp.int32, t.shape, 1)
+    # pltpu.roll is jnp.roll's: roll(t, k)[j] = t[j - k], so lanes - k brings t[j + k] to j
+    if interleaved:
+        first = (lane - at) % 2 == 0
+        partner = jnp.where(first, pltpu.roll(t, lanes - 1, 1), pltpu.roll(t, 1, 1))
+    else:
+        half = rope // 2
+        first = lane < at + half
+        partner = jnp.where(first, pltpu.roll(t, lanes - half, 1), pltpu.roll(t, half, 1))
+    rotated = jnp.where((lane >= at) & (lane < at + rope), t * c + partner * s, 0.0)
+    return pltpu.roll(rotated, (lanes - at) % lanes, 1) if at else rotated
 
 
 def supports_output(rows: int, heads: int, nope: int, kv_b_shape: tuple[int, ...],
@@ -174,23 +222,25 @@ def _head_rows(kv_b_ref, s_ref, dst_ref, *, head, first: int, per_head: int, run
 def _absorb_kernel(q_ref,       # [R, Dq] f32: this head's queries, q_nope its first lanes
                    kv_b_ref,    # [nope + v, Dv] fp8: this head's kv_b rows
                    s_ref,       # f32 SMEM: kv_b's scales, flat, row-major
-                   *refs,       # [rope_ref [R, Dr] bf16,] out_ref, w_uk_ref
-                   run: int, gb: int, with_rope: bool):
-    """out_ref [1, R, Dv] bf16; with rope_ref, [R, Dv + Dr] bf16 (its rope part beside).
-    w_uk_ref: [nope, Dv] bf16 scratch."""
-    rope_ref, (out_ref, w_uk_ref) = (refs[0], refs[1:]) if with_rope else (None, refs)
+                   *refs,       # [factors_ref [R, 2 LANES] f32,] out_ref, w_uk_ref
+                   run: int, gb: int, with_rope: bool, interleaved: bool):
+    """out_ref [1, R, Dv] bf16; with factors_ref, [R, Dv + LANES] bf16 (its rotated rope part
+    beside). w_uk_ref: [nope, Dv] bf16 scratch."""
+    factors_ref, (out_ref, w_uk_ref) = (refs[0], refs[1:]) if with_rope else (None, refs)
     nope = w_uk_ref.shape[0]
     _head_rows(kv_b_ref, s_ref, w_uk_ref, head=pl.program_id(0), first=0,
                per_head=kv_b_ref.shape[0], run=run, gb=gb)
     q_nope = q_ref[:, pl.ds(0, nope)].astype(jnp.bfloat16)                 # [R, nope]
     product = jnp.dot(q_nope, w_uk_ref[...],
                       preferred_element_type=jnp.float32).astype(out_ref.dtype)
-    if rope_ref is None:
+    if factors_ref is None:
         out_ref[0] = product
         return
     dv = product.shape[-1]
     out_ref[:, pl.ds(0, dv)] = product
-    out_ref[:, pl.ds(dv, rope_ref.shape[-1])] = rope_ref[...]
+    rotated = _rotated_rope(q_ref, factors_ref, nope=nope, rope=q_ref.shape[-1] - nope,
+                            interleaved=interleaved)
+    out_ref[:, pl.ds(dv, LANES)] = rotated.astype(out_ref.dtype)
 
 
 def _output_kernel(o_hbm_ref,   # [R, H, Dv] f32 in HBM: every head's latent output
@@ -261,32 +311,33 @@ def _misfit(what: str, shapes: dict, nope: int) -> ValueError:
     return ValueError(f"{what}: {named} with nope={nope} do not fit together or the kernel")
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "nope", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "nope", "interleaved", "interpret"))
 def absorb_queries(q: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array, *, heads: int,
-                   nope: int, rope: jax.Array | None = None,
+                   nope: int, rope: jax.Array | None = None, interleaved: bool = True,
                    interpret: bool = False) -> jax.Array:
     """Pallas twin of `reference.absorb_queries` for every head of R rows.
 
     q:           f32[R, H Dq]          q_b's output as it comes, each head's q_nope its first
-                                       nope lanes
+                                       nope lanes, its rope part the rest
     kv_b:        f8[H (nope + v), Dv]  per head [W_uk (nope rows) | W_uv (v rows)]
     kv_b_scales: f32[H (nope + v) / ga, Dv / gb]
-    rope:        bf16[R, H Dr] or None  each head's rotated rope part, Dr whole lane tiles
+    rope:        f32[R, 2 LANES] or None  each row's rotary factors (`rope_factors`);
+                 interleaved: the rope's pairs (True, MLA's) or halves rotate together
     returns:     bf16[H, R, Dv]        q_nope . W_uk per head; with rope
-                 bf16[R, H (Dv + Dr)]  each row's heads side by side, [q_nope . W_uk | rope]
+                 bf16[R, H (Dv + LANES)]  each row's heads side by side, [q_nope . W_uk |
+                                       its rope part rotated, zeros to LANES]
     """
     rows, width = q.shape
     n, dv = kv_b.shape
-    dr = 0 if rope is None else rope.shape[-1] // heads
     if (width % heads or not supports_absorb(rows, heads, nope, width // heads, kv_b.shape,
-                                             kv_b_scales.shape, dr)
-            or (rope is not None and rope.shape != (rows, heads * dr))):
+                                             kv_b_scales.shape, rope is not None)
+            or (rope is not None and rope.shape != (rows, 2 * LANES))):
         raise _misfit("absorb_queries", {"q": q.shape, "kv_b": kv_b.shape,
                                          "scales": kv_b_scales.shape,
                                          "rope": None if rope is None else rope.shape}, nope)
     dq = width // heads
     figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, kv_b_scales.size,
-                          kv_b.dtype.itemsize, dr)
+                          kv_b.dtype.itemsize, rope is not None)
     in_specs = [pl.BlockSpec((rows, dq), lambda h: (0, h)),
                 pl.BlockSpec((n // heads, dv), lambda h: (h, 0)),
                 pl.BlockSpec(memory_space=pltpu.SMEM)]
@@ -295,13 +346,14 @@ def absorb_queries(q: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array, *, hea
         out_spec = pl.BlockSpec((1, rows, dv), lambda h: (h, 0, 0))
         out_shape = (heads, rows, dv)
     else:
-        in_specs.append(pl.BlockSpec((rows, dr), lambda h: (0, h)))
-        operands.append(rope.astype(jnp.bfloat16))
-        out_spec = pl.BlockSpec((rows, dv + dr), lambda h: (0, h))
-        out_shape = (rows, heads * (dv + dr))
+        in_specs.append(pl.BlockSpec((rows, 2 * LANES), lambda h: (0, 0)))   # fetched once
+        operands.append(rope.astype(jnp.float32))
+        out_spec = pl.BlockSpec((rows, dv + LANES), lambda h: (0, h))
+        out_shape = (rows, heads * (dv + LANES))
     return pl.pallas_call(
         functools.partial(_absorb_kernel, run=n // kv_b_scales.shape[0],
-                          gb=dv // kv_b_scales.shape[1], with_rope=rope is not None),
+                          gb=dv // kv_b_scales.shape[1], with_rope=rope is not None,
+                          interleaved=interleaved),
         grid=(heads,),
         in_specs=in_specs,
         out_specs=out_spec,

@@ -1,7 +1,7 @@
 """MLA's per-head products for every head of a device's rows (kernels/whole_heads.py): W_uk on
 the queries, and W_uv then o_proj on the outputs. Each equal to its reference in interpret
 mode, the references equal to the model's XLA path, and compiled for TPU7x at GLM-5.2's and
-DeepSeek-V3.2's shapes for a device's own rows of an 8K and a 16K chunk."""
+DeepSeek-V3.2's shapes for a device's own rows of a 16K and a 32K chunk."""
 
 from __future__ import annotations
 
@@ -73,29 +73,47 @@ def test_absorb_matches_reference(rows, heads, nope, v, dv):
 
 
 @pytest.mark.parametrize("rows, heads, nope, v, dv", [
-    (72, 4, 192, 256, 512),           # GLM-5.2's heads
-    (40, 3, 128, 128, 256),           # DeepSeek-V3.2's
+    (72, 4, 192, 256, 512),           # GLM-5.2's heads: 64 rope lanes in the second lane tile
+    (40, 3, 128, 128, 256),           # a whole lane tile of rope
 ])
-def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v, dv):
-    """With `rope`, each row's heads side by side as the attention takes them: every head's
-    product exactly as the call without rope writes it, its rope part beside it as given."""
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v, dv,
+                                                           interleaved):
+    """With `rope` factors, each row's heads side by side as the attention takes them: every
+    head's product exactly as the call without rope writes it, its rope part rotated in VMEM
+    beside it as `forward.rope` rotates the same lanes, zeros to the lane tile's end. The
+    two are the same f32 products and sums, rounded to bf16; XLA:CPU may fuse a multiply
+    and add in one and not the other, an f32 step that can round to the next bf16 value
+    (measured: 1 of 15,360 values, one bf16 step), so each value is held to one bf16 step
+    and all but a thousandth to equality."""
     rng = np.random.default_rng(rows + 1)
     kv_b, kv_b_s = quantize(rng.standard_normal((heads * (nope + v), dv)).astype(np.float32),
                             (128, 128))
     dq = nope + 64 if nope % 128 else nope + 128
+    half = (dq - nope) // 2
     q = jnp.asarray(rng.standard_normal((rows, heads * dq)), jnp.float32)
-    rope = jnp.asarray(rng.standard_normal((rows, heads * 128)), jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 1 << 20, rows), jnp.int32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(half) / half)).astype(np.float32)
+    factors = whole_heads.rope_factors(*forward.rope_cos_sin(pos, inv_freq, 1.25), nope=nope,
+                                       interleaved=interleaved)
     args = (q, jnp.asarray(kv_b), jnp.asarray(kv_b_s * 0.05))
-    got = whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=rope, interpret=True)
+    got = whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=factors,
+                                     interleaved=interleaved, interpret=True)
     apart = whole_heads.absorb_queries(*args, heads=heads, nope=nope, interpret=True)
     assert got.shape == (rows, heads * (dv + 128)) and got.dtype == jnp.bfloat16
-    got = got.reshape(rows, heads, dv + 128)
-    np.testing.assert_array_equal(np.asarray(got[..., :dv], np.float32),
+    got = np.asarray(got.reshape(rows, heads, dv + 128), np.float32)
+    np.testing.assert_array_equal(got[..., :dv],
                                   np.asarray(jnp.moveaxis(apart, 0, 1), np.float32))
-    np.testing.assert_array_equal(np.asarray(got[..., dv:], np.float32),
-                                  np.asarray(rope.reshape(rows, heads, 128), np.float32))
+    q_pe = forward.rope(q.reshape(rows, heads, dq)[..., nope:], pos, inv_freq,
+                        interleaved=interleaved, mscale=1.25)
+    want = np.zeros((rows, heads, 128), np.float32)
+    want[..., :2 * half] = np.asarray(q_pe.astype(jnp.bfloat16), np.float32)
+    step = np.abs(got[..., dv:] - want)
+    assert np.all(step <= 2.0 ** -7 * np.abs(want)), step.max()
+    assert np.count_nonzero(step) <= want.size // 1000
+    assert np.all(got[..., dv + 2 * half:] == 0)
     with pytest.raises(ValueError, match="absorb_queries"):
-        whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=rope[:, :-64],
+        whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=factors[:, :-64],
                                    interpret=True)
 
 
@@ -143,11 +161,12 @@ def test_absorb_needs_whole_lane_tiles_of_q():
 
 @needs_libtpu
 @pytest.mark.parametrize("rows", [1024, 512])
-@pytest.mark.parametrize("rope", [0, 128])
+@pytest.mark.parametrize("rope", [False, True])
 def test_absorb_compiles_for_tpu7x_at_every_head(device, rows, rope):
-    """GLM-5.2's W_uk for every head of a device's own rows of a 16K (1,024 rows) or 8K (512)
-    chunk, q as q_b's output (with `rope`, the query rows written whole): Mosaic compiles it
-    within the VMEM budget and its estimate reaches the module."""
+    """GLM-5.2's W_uk for every head of a device's own rows of a 32K (1,024 rows a half) or
+    16K (512) chunk, q as q_b's output (with `rope`, the query rows written whole, each
+    head's rope part rotated by lane rolls): Mosaic compiles it within the VMEM budget and
+    its estimate reaches the module."""
     cfg = load_model_config("glm-5.2")
     heads, nope, v, dv = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim,
                           cfg.kv_lora_rank)
@@ -157,10 +176,10 @@ def test_absorb_compiles_for_tpu7x_at_every_head(device, rows, rope):
     n = heads * (nope + v)
     args = (struct((rows, heads * cfg.qk_head_dim), jnp.float32),
             struct((n, dv), jnp.float8_e4m3fn), struct((n // 128, dv // 128), jnp.float32))
-    rope_rows = struct((rows, heads * rope), jnp.bfloat16) if rope else None
+    factors = struct((rows, 2 * 128), jnp.float32) if rope else None
     with jax.default_device(device):
         absorb = jax.jit(whole_heads.absorb_queries, static_argnames=("heads", "nope"))
-        compiled = absorb.lower(*args, heads=heads, nope=nope, rope=rope_rows).compile()
+        compiled = absorb.lower(*args, heads=heads, nope=nope, rope=factors).compile()
     module = hlo.parse_module(compiled.as_text())
     calls = [i for i in module.computations[module.entry] if i.is_kernel]
     figures = whole_heads.absorb_cost(rows, heads, nope, v, cfg.qk_head_dim, dv,

@@ -43,6 +43,7 @@ from cp_runtime.config import ModelConfig
 from cp_runtime.kernels import latent_heads, reference, router, scaled_linear, whole_heads
 from cp_runtime.kernels import fp8_rows
 from cp_runtime.kernels.fp8_rows import Fp8Rows
+from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -182,6 +183,16 @@ def _rope_mscale(cfg: ModelConfig) -> float:
     return 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.rope_mscale
 
 
+def rope_cos_sin(pos: jax.Array, inv_freq: np.ndarray, mscale: float = 1.0
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The rotary angles' cos and sin f32[..., d/2] at positions pos[...], times mscale."""
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq                  # [..., d/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos, sin
+
+
 def rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, *, interleaved: bool,
          mscale: float = 1.0) -> jax.Array:
     """Rotary embedding of x[..., d] at integer positions pos[...] (x has extra head dims between)
@@ -194,11 +205,8 @@ def rope(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, *, interleaved: boo
     if inv_freq.shape != (d // 2,):
         raise ValueError(f"inv_freq has shape {inv_freq.shape}, rope of {d} dims needs "
                          f"({d // 2},)")
-    ang = pos.astype(jnp.float32)[..., None] * inv_freq                  # [..., d/2]
-    ang = ang.reshape(ang.shape[:pos.ndim] + (1,) * (x.ndim - pos.ndim - 1) + ang.shape[-1:])
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    if mscale != 1.0:
-        cos, sin = cos * mscale, sin * mscale
+    cos, sin = (a.reshape(a.shape[:pos.ndim] + (1,) * (x.ndim - pos.ndim - 1) + a.shape[-1:])
+                for a in rope_cos_sin(pos, inv_freq, mscale))
     # Each value times its angle's cos, plus its partner (the other of its pair, or of its
     # halves) times -sin (first of the two) or +sin: the partner is the pair (or halves)
     # reversed, so the rotation is one elementwise pass; strided slices and a stack of the
@@ -377,44 +385,48 @@ def mla_inputs(p: Params, cfg: ModelConfig, h: jax.Array | None, pos: jax.Array,
         rows = row_features(p, cfg, h, pos, indexer=False)
     q = linear(p, "self_attn.q_b_proj.weight", rows["q_lora"])
     q = q.reshape(*q.shape[:-1], -1, cfg.qk_head_dim)            # [..., H (local), nope+rope]
-    q_pe = rope(q[..., cfg.qk_nope_head_dim:], pos, rope_frequencies(cfg),
-                interleaved=cfg.mla_rope_interleaved, mscale=_rope_mscale(cfg))
-    q_row = _query_rows(p, cfg, q, _pad_last(q_pe, cfg.latent_rope_pad))
-    return q_row, rows["kv_row"], rows["q_lora"]
+    return _query_rows(p, cfg, q, pos), rows["kv_row"], rows["q_lora"]
 
 
-def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, q_pe: jax.Array) -> jax.Array:
-    """q f32[..., H', nope + rope] and its rotated rope part, padded, f32[..., H', rope_pad]
-    -> the attention's query rows f32[..., H', D_lat]: [q_nope . W_uk, padded | q_pe].
+def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, pos: jax.Array) -> jax.Array:
+    """q f32[..., H', nope + rope] at positions pos i32[...] -> the attention's query rows
+    f32[..., H', D_lat]: [q_nope . W_uk, padded | rope(q_pe), padded].
 
     On a TPU, where every head of a device's rows goes through kernels/whole_heads.py, its
-    absorb kernel writes the rows whole, the rope part beside each head's product (XLA:TPU
-    laid the kernel's [H', R, kv_lora] out again and joined the rope part in two passes of
-    its own, 0.10 ms a GLM-5.2 half-layer of a 16K chunk); the rope part is then rounded to
-    bf16 there, as the attention kernels' bf16 queries take it anyway."""
+    absorb kernel writes the rows whole, each head's rope part rotated in VMEM from its own
+    q block and written beside its product (XLA:TPU laid the kernel's [H', R, kv_lora] out
+    again and joined the rope part in two passes of its own, 0.10 ms a GLM-5.2 half-layer of
+    a 16K chunk, and sliced, rotated and padded the rope part in three more, which at 1,024
+    rows a device also wrote two copies: 86 us a half-layer of a 32K chunk); the rope part is
+    then rounded to bf16 there, as the attention kernels' bf16 queries take it anyway."""
     nope, name = cfg.qk_nope_head_dim, "self_attn.kv_b_proj.weight"
     w, s = p[name], p.get(name + SCALE_SUFFIX)
     rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
-    rope_pad = q_pe.shape[-1]
+    freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
 
-    def joined(q_lat: jax.Array) -> jax.Array:
-        return jnp.concatenate([_pad_last(q_lat, cfg.latent_nope_pad), q_pe], -1)
+    def joined(q: jax.Array) -> jax.Array:
+        q_pe = rope(q[..., nope:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
+                    mscale=mscale)
+        return jnp.concatenate([_pad_last(_absorbed_queries(p, cfg, q), cfg.latent_nope_pad),
+                                _pad_last(q_pe, cfg.latent_rope_pad)], -1)
 
     fused = (s is not None and rows > LATENT_KERNEL_MAX_ROWS
-             and cfg.kv_lora_rank == cfg.latent_nope_pad
-             and whole_heads.supports_absorb(rows, heads, nope, dq, w.shape, s.shape, rope_pad))
+             and cfg.kv_lora_rank == cfg.latent_nope_pad and cfg.latent_rope_pad == LANES
+             and whole_heads.supports_absorb(rows, heads, nope, dq, w.shape, s.shape, True))
     if not fused:
-        return joined(_absorbed_queries(p, cfg, q))
+        return joined(q)
 
-    def kernel(q, w, s, q_pe):
-        out = whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope,
-                                         rope=q_pe.reshape(rows, -1).astype(jnp.bfloat16))
-        return out.reshape(*q_pe.shape[:-1], -1).astype(jnp.float32)
+    def kernel(q, w, s, pos):
+        factors = whole_heads.rope_factors(*rope_cos_sin(pos.reshape(rows), freqs, mscale),
+                                           nope=nope, interleaved=cfg.mla_rope_interleaved)
+        out = whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope, rope=factors,
+                                         interleaved=cfg.mla_rope_interleaved)
+        return out.reshape(*pos.shape, heads, -1).astype(jnp.float32)
 
-    def xla(q, w, s, q_pe):
-        return joined(_absorbed_queries(p, cfg, q.reshape(*q_pe.shape[:-1], dq)))
+    def xla(q, w, s, pos):
+        return joined(q.reshape(*pos.shape, heads, dq))
 
-    return jax.lax.platform_dependent(q.reshape(rows, heads * dq), w, s, q_pe, tpu=kernel,
+    return jax.lax.platform_dependent(q.reshape(rows, heads * dq), w, s, pos, tpu=kernel,
                                       default=xla)
 
 
