@@ -402,6 +402,7 @@ def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, pos: jax.Array) -> ja
     nope, name = cfg.qk_nope_head_dim, "self_attn.kv_b_proj.weight"
     w, s = p[name], p.get(name + SCALE_SUFFIX)
     rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
+    pos = jnp.broadcast_to(pos, q.shape[:-2])
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
 
     def joined(q: jax.Array) -> jax.Array:
