@@ -452,23 +452,25 @@ INDEXER_WEIGHT_GATHERS = 2
 
 
 def _head_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
-    """A device's part of one layer's head-split attention weights (q_b, kv_b, o_proj; heads
-    padded to a multiple of S), with their 128 x 128 block scales (f32) where fp8."""
-    h = cdiv(model.num_attention_heads, hw.devices) * hw.devices
-    elements = h * (model.qk_head_dim * model.q_lora_rank
-                    + (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
-                    + model.v_head_dim * model.hidden_size)
-    scales = 4 / 128 ** 2 if setup.weight_bytes == 1 else 0
-    return elements * (setup.weight_bytes + scales) / hw.devices
+    """A device's part of one layer's head-split attention weights (q_b, kv_b, o_proj)."""
+    per_head = (model.qk_head_dim * model.q_lora_rank
+                + (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+                + model.v_head_dim * model.hidden_size)
+    return _split_bytes(per_head, model.num_attention_heads, hw, setup)
 
 
 def _indexer_q_weight_bytes(model: ModelConfig, hw: Hardware, setup: Setup) -> float:
-    """A device's part of a full layer's indexer wq_b (heads padded to a multiple of S), with
-    its block scales where fp8."""
-    hi = cdiv(model.index_n_heads, hw.devices) * hw.devices
+    """A device's part of a full layer's indexer wq_b."""
+    return _split_bytes(model.index_head_dim * model.q_lora_rank, model.index_n_heads, hw,
+                        setup)
+
+
+def _split_bytes(per_head: int, heads: int, hw: Hardware, setup: Setup) -> float:
+    """A device's part of weights split by head, `per_head` values a head (heads padded to a
+    multiple of S), with their 128 x 128 block scales (f32) where fp8."""
+    padded = cdiv(heads, hw.devices) * hw.devices
     scales = 4 / 128 ** 2 if setup.weight_bytes == 1 else 0
-    return hi * model.index_head_dim * model.q_lora_rank * (setup.weight_bytes + scales) \
-        / hw.devices
+    return padded * per_head * (setup.weight_bytes + scales) / hw.devices
 
 
 def _row_mode(model: ModelConfig, hw: Hardware, setup: Setup, rows: int, pages: int) -> str:
