@@ -24,26 +24,36 @@ gcd(run, nope + v) rows, each inside one run: whole fp8 sublane tiles (`supports
 head's kv_b block comes whole (nope + v rows), as its part alone is no whole number of
 blocks.
 
-Grid:   (H,) over the heads, in order.
 absorb_queries
+  Grid:   (H,) over the heads, in order.
   Blocks: q f32[R, Dq] per head (of q_b's output [R, H Dq]; q_nope its first nope lanes);
           kv_b f8[nope + v, Dv] per head; scales flat in SMEM; output bf16[1, R, Dv] per
           head of [H, R, Dv]. Scratch: W_uk bf16[nope, Dv].
-          With `rope` (the rotary factors of each row, f32[R, 2 LANES], `rope_factors`; the
-          same block for every head) the output is the attention's query rows themselves,
-          bf16[R, Dv + LANES] per head of [R, H (Dv + LANES)]: [q_nope . W_uk | q_pe, zeros],
-          the rope part rotated in VMEM from the head's own q block, whose lanes past nope
-          hold it. So no pass lays the heads out again and joins the rope part (0.10 ms of
-          XLA:TPU's a GLM-5.2 layer's half of a 16K chunk, for the transpose and the
-          concatenation), and none slices, rotates and pads it (at 1,024 rows a device,
-          XLA:TPU wrote f32 and bf16 copies of it between those: 86 us a half-layer).
-          Rotation: each lane of the rope's lane tile t times its cos, plus its partner (the
-          other of its pair, or of its halves: a lane roll of t) times its signed sin, then
-          rolled to the tile's first lanes, lanes past the rope zero: the products and sums
-          of `forward.rope`, in f32, rounded to bf16 once.
   flops = 2 R H nope Dv;  bytes = R H Dq 4 + H (nope + v) Dv w + scales + H R Dv 2
-          (with rope, + R 2 LANES 4 read once, + R H LANES 2 written)
+absorb_queries with `rope` (each row's rotary factors, f32[R, 2 LANES], `rope_factors`): the
+  attention's query rows themselves, bf16[R, H, Dv + LANES], [q_nope . W_uk | q_pe, zeros]
+  each, in the layout the sparse prefill kernel reads (heads in sublanes). So no pass lays
+  the heads out again and joins the rope part (0.10 ms of XLA:TPU's a GLM-5.2 layer's half of
+  a 16K chunk), none slices, rotates and pads it (86 us a half-layer at 1,024 rows a device),
+  and none lays the rows out for the attention: written head by head, [R, H (Dv + LANES)],
+  XLA:TPU relaid them on the SparseCores, in the queue of the MLP's collectives, which then
+  waited on it (docs/performance.md, "Query rows in the attention's layout").
+  Grid:   (H / G, R' / tr): groups of G = HEAD_GROUP heads (one bf16 sublane tile of the
+          heads axis), outer, so a group's W_uk is dequantised once; tiles of tr rows
+          (`_row_tile`; R padded to R', whole tiles).
+  Blocks: q f32[tr, G Dq]; kv_b f8[G (nope + v), Dv]; factors f32[tr, 2 LANES]; output
+          bf16[tr, G, Dv + LANES]. Scratch: W_uk bf16[G, nope, Dv]; each head's rows
+          bf16[G, tr, Dv + LANES].
+  Each head's product and its rope part go to its rows in scratch (the rope rotated in VMEM
+  from the head's own q lanes: each lane of the rope's lane tile t times its cos, plus its
+  partner, the other of its pair or of its halves, a lane roll of t, times its signed sin,
+  rolled to the tile's first lanes, zero past the rope: the products and sums of
+  `forward.rope`, in f32, rounded to bf16 once). Then, per 16 rows, the G x 16 rows (head,
+  row) times a 0/1 permutation on the MXU give them (row, head), the output tile as it lies.
+  flops = 2 R' H (nope Dv + 16 G (Dv + LANES))   (the product; the permutation)
+  bytes = R' H Dq 4 + H (nope + v) Dv w + scales + R' 2 LANES 4 + R' H (Dv + LANES) 2
 project_output
+  Grid:   (H,) over the heads, in order.
   Blocks: o_lat f32[R, Dv] per head, copied by the kernel out of [R, H, Dv] (a head's rows
           are strided there, which no block can be), the next head's while this one's
           runs; kv_b as above; o_proj f8[hidden, v] per head (of [hidden, H v]); both
@@ -71,11 +81,14 @@ from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
 
 __all__ = ["absorb_queries", "project_output", "supports_absorb", "supports_output",
-           "absorb_cost", "output_cost", "rope_factors", "MAX_ROWS", "COLUMNS"]
+           "absorb_cost", "output_cost", "rope_factors", "MAX_ROWS", "COLUMNS", "HEAD_GROUP"]
 
 MAX_ROWS = 1024          # rows a call takes at most: project_output's f32 sum stays in VMEM
 COLUMNS = 1024           # o_proj's product is summed this many output columns at a time
 FP8_SUBLANES = 32
+BF16_SUBLANES = 16       # rows of bf16 in one sublane tile
+HEAD_GROUP = BF16_SUBLANES   # heads a query-rows step writes: one bf16 tile of [R, H, .]'s heads
+ROW_TILE = 256           # rows a query-rows step takes at most
 
 
 def _kv_b_fits(heads: int, nope: int, kv_b_shape: tuple[int, ...],
@@ -95,15 +108,43 @@ def _kv_b_fits(heads: int, nope: int, kv_b_shape: tuple[int, ...],
 def absorb_cost(rows: int, heads: int, nope: int, v: int, dq: int, dv: int, kv_b_scales: int,
                 w_itemsize: int = 1, rope: bool = False) -> dict:
     """HBM bytes, flops and VMEM bytes of one `absorb_queries` call (module docstring); `rope`:
-    each head's rope part rotated and written beside its product (LANES lanes)."""
-    dr = LANES if rope else 0
+    the query rows, each head's rope part rotated beside its product (LANES lanes), written
+    [R, H, Dv + LANES] by groups of HEAD_GROUP heads and `_row_tile` rows."""
+    if rope:
+        return _query_rows_cost(rows, heads, nope, v, dq, dv, kv_b_scales, w_itemsize)
     vmem = (2 * (tiled_bytes((rows, dq), 4) + tiled_bytes((nope + v, dv), w_itemsize)
-                 + tiled_bytes((rows, dv + dr), 2) + tiled_bytes((rows, 2 * dr), 4))
+                 + tiled_bytes((rows, dv), 2))
             + tiled_bytes((nope, dv), 2) + tiled_bytes((rows, nope), 2)
-            + tiled_bytes((rows, dv), 4) + 3 * tiled_bytes((rows, dr), 4))
+            + tiled_bytes((rows, dv), 4))
     return {"flops": 2 * rows * heads * nope * dv,
             "bytes": (rows * heads * dq * 4 + heads * (nope + v) * dv * w_itemsize
-                      + kv_b_scales * 4 + rows * 2 * dr * 4 + heads * rows * (dv + dr) * 2),
+                      + kv_b_scales * 4 + heads * rows * dv * 2),
+            "vmem_bytes": vmem}
+
+
+def _row_tile(rows: int) -> int:
+    """Rows a query-rows step takes: ROW_TILE, or all of them in whole bf16 tiles if fewer."""
+    return min(ROW_TILE, -(-rows // BF16_SUBLANES) * BF16_SUBLANES)
+
+
+def _query_rows_cost(rows: int, heads: int, nope: int, v: int, dq: int, dv: int,
+                     kv_b_scales: int, w_itemsize: int) -> dict:
+    """`absorb_cost` with rope: rows padded to whole row tiles; the flops count each head's
+    product and the 0/1 matmuls that move the heads into sublanes (`_query_rows_kernel`)."""
+    group, tile, width = HEAD_GROUP, _row_tile(rows), dv + LANES
+    padded = -(-rows // tile) * tile
+    swap = group * BF16_SUBLANES                                  # rows a swap matmul moves
+    vmem = (2 * (tiled_bytes((tile, group * dq), 4)
+                 + tiled_bytes((group * (nope + v), dv), w_itemsize)
+                 + tiled_bytes((tile, 2 * LANES), 4) + tiled_bytes((tile, group, width), 2))
+            + tiled_bytes((group, nope, dv), 2) + tiled_bytes((group, tile, width), 2)
+            + tiled_bytes((tile, nope), 2) + tiled_bytes((tile, dv), 4)
+            + 3 * tiled_bytes((tile, LANES), 4)
+            + 2 * tiled_bytes((swap, swap), 4) + tiled_bytes((swap, width), 2)
+            + tiled_bytes((swap, width), 4))
+    return {"flops": 2 * padded * heads * (nope * dv + swap * width),
+            "bytes": (padded * heads * dq * 4 + heads * (nope + v) * dv * w_itemsize
+                      + kv_b_scales * 4 + padded * 2 * LANES * 4 + padded * heads * width * 2),
             "vmem_bytes": vmem}
 
 
@@ -127,12 +168,13 @@ def supports_absorb(rows: int, heads: int, nope: int, dq: int, kv_b_shape: tuple
                     kv_b_scales: tuple[int, ...], rope: bool = False) -> bool:
     """Whether a TPU compiles `absorb_queries` for `rows` rows (at most MAX_ROWS) of `heads`
     heads of Dq lanes (whole lane tiles) with this kv_b, with each head's rope part (its
-    lanes past nope, all in one lane tile) rotated beside its product where `rope`, within
-    the VMEM budget."""
+    lanes past nope, all in one lane tile) rotated beside its product where `rope` (then
+    whole groups of HEAD_GROUP heads), within the VMEM budget."""
     if not (0 < rows <= MAX_ROWS and dq % LANES == 0 and dq >= nope
             and _kv_b_fits(heads, nope, kv_b_shape, kv_b_scales)):
         return False
-    if rope and not (dq > nope and nope % LANES + dq - nope <= LANES):
+    if rope and not (dq > nope and nope % LANES + dq - nope <= LANES
+                     and heads % HEAD_GROUP == 0):
         return False
     n, dv = kv_b_shape
     figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, math.prod(kv_b_scales),
@@ -158,21 +200,23 @@ def rope_factors(cos: jax.Array, sin: jax.Array, *, nope: int, interleaved: bool
     return jnp.concatenate([jnp.pad(c, lanes), jnp.pad(s, lanes)], axis=-1).astype(jnp.float32)
 
 
-def _rotated_rope(q_ref, factors_ref, *, nope: int, rope: int, interleaved: bool) -> jax.Array:
-    """f32[R, LANES]: this head's rope part (its q lanes nope to nope + rope) rotated by the
-    factors, moved to the first lanes, zero past them (the module docstring)."""
+def _rotated_rope(q_ref, factors_ref, *, first: int, nope: int, rope: int,
+                  interleaved: bool) -> jax.Array:
+    """f32[R, LANES]: the rope part of the head whose q starts at lane `first` of q_ref (its
+    lanes nope to nope + rope) rotated by the factors, moved to the first lanes, zero past
+    them (the module docstring)."""
     lanes, at = LANES, nope % LANES
-    t = q_ref[:, pl.ds(nope - at, lanes)]                                  # the rope's tile
+    t = q_ref[:, pl.ds(first + nope - at, lanes)]                          # the rope's tile
     c, s = factors_ref[:, pl.ds(0, lanes)], factors_ref[:, pl.ds(lanes, lanes)]
     lane = jax.lax.broadcasted_iota(jnp.int32, t.shape, 1)
     # pltpu.roll is jnp.roll's: roll(t, k)[j] = t[j - k], so lanes - k brings t[j + k] to j
     if interleaved:
-        first = (lane - at) % 2 == 0
-        partner = jnp.where(first, pltpu.roll(t, lanes - 1, 1), pltpu.roll(t, 1, 1))
+        first_of_pair = (lane - at) % 2 == 0
+        partner = jnp.where(first_of_pair, pltpu.roll(t, lanes - 1, 1), pltpu.roll(t, 1, 1))
     else:
         half = rope // 2
-        first = lane < at + half
-        partner = jnp.where(first, pltpu.roll(t, lanes - half, 1), pltpu.roll(t, half, 1))
+        first_half = lane < at + half
+        partner = jnp.where(first_half, pltpu.roll(t, lanes - half, 1), pltpu.roll(t, half, 1))
     rotated = jnp.where((lane >= at) & (lane < at + rope), t * c + partner * s, 0.0)
     return pltpu.roll(rotated, (lanes - at) % lanes, 1) if at else rotated
 
@@ -222,25 +266,70 @@ def _head_rows(kv_b_ref, s_ref, dst_ref, *, head, first: int, per_head: int, run
 def _absorb_kernel(q_ref,       # [R, Dq] f32: this head's queries, q_nope its first lanes
                    kv_b_ref,    # [nope + v, Dv] fp8: this head's kv_b rows
                    s_ref,       # f32 SMEM: kv_b's scales, flat, row-major
-                   *refs,       # [factors_ref [R, 2 LANES] f32,] out_ref, w_uk_ref
-                   run: int, gb: int, with_rope: bool, interleaved: bool):
-    """out_ref [1, R, Dv] bf16; with factors_ref, [R, Dv + LANES] bf16 (its rotated rope part
-    beside). w_uk_ref: [nope, Dv] bf16 scratch."""
-    factors_ref, (out_ref, w_uk_ref) = (refs[0], refs[1:]) if with_rope else (None, refs)
+                   out_ref,     # [1, R, Dv] bf16
+                   w_uk_ref,    # [nope, Dv] bf16 scratch
+                   *, run: int, gb: int):
     nope = w_uk_ref.shape[0]
     _head_rows(kv_b_ref, s_ref, w_uk_ref, head=pl.program_id(0), first=0,
                per_head=kv_b_ref.shape[0], run=run, gb=gb)
     q_nope = q_ref[:, pl.ds(0, nope)].astype(jnp.bfloat16)                 # [R, nope]
-    product = jnp.dot(q_nope, w_uk_ref[...],
-                      preferred_element_type=jnp.float32).astype(out_ref.dtype)
-    if factors_ref is None:
-        out_ref[0] = product
-        return
-    dv = product.shape[-1]
-    out_ref[:, pl.ds(0, dv)] = product
-    rotated = _rotated_rope(q_ref, factors_ref, nope=nope, rope=q_ref.shape[-1] - nope,
-                            interleaved=interleaved)
-    out_ref[:, pl.ds(dv, LANES)] = rotated.astype(out_ref.dtype)
+    out_ref[0] = jnp.dot(q_nope, w_uk_ref[...],
+                         preferred_element_type=jnp.float32).astype(out_ref.dtype)
+
+
+def _query_rows_kernel(q_ref,        # [tr, G Dq] f32: the group's heads of tr rows
+                       kv_b_ref,     # [G (nope + v), Dv] fp8: the group's kv_b rows
+                       s_ref,        # f32 SMEM: kv_b's scales, flat, row-major
+                       factors_ref,  # [tr, 2 LANES] f32: the rows' rotary factors
+                       out_ref,      # [tr, G, Dv + LANES] bf16: the rows, heads in sublanes
+                       w_uk_ref,     # [G, nope, Dv] bf16 scratch: the group's W_uk
+                       heads_ref,    # [G, tr, Dv + LANES] bf16 scratch: each head's rows
+                       *, run: int, gb: int, interleaved: bool):
+    group, nope, dv = w_uk_ref.shape
+    per_head, dq = kv_b_ref.shape[0] // group, q_ref.shape[1] // group
+
+    @pl.when(pl.program_id(1) == 0)                 # W_uk once for all the group's row tiles
+    def _():
+        for j in range(group):
+            _head_rows(kv_b_ref.at[pl.ds(j * per_head, per_head)], s_ref, w_uk_ref.at[j],
+                       head=pl.program_id(0) * group + j, first=0, per_head=per_head,
+                       run=run, gb=gb)
+
+    for j in range(group):
+        q_nope = q_ref[:, pl.ds(j * dq, nope)].astype(jnp.bfloat16)
+        heads_ref[j, :, pl.ds(0, dv)] = jnp.dot(
+            q_nope, w_uk_ref[j], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        heads_ref[j, :, pl.ds(dv, LANES)] = _rotated_rope(
+            q_ref, factors_ref, first=j * dq, nope=nope, rope=dq - nope,
+            interleaved=interleaved).astype(jnp.bfloat16)
+    _heads_into_sublanes(heads_ref, out_ref)
+
+
+def _heads_into_sublanes(heads_ref, out_ref) -> None:
+    """out_ref[r, j] = heads_ref[j, r] ([G, tr, W] -> [tr, G, W], bf16), by 0/1 matmuls on
+    the MXU: per tile of 16 rows, the G x 16 rows (head, row) as they lie, times the
+    permutation that orders them (row, head). Each output is one input times 1 plus zeros,
+    exact in the f32 sum (a non-finite input would spread over its tile; q rows are finite).
+    Stored into its sublanes directly, each head's row would take a masked store a lane
+    tile (327,680 a GLM-5.2 half-layer at 1,024 rows); left to XLA:TPU, the relayout is a
+    SparseCore pass between the kernels (docs/performance.md, "Query rows in the
+    attention's layout")."""
+    group, tile_rows, width = heads_ref.shape
+    n = group * BF16_SUBLANES
+    out_row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)            # (row r, head j)
+    in_row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)             # (head j, row r)
+    swap = (in_row == (out_row % group) * BF16_SUBLANES + out_row // group)
+    swap = swap.astype(jnp.bfloat16)
+
+    def tile(t, carry):
+        r0 = pl.multiple_of(t * BF16_SUBLANES, BF16_SUBLANES)
+        rows = heads_ref[:, pl.ds(r0, BF16_SUBLANES), :].reshape(n, width)
+        moved = jnp.dot(swap, rows, preferred_element_type=jnp.float32)
+        out_ref[pl.ds(r0, BF16_SUBLANES)] = moved.astype(out_ref.dtype).reshape(
+            BF16_SUBLANES, group, width)
+        return carry
+
+    jax.lax.fori_loop(0, tile_rows // BF16_SUBLANES, tile, 0)
 
 
 def _output_kernel(o_hbm_ref,   # [R, H, Dv] f32 in HBM: every head's latent output
@@ -324,8 +413,8 @@ def absorb_queries(q: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array, *, hea
     rope:        f32[R, 2 LANES] or None  each row's rotary factors (`rope_factors`);
                  interleaved: the rope's pairs (True, MLA's) or halves rotate together
     returns:     bf16[H, R, Dv]        q_nope . W_uk per head; with rope
-                 bf16[R, H (Dv + LANES)]  each row's heads side by side, [q_nope . W_uk |
-                                       its rope part rotated, zeros to LANES]
+                 bf16[R, H, Dv + LANES]  the attention's query rows, [q_nope . W_uk | its
+                                       rope part rotated, zeros to LANES] each
     """
     rows, width = q.shape
     n, dv = kv_b.shape
@@ -338,29 +427,49 @@ def absorb_queries(q: jax.Array, kv_b: jax.Array, kv_b_scales: jax.Array, *, hea
     dq = width // heads
     figures = absorb_cost(rows, heads, nope, n // heads - nope, dq, dv, kv_b_scales.size,
                           kv_b.dtype.itemsize, rope is not None)
-    in_specs = [pl.BlockSpec((rows, dq), lambda h: (0, h)),
-                pl.BlockSpec((n // heads, dv), lambda h: (h, 0)),
-                pl.BlockSpec(memory_space=pltpu.SMEM)]
-    operands = [q.astype(jnp.float32), kv_b, kv_b_scales.astype(jnp.float32).reshape(-1)]
-    if rope is None:
-        out_spec = pl.BlockSpec((1, rows, dv), lambda h: (h, 0, 0))
-        out_shape = (heads, rows, dv)
-    else:
-        in_specs.append(pl.BlockSpec((rows, 2 * LANES), lambda h: (0, 0)))   # fetched once
-        operands.append(rope.astype(jnp.float32))
-        out_spec = pl.BlockSpec((rows, dv + LANES), lambda h: (0, h))
-        out_shape = (rows, heads * (dv + LANES))
+    run, gb = n // kv_b_scales.shape[0], dv // kv_b_scales.shape[1]
+    q, scales = q.astype(jnp.float32), kv_b_scales.astype(jnp.float32).reshape(-1)
+    if rope is not None:
+        return _query_rows(q, kv_b, scales, rope.astype(jnp.float32), heads=heads, nope=nope,
+                           run=run, gb=gb, interleaved=interleaved, figures=figures,
+                           interpret=interpret)
     return pl.pallas_call(
-        functools.partial(_absorb_kernel, run=n // kv_b_scales.shape[0],
-                          gb=dv // kv_b_scales.shape[1], with_rope=rope is not None,
-                          interleaved=interleaved),
+        functools.partial(_absorb_kernel, run=run, gb=gb),
         grid=(heads,),
-        in_specs=in_specs,
-        out_specs=out_spec,
+        in_specs=[pl.BlockSpec((rows, dq), lambda h: (0, h)),
+                  pl.BlockSpec((n // heads, dv), lambda h: (h, 0)),
+                  pl.BlockSpec(memory_space=pltpu.SMEM)],
+        out_specs=pl.BlockSpec((1, rows, dv), lambda h: (h, 0, 0)),
         scratch_shapes=[pltpu.VMEM((nope, dv), jnp.bfloat16)],
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+        out_shape=jax.ShapeDtypeStruct((heads, rows, dv), jnp.bfloat16),
         **call_options("absorb_queries", figures, ("arbitrary",), interpret),
-    )(*operands)
+    )(q, kv_b, scales)
+
+
+def _query_rows(q, kv_b, scales, factors, *, heads: int, nope: int, run: int, gb: int,
+                interleaved: bool, figures: dict, interpret: bool) -> jax.Array:
+    """`absorb_queries` with rope: q f32[R, H Dq], factors f32[R, 2 LANES] -> bf16[R, H,
+    Dv + LANES], by steps of HEAD_GROUP heads and `_row_tile` rows (R padded to whole
+    tiles), the heads outer so a group's W_uk is dequantised once."""
+    rows, n, dv = q.shape[0], *kv_b.shape
+    group, tile, width = HEAD_GROUP, _row_tile(rows), dv + LANES
+    padded = -(-rows // tile) * tile
+    q, factors = (jnp.pad(x, ((0, padded - rows), (0, 0))) for x in (q, factors))
+    dq = q.shape[1] // heads
+    out = pl.pallas_call(
+        functools.partial(_query_rows_kernel, run=run, gb=gb, interleaved=interleaved),
+        grid=(heads // group, padded // tile),
+        in_specs=[pl.BlockSpec((tile, group * dq), lambda g, t: (t, g)),
+                  pl.BlockSpec((group * n // heads, dv), lambda g, t: (g, 0)),
+                  pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec((tile, 2 * LANES), lambda g, t: (t, 0))],
+        out_specs=pl.BlockSpec((tile, group, width), lambda g, t: (t, g, 0)),
+        scratch_shapes=[pltpu.VMEM((group, nope, dv), jnp.bfloat16),
+                        pltpu.VMEM((group, tile, width), jnp.bfloat16)],
+        out_shape=jax.ShapeDtypeStruct((padded, heads, width), jnp.bfloat16),
+        **call_options("absorb_queries", figures, ("arbitrary", "arbitrary"), interpret),
+    )(q, kv_b, scales, factors)
+    return out[:rows]
 
 
 @functools.partial(jax.jit, static_argnames=("nope", "interpret"))

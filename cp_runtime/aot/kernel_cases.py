@@ -40,6 +40,7 @@ from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
                                 scaled_linear, sparse_decode, sparse_prefill, whole_heads)
 from cp_runtime.kernels.storage import cdiv
+from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.forward import routing
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
@@ -261,7 +262,8 @@ def latent_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[Kern
 
 def whole_heads_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[KernelCase]:
     """kernels/whole_heads.py at every head (kv_b and o_proj whole, fp8 in 128 x 128 blocks),
-    for a device's `rows` rows: W_uk where the kernel takes the model's q heads, and W_uv
+    for a device's `rows` rows: W_uk where the kernel takes the model's q heads (and the
+    query rows, W_uk with the rope part rotated beside, where it takes them so), and W_uv
     with o_proj."""
     heads, nope = model.num_attention_heads, model.qk_nope_head_dim
     dv, v, dq, hidden = model.kv_lora_rank, model.v_head_dim, model.qk_head_dim, model.hidden_size
@@ -276,6 +278,15 @@ def whole_heads_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list
                 lambda q, w, s: whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope),
                 _structs(device, ((r, heads * dq), jnp.float32), *kv),
                 whole_heads.absorb_cost(r, heads, nope, v, dq, dv, kv_b_s[0] * kv_b_s[1])))
+        if whole_heads.supports_absorb(r, heads, nope, dq, kv_b, kv_b_s, rope=True):
+            out.append(KernelCase(
+                f"query rows every head R={r}", "whole_heads",
+                lambda q, w, s, f: whole_heads.absorb_queries(q, w, s, heads=heads, nope=nope,
+                                                              rope=f),
+                _structs(device, ((r, heads * dq), jnp.float32), *kv,
+                         ((r, 2 * LANES), jnp.float32)),
+                whole_heads.absorb_cost(r, heads, nope, v, dq, dv, kv_b_s[0] * kv_b_s[1],
+                                        rope=True)))
         out.append(KernelCase(
             f"output every head R={r}", "whole_heads",
             lambda o, w, s, wo, so: whole_heads.project_output(o, w, s, wo, so, nope=nope),

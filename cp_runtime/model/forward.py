@@ -398,7 +398,11 @@ def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, pos: jax.Array) -> ja
     again and joined the rope part in two passes of its own, 0.10 ms a GLM-5.2 half-layer of
     a 16K chunk, and sliced, rotated and padded the rope part in three more, which at 1,024
     rows a device also wrote two copies: 86 us a half-layer of a 32K chunk); the rope part is
-    then rounded to bf16 there, as the attention kernels' bf16 queries take it anyway."""
+    then rounded to bf16 there, as the attention kernels' bf16 queries take it anyway. It
+    writes them as the sparse kernel reads them, heads in sublanes, so [..., H', D_lat] is a
+    view of its output (docs/performance.md, "Query rows in the attention's layout"). It
+    takes every head of a device's rows (whole groups of 16); a device's own heads of every
+    row, where q_b is split, take `joined`."""
     nope, name = cfg.qk_nope_head_dim, "self_attn.kv_b_proj.weight"
     w, s = p[name], p.get(name + SCALE_SUFFIX)
     rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
