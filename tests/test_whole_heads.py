@@ -221,8 +221,8 @@ def test_query_rows_reach_the_attention_kernel_as_they_lie(device):
         q_rows = whole_heads.absorb_queries(q, kv_b, kv_b_s, heads=heads, nope=nope,
                                             rope=factors)
         return select_kernels("pallas").sparse_attention(
-            q_rows[None].astype(jnp.float32), cache, slots, page_ids, pos, value_dim=dv,
-            scale=cfg.softmax_scale, query_block=64)
+            q_rows.reshape(1, rows, heads, -1).astype(jnp.float32), cache, slots, page_ids,
+            pos, value_dim=dv, scale=cfg.softmax_scale, query_block=64)
 
     args = (struct((rows, heads * cfg.qk_head_dim), jnp.float32),
             struct((n, dv), jnp.float8_e4m3fn), struct((n // 128, dv // 128), jnp.float32),
