@@ -22,6 +22,8 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
     whole_heads  the same products for every head of a device's own rows of a prefill chunk
              (the head-split weights gathered whole): W_uk where the model's q heads are
              whole lane tiles, and W_uv with o_proj, at 8K and 16K chunks' rows
+    shared   a MoE layer's shared experts (one device's inner / S features) added to the
+             routed sum, for every row of half a 32K prefill chunk, in fp8
 
 (The experts' visit plan, a scalar-core kernel, compiles inside the experts' cases.)
 """
@@ -38,13 +40,14 @@ from jax.sharding import SingleDeviceSharding
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
-                                scaled_linear, sparse_decode, sparse_prefill, whole_heads)
+                                scaled_linear, shared_expert, sparse_decode, sparse_prefill,
+                                whole_heads)
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.forward import routing
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
-           "linear_cases", "router_cases", "whole_heads_cases"]
+           "linear_cases", "router_cases", "shared_expert_cases", "whole_heads_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -297,12 +300,29 @@ def whole_heads_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list
     return out
 
 
+def shared_expert_cases(model: ModelConfig, rows: tuple[int, ...], device) -> list[KernelCase]:
+    """The shared experts' kernel at one device's slice of their features (fp8 in 128 x 128
+    blocks), for `rows` fp8 rows of a prefill chunk's MLP; none for a model without them."""
+    hidden = model.hidden_size
+    inner = cdiv(model.moe_intermediate_size * model.n_shared_experts, NUM_SHARDS)
+    gate, down = (inner, hidden), (hidden, inner)
+    gate_s, down_s = ((cdiv(a, 128), cdiv(b, 128)) for a, b in (gate, down))
+    weights = ((gate, jnp.float8_e4m3fn), (gate_s, jnp.float32)) * 2 + (
+        (down, jnp.float8_e4m3fn), (down_s, jnp.float32))
+    return [KernelCase(f"shared experts T={t}", "shared",
+                       shared_expert.shared_expert,
+                       _structs(device, ((t, hidden), jnp.float8_e4m3fn), ((t, 1), jnp.float32),
+                                ((t, hidden), jnp.bfloat16), *weights),
+                       shared_expert.cost(t, gate, gate_s, down, down_s))
+            for t in rows if model.n_shared_experts]
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
                  router_tokens=(1, 64), latent_rows=(1, 64), whole_head_rows=(512, 1024),
-                 key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
+                 shared_rows=(16384,), key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
     return (write_cases(model, kv_dtype, page_size, write_rows, device)
@@ -314,4 +334,5 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + linear_cases(model, linear_tokens, device)
             + (router_cases(model, router_tokens, device) if model.n_routed_experts else [])
             + latent_cases(model, latent_rows, device)
-            + whole_heads_cases(model, whole_head_rows, device))
+            + whole_heads_cases(model, whole_head_rows, device)
+            + shared_expert_cases(model, shared_rows, device))

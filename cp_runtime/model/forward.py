@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.kernels import latent_heads, reference, router, scaled_linear, whole_heads
+from cp_runtime.kernels import (latent_heads, reference, router, scaled_linear, shared_expert,
+                                whole_heads)
 from cp_runtime.kernels import fp8_rows
 from cp_runtime.kernels.fp8_rows import Fp8Rows
 from cp_runtime.kernels.vmem import LANES
@@ -665,7 +666,7 @@ ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Arra
 
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
                     expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False,
-                    fp8: Fp8Rows | None = None) -> jax.Array:
+                    fp8: Fp8Rows | None = None, beside: Any = ()) -> tuple[jax.Array, Any]:
     """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden] (bf16 through
     `expert_matmul`, else x's dtype): each token through its k experts, weighted. Split
     weights hold a slice of every expert's inner features, so this is the device's partial
@@ -692,7 +693,8 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     slower in XLA:TPU's estimate). `by_expert`: each token's choices come in ascending
     expert order, so one token's are sorted already (XLA ran the sort as four ops). `fp8`:
     x's rows as `fp8_rows` (f8[T, hidden], f32[T, 1]), which the kernel's rows are gathered
-    from instead, at half the bytes."""
+    from instead, at half the bytes. Returns (the sum, beside), beside tied to the gated
+    products (`routed_experts`)."""
     name = "mlp.experts.{}_proj.weight"
     n_experts = p[name.format("gate")].shape[0]
     flat = chosen.reshape(-1)                                    # [T*k]
@@ -707,8 +709,9 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
         rows = x[token]                                          # [T*k, hidden]
         h = jax.nn.silu(_grouped(rows, weight(p, gate), sizes)) * _grouped(
             rows, weight(p, up), sizes)                          # [T*k, inner] f32
+        h, beside = _tied(h, beside)
         y = _grouped(h * routing, weight(p, down), sizes)        # weighted: down is linear
-        return jnp.zeros_like(x).at[token].add(y)
+        return jnp.zeros_like(x).at[token].add(y), beside
 
     def blocks(key: str) -> tuple[jax.Array, jax.Array]:
         return p[key], p[key + SCALE_SUFFIX]
@@ -719,8 +722,17 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
         h = gated(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes)
     else:
         h = gated(fp8.values[token], *blocks(gate), sizes, row_scales=fp8.scales[token])
+    h, beside = _tied(h, beside)
     y = expert_matmul(h, *blocks(down), sizes, out_dtype=jnp.bfloat16)
-    return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y)
+    return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y), beside
+
+
+def _tied(h: jax.Array, beside: Any) -> tuple[jax.Array, Any]:
+    """(h, beside) through one `lax.optimization_barrier`; as they are where beside holds no
+    array (no barrier then between the gated products and the down projection)."""
+    if not jax.tree_util.tree_leaves(beside):
+        return h, beside
+    return jax.lax.optimization_barrier((h, beside))
 
 
 # Without an expert_matmul kernel (the XLA path: CPU), steps of at most this many tokens with
@@ -786,42 +798,105 @@ class MlpInput(NamedTuple):
 def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array | MlpInput,
         ws: WeightShards = WeightShards(), expert_matmul: ExpertMatmulFn | None = None,
         *, join: bool = True) -> jax.Array:
-    """Dense SwiGLU, or MoE: the routed experts (`route_topk`; each token runs through its k
-    experts only) plus the shared experts. Split weights give partial sums, joined once
-    (into this device's rows where the rows are split: `WeightShards.join_rows`), or left
-    for the caller to join (`join` False). `expert_matmul` runs block-scaled experts from
-    their fp8 blocks (kernels), from x's fp8 rows where it has them (`MlpInput`)."""
+    """Dense SwiGLU, or MoE: the routed experts (`routed_experts`) plus the shared experts
+    (`plus_shared_experts`). Split weights give partial sums, joined once (into this device's
+    rows where the rows are split: `WeightShards.join_rows`), or left for the caller to join
+    (`join` False). `expert_matmul` runs block-scaled experts from their fp8 blocks (kernels),
+    from x's fp8 rows where it has them (`MlpInput`)."""
     rows = x if isinstance(x, MlpInput) else MlpInput(x)
-    x = rows.x
     finish = ws.join_rows if join else (lambda partial: partial)
-    dense_rows = x if rows.fp8 is None else rows.fp8          # what the SwiGLUs take
     if not cfg.is_moe_layer(layer):
-        return finish(_swiglu(p, "mlp", dense_rows))
+        return finish(_swiglu(p, "mlp", _swiglu_rows(rows)))
+    routed, _ = routed_experts(p, cfg, rows, expert_matmul)
+    return finish(plus_shared_experts(p, cfg, routed, rows))
+
+
+def _swiglu_rows(rows: MlpInput) -> jax.Array | Fp8Rows:
+    """What the SwiGLUs (dense and shared) take: the fp8 rows where there are some."""
+    return rows.x if rows.fp8 is None else rows.fp8
+
+
+def routed_experts(p: Params, cfg: ModelConfig, rows: MlpInput,
+                   expert_matmul: ExpertMatmulFn | None = None, beside: Any = ()
+                   ) -> tuple[jax.Array, Any]:
+    """A MoE layer's routed experts over rows.x f[..., hidden] -> (the (device's partial)
+    sum f[..., hidden], beside): each token through its k experts only (`route_topk`).
+    beside: values tied (`lax.optimization_barrier`) to the rows' gated products where the
+    rows are grouped by expert, so that the work making them (a collective) runs beside the
+    gate and up projections; elsewhere handed back as they came."""
+    x = rows.x
     flat = x.reshape(-1, x.shape[-1])
     if rows.routed is None:
         chosen, weights, by_expert = _routed(p, cfg, flat)              # [T, k] each
     else:
         (chosen, weights), by_expert = rows.routed, False
     if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
-        out = _routed_experts(p, flat, chosen, weights)
+        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside)
     elif expert_matmul is not None:
         fp8 = None if rows.fp8 is None else Fp8Rows(
             *(a.reshape(-1, a.shape[-1]) for a in rows.fp8))
-        out = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert, fp8)
+        out, beside = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert, fp8,
+                                      beside)
     elif flat.shape[0] <= EVERY_EXPERT_MAX_ROWS:
         out = _every_expert(p, flat, chosen, weights)
     else:
-        out = _routed_experts(p, flat, chosen, weights)
-    out = out.reshape(x.shape)
+        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside)
+    return out.reshape(x.shape), beside
+
+
+def plus_shared_experts(p: Params, cfg: ModelConfig, routed: jax.Array, rows: MlpInput
+                        ) -> jax.Array:
+    """A MoE layer's routed sum f[..., hidden] plus its shared experts' SwiGLU of rows (where
+    it has some), in rows.x's dtype."""
     if cfg.n_shared_experts:
-        if flat.shape[0] > LINEAR_KERNEL_MAX_ROWS:
-            # The routed sum whole before the shared experts' is added: else XLA:TPU began the
-            # routed rows' scatter-add from the shared experts' output and cast the sum to the
-            # wire's bf16 in a pass of its own (0.31 ms a GLM-5.2 layer at 16K rows); so the
-            # add and the cast fuse into the shared down projection (16K chunk: 525 -> 512 ms).
-            out = jax.lax.optimization_barrier(out)
-        out = out + _swiglu(p, "mlp.shared_experts", dense_rows)
-    return finish(out.astype(x.dtype))
+        if int(np.prod(routed.shape[:-1])) > LINEAR_KERNEL_MAX_ROWS:
+            # The routed sum whole before the shared experts' is added: in XLA's form, XLA:TPU
+            # else began the routed rows' scatter-add from the shared experts' output and cast
+            # the sum to the wire's bf16 in a pass of its own (0.31 ms a GLM-5.2 layer at 16K
+            # rows); so the add and the cast fused into the shared down projection (16K
+            # chunk: 525 -> 512 ms). The kernel takes the sum whole anyway.
+            routed = jax.lax.optimization_barrier(routed)
+        routed = _plus_shared_experts(p, routed, _swiglu_rows(rows))
+    return routed.astype(rows.x.dtype)
+
+
+SHARED = "mlp.shared_experts.{}_proj.weight"
+
+
+def _shared_kernel_takes(p: Params, routed: jax.Array, rows: jax.Array | Fp8Rows) -> bool:
+    """Whether a TPU adds the shared experts in their kernel (kernels/shared_expert.py): a
+    prefill's many fp8 rows (more than LINEAR_KERNEL_MAX_ROWS), a bf16 routed sum, and
+    block-scaled weights the kernel tiles."""
+    if not isinstance(rows, Fp8Rows) or routed.dtype != jnp.bfloat16:
+        return False
+    t = int(np.prod(routed.shape[:-1]))
+    gate, down = SHARED.format("gate"), SHARED.format("down")
+    if t <= LINEAR_KERNEL_MAX_ROWS or gate + SCALE_SUFFIX not in p:
+        return False
+    return shared_expert.supports(t, p[gate].shape, p[gate + SCALE_SUFFIX].shape,
+                                  p[down].shape, p[down + SCALE_SUFFIX].shape)
+
+
+def _plus_shared_experts(p: Params, routed: jax.Array, rows: jax.Array | Fp8Rows) -> jax.Array:
+    """routed f[..., hidden] plus the shared experts' SwiGLU of rows -> f32. On a TPU, a
+    prefill's fp8 rows take the kernel, which adds them to the bf16 routed sum and writes the
+    sum once, in bf16 (XLA:TPU fused the down projection, the add and the wire's cast into a
+    pass it priced at 0.41 ms a half-layer of a GLM-5.2 32K chunk, against the kernel's 0.14
+    at its roofline; docs/performance.md); elsewhere XLA, in f32."""
+    xla = lambda routed, rows: routed + _swiglu(p, "mlp.shared_experts", rows)  # noqa: E731
+    if not _shared_kernel_takes(p, routed, rows):
+        return xla(routed, rows)
+    blocks = [a for proj in ("gate", "up", "down")
+              for a in (p[SHARED.format(proj)], p[SHARED.format(proj) + SCALE_SUFFIX])]
+    hidden = routed.shape[-1]
+
+    def kernel(routed, rows):
+        out = shared_expert.shared_expert(rows.values.reshape(-1, rows.values.shape[-1]),
+                                          rows.scales.reshape(-1, 1),
+                                          routed.reshape(-1, hidden), *blocks)
+        return out.reshape(routed.shape).astype(jnp.float32)
+
+    return jax.lax.platform_dependent(routed, rows, tpu=kernel, default=xla)
 
 
 # project(o_lat f32[..., H', kv_lora] of this device's heads) -> f[..., hidden] (`mla_output`;

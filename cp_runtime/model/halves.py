@@ -16,8 +16,8 @@ keeps the collective in flight across it:
 
     A's attention   beside  B's reduce-scatter (of the layer before)
     B's attention   beside  A's all-gather
-    A's experts     beside  B's all-gather
-    B's experts     beside  A's reduce-scatter
+    A's experts     beside  B's all-gather (a MoE layer: A's gate and up kernel)
+    B's experts     beside  A's reduce-scatter (a MoE layer: B's routed experts)
 
 Left to itself (the same halves, untied) the scheduler hid 21.8 of those 103 ms. The price:
 every weight of a layer is read twice, by kernels of half the rows. The values are the
@@ -56,9 +56,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, attention_block,
+from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, MlpInput, attention_block,
                                       attention_weights, embed, gathered_query_weights, mlp,
-                                      mlp_input, output_weights, query_weights, rms_norm)
+                                      mlp_input, output_weights, plus_shared_experts,
+                                      query_weights, rms_norm, routed_experts)
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
@@ -146,6 +147,33 @@ def _tie_weights(p: Params, names: tuple[str, ...], values: tuple) -> tuple[Para
     return {**p, **tied}, values
 
 
+def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInput],
+          ws: WeightShards, expert_matmul: ExpertMatmulFn | None) -> tuple[jax.Array, jax.Array]:
+    """(A's MLP sums joined into this device's rows, B's partial sums): in a MoE layer, B's
+    all-gathered rows tied to A's gated products (`routed_experts`' beside), A's
+    reduce-scatter to B's routed sum; a dense layer's all-gather to A's MLP and the
+    reduce-scatter to B's.
+
+    XLA:TPU starts a tied collective just before the last kernel ahead of its tie. Tied to
+    whole MLPs, with the shared experts last in a kernel of their own (0.14 ms), B's
+    all-gather (0.33 ms at the ICI rate) and A's reduce-scatter (0.64) waited 0.18 and 0.50
+    ms a MoE layer of a GLM-5.2 32K chunk; tied as here, the gate and up kernel (0.34 ms)
+    runs beside the all-gather and the down kernel (0.50) beside the reduce-scatter
+    (docs/performance.md, "The shared experts in one kernel")."""
+    a_in, b_in = rows
+    if not cfg.is_moe_layer(layer):
+        a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)
+        b_in, a_partial = lax.optimization_barrier((b_in, a_partial))
+        a_sum = ws.join_rows(a_partial)
+        b_partial = mlp(p, cfg, layer, b_in, ws, expert_matmul, join=False)
+        return lax.optimization_barrier((a_sum, b_partial))
+    a_routed, b_in = routed_experts(p, cfg, a_in, expert_matmul, beside=b_in)
+    a_sum = ws.join_rows(plus_shared_experts(p, cfg, a_routed, a_in))
+    b_routed, _ = routed_experts(p, cfg, b_in, expert_matmul)
+    a_sum, b_routed = lax.optimization_barrier((a_sum, b_routed))
+    return a_sum, plus_shared_experts(p, cfg, b_routed, b_in)
+
+
 def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
                       attends: tuple[AttendFn, AttendFn], state: Any, ws: WeightShards,
                       expert_matmul: ExpertMatmulFn | None = None) -> tuple[jax.Array, Any]:
@@ -203,11 +231,7 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
                         cfg, layer + 1), (a_in, b_out))
                 x[1] = x[1] + b_out
                 b_in = mlp_input(p, cfg, layer, x[1], pos_of[1], ws)
-                a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)
-                b_in, a_partial = lax.optimization_barrier((b_in, a_partial))
-                a_sum = ws.join_rows(a_partial)
-                b_partial = mlp(p, cfg, layer, b_in, ws, expert_matmul, join=False)
-                a_sum, b_partial = lax.optimization_barrier((a_sum, b_partial))
+                a_sum, b_partial = _mlps(p, cfg, layer, (a_in, b_in), ws, expert_matmul)
                 x[0] = x[0] + a_sum
     with phase("dense"):
         x[1] = x[1] + ws.join_rows(b_partial)
