@@ -240,9 +240,10 @@ def test_schedule_options_reach_tpu_programs_only():
 def test_overlap_hides_collectives_that_xla_runs_alone():
     """The 8K chunk of a GLM-5.2 prompt at 120K (5 layers: every kind of layer; figures
     scaled to 78), in one pass: the same program text both ways. Measured: 38.1 of its
-    115.1 ms of collectives hidden with "overlap", 5.0 ms with "xla" (38.0 and 5.0 before the
-    query rows were written in the attention's layout; 39.8 of 116.5 and 1.3 before the
-    absorbing kernel rotated q's rope part itself)."""
+    115.1 ms of collectives hidden with "overlap", 5.0 ms with "xla" (the same with the shared
+    experts in their kernel; 38.0 and 5.0 before the query rows were written in the
+    attention's layout; 39.8 of 116.5 and 1.3 before the absorbing kernel rotated q's rope
+    part itself)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     runs = {schedule: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -265,11 +266,12 @@ def test_overlap_hides_collectives_that_xla_runs_alone():
 @pytest.mark.slow
 def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
     """The 8K chunk of a GLM-5.2 prompt at 0 (5 layers, scaled to 78), in one pass and as
-    two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8 and the query rows
-    written in the attention's layout: of the MLP's all-gathers and reduce-scatters (the
-    dense phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms hidden in one pass and 33.8 ms as
-    halves; the chunk's overlapped time 184.1 -> 161.0 ms, its serial time 221.6 -> 246.4 ms
-    (every weight read twice)."""
+    two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8, the query rows
+    written in the attention's layout and the shared experts in their kernel: of the MLP's
+    all-gathers and reduce-scatters (the dense phase's 40.3 ms of ICI; 42.6 as halves), 1.3
+    ms hidden in one pass and 34.9 ms as halves (33.8 before the shared experts' kernel); the
+    chunk's overlapped time 173.3 -> 148.2 ms (184.1 -> 161.0 before), its serial time 210.8
+    -> 235.4 ms (every weight read twice)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
     runs = {halves: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -295,8 +297,8 @@ def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     attention; figures scaled to 78). Measured, the indexer in fp8: 17.7 of the kv_gather's
     21.5 ms hidden (19.3 before each layer's q weights were gathered in the layer before it,
     16.0 with four layers gathered beside the bf16 kernels, 6.5 before the pages were gathered
-    ahead), the overlapped chunk 176.1 ms (177.2 before the query rows were written in the
-    attention's layout), peak 87.7 GiB."""
+    ahead), the overlapped chunk 163.1 ms (176.1 before the shared experts' kernel, 177.2
+    before the query rows were written in the attention's layout), peak 87.7 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     r = run_case(case, model="glm-5.2", layers=7, chunk=8192, page_size=64,
