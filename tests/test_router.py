@@ -118,8 +118,8 @@ def test_one_tokens_experts_skip_the_sort():
     chosen = jnp.asarray([[1, 3, 4, 6]])
     weights = jnp.asarray(rng.random((1, k)), jnp.float32)
     kernel = functools.partial(expert_matmul.grouped_matmul, interpret=True)
-    sorted_once = forward._routed_experts(p, x, chosen, weights, kernel, by_expert=True)
-    sorted_again = forward._routed_experts(p, x, chosen, weights, kernel)
+    sorted_once, _ = forward._routed_experts(p, x, chosen, weights, kernel, by_expert=True)
+    sorted_again, _ = forward._routed_experts(p, x, chosen, weights, kernel)
     np.testing.assert_array_equal(np.asarray(sorted_once), np.asarray(sorted_again))
 
 
