@@ -15,7 +15,7 @@ from cp_runtime.aot import topology
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.model.attention import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
                                         row_attention_mode)
-from cp_runtime.model.halves import (AHEAD_LAYERS, layers_gathered_ahead,
+from cp_runtime.model.halves import (AHEAD_LAYERS, ahead_layers, layers_gathered_ahead,
                                      layers_gathered_in_chain)
 from cp_runtime.weights.params import init_params
 
@@ -200,12 +200,32 @@ def test_every_layers_pages_are_gathered_ahead_once():
     assert layers_gathered_ahead(GLM, 5) == ()
     assert [layers_gathered_in_chain(GLM, i) for i in range(71, 78)] == [
         (73,), (74,), (75,), (76,), (77,), (), ()]
+    _each_gathered_once(GLM, AHEAD_LAYERS)
+
+
+def test_a_32k_chunk_gathers_a_whole_group_beside_its_kernels():
+    """A 32K chunk's indexer kernels outlast twice the gathers a 16K chunk's do
+    (`ahead_layers`): GLM-5.2's layer 3 gathers its whole group (3 and the shared 4, 5, 6)
+    beside them, and nothing is left to the chain but in the last group's seven layers."""
+    assert ahead_layers(8192) == ahead_layers(16384) == AHEAD_LAYERS == 2
+    four = ahead_layers(32768)
+    assert four == 4
+    assert layers_gathered_ahead(GLM, 3, four) == (3, 4, 5, 6)
+    assert [layers_gathered_in_chain(GLM, i, four) for i in range(3, 8)] == [()] * 5
+    assert [layers_gathered_in_chain(GLM, i, four) for i in range(71, 78)] == [
+        (), (), (75,), (76,), (77,), (), ()]
+    _each_gathered_once(GLM, four)
+
+
+def _each_gathered_once(cfg, ahead: int) -> None:
+    """Every layer's pages gathered by exactly one layer, before or at its own."""
     by = {}
-    for i in range(GLM.num_hidden_layers):
-        for later in layers_gathered_ahead(GLM, i) + layers_gathered_in_chain(GLM, i):
+    for i in range(cfg.num_hidden_layers):
+        for later in (layers_gathered_ahead(cfg, i, ahead)
+                      + layers_gathered_in_chain(cfg, i, ahead)):
             assert later not in by and later >= i
             by[later] = i
-    assert sorted(by) == list(range(GLM.num_hidden_layers))
+    assert sorted(by) == list(range(cfg.num_hidden_layers))
 
 
 def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():

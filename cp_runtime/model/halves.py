@@ -30,14 +30,17 @@ with almost nothing beside it. So each layer's pages are gathered ahead, at the 
 earlier layer, and tied to a piece of that layer's work (`ShardState.ahead`):
 
     a layer with its own indexer   its own pages beside half A's indexer kernel, the next
-                                   layer's (where shared) beside half B's
+                                   layer's (where shared) beside half B's; with 32K chunks
+                                   the two shared layers after those too, one beside each
     a shared layer after those     at the start of the layer two before it, beside that
                                    layer's B attention (tied with A's MLP input)
 
 The indexer's cost grows with the context as the pages' gather does, and a 16K chunk's
 half-kernel in fp8 (2.05 ms at 1M) outlasts about one gather: the two kernels of a layer with
 its own indexer take two, and the shared layers' gathers are spread over the group's layers
-(docs/performance.md, "The indexer's scores in fp8"), each buffer held for two layers.
+(docs/performance.md, "The indexer's scores in fp8"), each buffer held for two layers. The
+kernel grows with the chunk's queries too, the gather does not: a 32K chunk's kernels take
+four (`ahead_layers`), GLM-5.2's whole group of one full layer and three shared ones.
 
 The head-split weights that make a layer's q (q_b, kv_b, and wq_b in a layer with its own
 indexer: `forward.query_weights`) depend on nothing either: they are gathered during the layer
@@ -65,12 +68,14 @@ from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["forward_in_halves", "halves_fit", "AHEAD_LAYERS", "CHAIN_DISTANCE",
-           "layers_gathered_ahead", "layers_gathered_in_chain"]
+__all__ = ["forward_in_halves", "halves_fit", "AHEAD_LAYERS", "AHEAD_QUERIES", "CHAIN_DISTANCE",
+           "ahead_layers", "layers_gathered_ahead", "layers_gathered_in_chain"]
 
 # Layers whose pages a layer with its own indexer gathers beside its two halves' indexer
-# kernels, itself included: one beside each.
+# kernels, itself included, for each AHEAD_QUERIES of a chunk's queries: one beside each
+# kernel a 16K chunk (`ahead_layers`).
 AHEAD_LAYERS = 2
+AHEAD_QUERIES = 16384
 # How many layers before its own a shared layer past those has its pages gathered: two, so
 # that each gather has a whole layer's work to run beside (one layer before left more of it
 # exposed, docs/performance.md). Each costs its gathered buffer (656 MB a GLM-5.2 layer a
@@ -85,29 +90,41 @@ def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
     return q % 2 == 0 and (b * q // 2) % num_shards == 0
 
 
-def layers_gathered_ahead(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+def ahead_layers(queries: int) -> int:
+    """How many layers' pages a layer with its own indexer gathers beside its two halves'
+    indexer kernels, for a chunk of `queries` queries: AHEAD_LAYERS for each AHEAD_QUERIES,
+    at least AHEAD_LAYERS. A half's kernel grows with its queries and the context, a page
+    gather with the context alone: a 16K chunk's half-kernel outlasts about one gather, a 32K
+    chunk's two (GLM-5.2's whole group of a full layer and three shared ones beside them:
+    688.0 -> 649.7 ms at 1M - 32K, docs/performance.md)."""
+    return AHEAD_LAYERS * max(1, queries // AHEAD_QUERIES)
+
+
+def layers_gathered_ahead(cfg: ModelConfig, layer: int, ahead: int = AHEAD_LAYERS
+                          ) -> tuple[int, ...]:
     """The layers whose pages `layer` gathers beside its halves' indexer kernels: itself and
-    the shared layers after it, at most AHEAD_LAYERS; none where it has no indexer of its
-    own."""
+    the shared layers after it, at most `ahead` (`ahead_layers`); none where it has no
+    indexer of its own."""
     if cfg.indexer_types[layer] != "full":
         return ()
     group = [layer]
-    while (len(group) < AHEAD_LAYERS and group[-1] + 1 < cfg.num_hidden_layers
+    while (len(group) < ahead and group[-1] + 1 < cfg.num_hidden_layers
            and cfg.indexer_types[group[-1] + 1] != "full"):
         group.append(group[-1] + 1)
     return tuple(group)
 
 
-def layers_gathered_in_chain(cfg: ModelConfig, layer: int) -> tuple[int, ...]:
+def layers_gathered_in_chain(cfg: ModelConfig, layer: int, ahead: int = AHEAD_LAYERS
+                             ) -> tuple[int, ...]:
     """The shared layer whose pages `layer` gathers beside its own work: the layer
     CHAIN_DISTANCE on, where it and the layers between share an indexer and the indexer's
-    layer does not gather it beside its kernels; else none."""
+    layer does not gather it beside its kernels (`ahead` of them); else none."""
     later = layer + CHAIN_DISTANCE
     if later >= cfg.num_hidden_layers or any(
             cfg.indexer_types[i] == "full" for i in range(layer + 1, later + 1)):
         return ()
     owner = max(i for i in cfg.full_layers if i < later)
-    return () if later in layers_gathered_ahead(cfg, owner) else (later,)
+    return () if later in layers_gathered_ahead(cfg, owner, ahead) else (later,)
 
 
 def _gather_ahead(layers: tuple[int, ...], layer: int, attend: Any, state: Any) -> Any:
@@ -188,6 +205,7 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
         raise ValueError("a chunk runs in halves only where each device attends every head "
                          "of its own rows (WeightShards.whole_heads)")
     half = tokens.shape[1] // 2
+    ahead = ahead_layers(tokens.shape[1])
     tokens_of = (tokens[:, :half], tokens[:, half:])
     pos_of = (pos[:, :half], pos[:, half:])
     with phase("dense"):
@@ -196,8 +214,8 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
     b_partial = None                  # B's MLP sums of the layer before, not yet joined
     p_ahead = None                    # this layer's q weights, gathered in the layer before
     for layer in range(cfg.num_hidden_layers):
-        beside_kernels = layers_gathered_ahead(cfg, layer)
-        chained = layers_gathered_in_chain(cfg, layer)
+        beside_kernels = layers_gathered_ahead(cfg, layer, ahead)
+        chained = layers_gathered_in_chain(cfg, layer, ahead)
         state = _gather_ahead(beside_kernels + chained, layer, attends[0], state)
         with layer_scope(layer):          # both halves' weights, each gathered once
             p = (attention_weights(layer_params(params, layer), cfg, layer, ws)
