@@ -23,11 +23,12 @@ Blocks: rows f8[tm, K] and their scales f32[tm, 1] by row tile; routed bf16[tm, 
         weights whole (gate and up f8[I, K], down f8[N, I]), fetched once; every scale flat
         in SMEM; out bf16[tm, tn]. Scratch: the dequantised weights bf16 [I, K] x 2 and
         [N, I], the gated product bf16[tm, I].
-VMEM:   2 * (tm K + tm 128 * 4 + 2 tm tn * 2 + (2 I K + N I)) + 2 * (2 I K + N I + tm I)
+VMEM:   2 * (tm K + tm 128 * 4 + 2 tm tn * 2 + (2 I K + N I))   (double-buffered blocks)
+        + (2 I K + N I + tm I) * 2                                 (the bf16 scratch)
         + tm K * 2 + tm tn * 4      (the rows in bf16 and the down product in f32: Mosaic's)
-Per call (T' = T):
-        flops = 2 T' K I * 2 + 2 T' I N;  transcendentals = T' I (silu)
-        bytes = T' K + T' * 4 + 2 * T' N * 2 + (2 I K + N I) + scales * 4
+Per call:
+        flops = 2 T K I * 2 + 2 T I N;  transcendentals = T I (silu)
+        bytes = T K + T * 4 + 2 * T N * 2 + (2 I K + N I) + scales * 4
 The dequantisation (~3 VPU operations a weight value, once a call) is left out.
 """
 

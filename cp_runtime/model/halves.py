@@ -174,8 +174,8 @@ def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInpu
     XLA:TPU starts a tied collective just before the last kernel ahead of its tie. Tied to
     whole MLPs, with the shared experts last in a kernel of their own (0.14 ms), B's
     all-gather (0.33 ms at the ICI rate) and A's reduce-scatter (0.64) waited 0.18 and 0.50
-    ms a MoE layer of a GLM-5.2 32K chunk; tied as here, the gate and up kernel (0.34 ms)
-    runs beside the all-gather and the down kernel (0.50) beside the reduce-scatter
+    ms a MoE layer of a GLM-5.2 32K chunk; tied as here, A's gate and up kernel (0.34 ms)
+    runs beside the all-gather and B's two expert kernels (0.84) beside the reduce-scatter
     (docs/performance.md, "The shared experts in one kernel")."""
     a_in, b_in = rows
     if not cfg.is_moe_layer(layer):
