@@ -322,7 +322,8 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
                  router_tokens=(1, 64), latent_rows=(1, 64), whole_head_rows=(512, 1024),
-                 shared_rows=(16384,), key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
+                 shared_rows=(16384,),
+                 key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
     return (write_cases(model, kv_dtype, page_size, write_rows, device)
