@@ -33,6 +33,7 @@ __all__ = [
     "grouped_matmul",
     "project_output",
     "scaled_linear",
+    "shared_expert",
     "merge_values",
     "absorb_queries",
     "route_topk",
@@ -269,6 +270,28 @@ def scaled_linear(x: jax.Array, w: jax.Array, scales: jax.Array) -> jax.Array:
     dequantised = dequantize(w, scales).astype(jnp.bfloat16)
     return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16).astype(jnp.float32),
                       dequantised.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+
+
+def shared_expert(values: jax.Array, row_scales: jax.Array, routed: jax.Array,
+                  gate: jax.Array, gate_scales: jax.Array, up: jax.Array, up_scales: jax.Array,
+                  down: jax.Array, down_scales: jax.Array) -> jax.Array:
+    """routed + down(silu(x gate^T) * (x up^T)), x = values * row_scales, in f32 with the
+    kernel's roundings: each weight dequantised and rounded to bf16 (as `weight()`), the gated
+    product rounded to bf16 (the down matmul's input), the sum rounded to bf16.
+
+    values: f8[T, K], row_scales f32[T, 1]; routed: bf16[T, N]; gate, up: f8[I, K] and down
+    f8[N, I] with their block scales -> bf16[T, N]
+    """
+    def weight(w, s):
+        return dequantize(w, s).astype(jnp.bfloat16).astype(jnp.float32)
+
+    hp = lax.Precision.HIGHEST
+    x = values.astype(jnp.float32)
+    g = jnp.dot(x, weight(gate, gate_scales).T, precision=hp) * row_scales
+    u = jnp.dot(x, weight(up, up_scales).T, precision=hp) * row_scales
+    gated = (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
+    down_sum = jnp.dot(gated, weight(down, down_scales).T, precision=hp)
+    return (routed.astype(jnp.float32) + down_sum).astype(jnp.bfloat16)
 
 
 def merge_values(received: jax.Array, w: jax.Array, scales: jax.Array, nope: int) -> jax.Array:

@@ -61,7 +61,7 @@ from jax.experimental.pallas import tpu as pltpu
 from cp_runtime.kernels import expert_matmul
 from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.storage import cdiv
-from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
+from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, largest_divisor, tiled_bytes
 
 __all__ = ["scaled_linear", "supports", "row_tile", "column_tile", "tiles", "cost"]
 
@@ -106,13 +106,6 @@ def column_tile(n: int, k: int, ga: int, itemsize: int) -> int:
     return max(within) if within else min(fits)
 
 
-def _largest_divisor(n: int, step: int, most: int) -> int:
-    """The largest multiple of `step` that divides n and is at most `most`; n itself when
-    none is (n below `step`, or no such multiple)."""
-    fits = [t for t in range(step, min(n, most) + 1, step) if n % t == 0]
-    return max(fits) if fits else n
-
-
 def tiles(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],
           w_itemsize: int = 1) -> tuple[int, int, int]:
     """(tm, tn, tk) of a call on `num_rows` rows. Few rows: (`row_tile`, `column_tile`, K).
@@ -125,8 +118,8 @@ def tiles(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],
         return row_tile(num_rows), column_tile(n, k, ga, w_itemsize), k
     row_tiles = cdiv(num_rows, TILED_ROWS)
     tm = cdiv(cdiv(num_rows, row_tiles), 16) * 16
-    return (tm, _largest_divisor(n, math.lcm(ga, LANES), TILED_COLUMNS),
-            _largest_divisor(k, math.lcm(gb, LANES), TILED_INPUTS))
+    return (tm, largest_divisor(n, math.lcm(ga, LANES), TILED_COLUMNS),
+            largest_divisor(k, math.lcm(gb, LANES), TILED_INPUTS))
 
 
 def cost(num_rows: int, w_shape: tuple[int, int], s_shape: tuple[int, int],

@@ -1,5 +1,5 @@
 """The shared experts of a MoE layer added to the routed experts' sum, in one pass over a
-prefill chunk's fp8 rows: the Pallas TPU kernel of `shared_expert_reference`.
+prefill chunk's fp8 rows: the Pallas TPU kernel of `reference.shared_expert`.
 
 Why. Where the residual stream is split by row, each device runs every row of the chunk
 through its slice of the shared experts' features (GLM-5.2: 128 of 2,048), whose down
@@ -41,45 +41,40 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from cp_runtime.kernels import scaled_linear
 from cp_runtime.kernels.costs import call_options
-from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
+from cp_runtime.kernels.scaled_linear import FP8_SUBLANES
+from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, largest_divisor, tiled_bytes
 
-__all__ = ["shared_expert", "shared_expert_reference", "supports", "cost", "tiles"]
+__all__ = ["shared_expert", "supports", "cost", "tiles"]
 
-FP8_SUBLANES = 32            # rows of an fp8 sublane tile: a row tile is a multiple of it
-ROW_TILE = 512               # rows a tile at most
-COLUMN_TILE = 2048           # output columns a tile at most
-
-
-def _largest_divisor(n: int, step: int, most: int) -> int:
-    """The largest multiple of `step` dividing n and at most `most`; 0 if none."""
-    return next((d for d in range(min(most, n) // step * step, 0, -step) if n % d == 0), 0)
+ROW_TILE = 512               # rows a tile at most (a multiple of FP8_SUBLANES)
+COLUMN_TILE = 2048           # output columns a tile at most (whole lane tiles)
 
 
 def tiles(rows: int, hidden: int) -> tuple[int, int]:
-    """(tm, tn): the row and output column tiles for `rows` rows of `hidden` features; 0
-    where none divides."""
-    return (_largest_divisor(rows, FP8_SUBLANES, ROW_TILE),
-            _largest_divisor(hidden, LANES, COLUMN_TILE))
+    """(tm, tn): the row and output column tiles for `rows` rows of `hidden` features (the
+    axis itself where no tile divides it: `supports` then refuses the call)."""
+    return (largest_divisor(rows, FP8_SUBLANES, ROW_TILE),
+            largest_divisor(hidden, LANES, COLUMN_TILE))
 
 
-def _scale_runs(w_shape: tuple[int, int], s_shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """A weight's block sizes (ga, gb) where they tile it in whole lane and fp8 sublane runs."""
-    if len(s_shape) != 2 or w_shape[0] % s_shape[0] or w_shape[1] % s_shape[1]:
-        return None
-    ga, gb = w_shape[0] // s_shape[0], w_shape[1] // s_shape[1]
-    return (ga, gb) if ga % FP8_SUBLANES == 0 and gb % LANES == 0 else None
+def _runs(w_shape: tuple[int, int], s_shape: tuple[int, ...]) -> tuple[int, int]:
+    """A block-scaled weight's block sizes (ga, gb)."""
+    return w_shape[0] // s_shape[0], w_shape[1] // s_shape[1]
 
 
 def supports(rows: int, gate_shape: tuple[int, int], gate_scales: tuple[int, ...],
              down_shape: tuple[int, int], down_scales: tuple[int, ...]) -> bool:
     """Whether a TPU compiles the kernel for `rows` rows through gate/up [I, K] and down
-    [N, I] with these block scales: tiles that divide, scale runs of whole tiles, and VMEM."""
-    (inner, k), (n, inner_d) = gate_shape, down_shape
+    [N, I] with these block scales: tiles that divide, each weight's scale runs whole tiles
+    (as the linear kernel takes them, `scaled_linear.supports`), and VMEM."""
+    (inner, _), (n, inner_d) = gate_shape, down_shape
     tm, tn = tiles(rows, n)
-    if (inner_d != inner or not tm or not tn or inner % LANES
-            or _scale_runs(gate_shape, gate_scales) is None
-            or _scale_runs(down_shape, down_scales) is None):
+    if (inner_d != inner or inner % LANES or tm > ROW_TILE or tm % FP8_SUBLANES
+            or tn > COLUMN_TILE or tn % LANES
+            or not scaled_linear.supports(gate_shape, gate_scales)
+            or not scaled_linear.supports(down_shape, down_scales)):
         return False
     return cost(rows, gate_shape, gate_scales, down_shape, down_scales)["vmem_bytes"] <= (
         VMEM_BUDGET_BYTES)
@@ -160,7 +155,7 @@ def shared_expert(values: jax.Array, row_scales: jax.Array, routed: jax.Array,
                   gate: jax.Array, gate_scales: jax.Array, up: jax.Array,
                   up_scales: jax.Array, down: jax.Array, down_scales: jax.Array, *,
                   interpret: bool = False) -> jax.Array:
-    """Pallas twin of `shared_expert_reference`.
+    """Pallas twin of `reference.shared_expert`.
 
     values:  f8[T, K]      the rows (fp8_rows), each standing for values * row_scales
     row_scales: f32[T, 1]
@@ -186,8 +181,8 @@ def shared_expert(values: jax.Array, row_scales: jax.Array, routed: jax.Array,
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     flat = [s.astype(jnp.float32).reshape(-1) for s in (gate_scales, up_scales, down_scales)]
     return pl.pallas_call(
-        functools.partial(_kernel, gate_runs=_scale_runs(gate.shape, gate_scales.shape),
-                          down_runs=_scale_runs(down.shape, down_scales.shape)),
+        functools.partial(_kernel, gate_runs=_runs(gate.shape, gate_scales.shape),
+                          down_runs=_runs(down.shape, down_scales.shape)),
         grid=(t // tm, n // tn),
         in_specs=[pl.BlockSpec((tm, k), lambda i, j: (i, 0)),
                   pl.BlockSpec((tm, 1), lambda i, j: (i, 0)),
@@ -202,24 +197,3 @@ def shared_expert(values: jax.Array, row_scales: jax.Array, routed: jax.Array,
         **call_options("shared_expert", figures, ("arbitrary", "arbitrary"), interpret),
     )(values, row_scales.astype(jnp.float32), routed, gate, up, down, *flat)
 
-
-def shared_expert_reference(values: jax.Array, row_scales: jax.Array, routed: jax.Array,
-                            gate: jax.Array, gate_scales: jax.Array, up: jax.Array,
-                            up_scales: jax.Array, down: jax.Array, down_scales: jax.Array
-                            ) -> jax.Array:
-    """`shared_expert` in f32 with the kernel's roundings: each weight dequantised by its
-    block scales and rounded to bf16 (as `weight()`), x = values * row_scales, the gated
-    product silu(x gate^T) * (x up^T) rounded to bf16 (the down matmul's input), then
-    routed + its product through down, rounded to bf16."""
-    def dequantised(w, s):
-        ga, gb = w.shape[0] // s.shape[0], w.shape[1] // s.shape[1]
-        w = w.astype(jnp.float32) * jnp.repeat(jnp.repeat(s, ga, 0), gb, 1)
-        return w.astype(jnp.bfloat16).astype(jnp.float32)
-
-    hp = jax.lax.Precision.HIGHEST
-    x = values.astype(jnp.float32)
-    g = jnp.dot(x, dequantised(gate, gate_scales).T, precision=hp) * row_scales
-    u = jnp.dot(x, dequantised(up, up_scales).T, precision=hp) * row_scales
-    gated = (jax.nn.silu(g) * u).astype(jnp.bfloat16).astype(jnp.float32)
-    down_sum = jnp.dot(gated, dequantised(down, down_scales).T, precision=hp)
-    return (routed.astype(jnp.float32) + down_sum).astype(jnp.bfloat16)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "tiled_bytes",
-           "vmem_limit_bytes"]
+__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "largest_divisor",
+           "tiled_bytes", "vmem_limit_bytes"]
 
 VMEM_BYTES_PER_CORE = 64 * 1024 * 1024     # TPU v7x, per TensorCore
 HEADROOM = 1.25                             # x the estimate, plus HEADROOM_BYTES
@@ -55,3 +55,10 @@ def fit_block(vmem_of: Callable[[int], int], block: int) -> int:
     while block > 8 and vmem_of(block) > VMEM_BUDGET_BYTES:
         block = max(8, block // 2)
     return block
+
+
+def largest_divisor(n: int, step: int, most: int) -> int:
+    """The largest multiple of `step` that divides n and is at most `most` (a tile of an axis
+    of n); n itself when none is (n below `step`, or no such multiple)."""
+    fits = [t for t in range(step, min(n, most) + 1, step) if n % t == 0]
+    return max(fits) if fits else n

@@ -15,7 +15,7 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
-from cp_runtime.kernels import fp8_rows, shared_expert
+from cp_runtime.kernels import fp8_rows, reference, shared_expert
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
 from cp_runtime.model import forward
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -59,7 +59,7 @@ def _steps(got: jax.Array, want: jax.Array) -> float:
 def test_kernel_matches_reference(rows, hidden, inner):
     x, routed, blocks = _case(rows, hidden, inner)
     got = shared_expert.shared_expert(x.values, x.scales, routed, *blocks, interpret=True)
-    want = shared_expert.shared_expert_reference(x.values, x.scales, routed, *blocks)
+    want = reference.shared_expert(x.values, x.scales, routed, *blocks)
     assert got.dtype == jnp.bfloat16 and got.shape == (rows, hidden)
     assert _steps(got, want) <= 1.0
 
