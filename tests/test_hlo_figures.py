@@ -192,6 +192,45 @@ slice-start(%p), slice={[4194304:6291456]}
     assert moved["slice-start.1"] == 2 * 2097152           # read and written in HBM
 
 
+def test_a_kernel_named_vpu_runs_its_flops_at_the_vpu_rate():
+    """A Mosaic call whose name ends in VPU_SUFFIX (kernels/page_top_k.py) does vector work:
+    its estimate's flops are VPU operations, at the VPU rate in the phase's time and floor,
+    and none of them counts as MXU flops."""
+    r = TPU7X_DEVICE
+    kernel = hlo.Instruction("page_top_k_vpu.2", "custom-call", "f32[8,128]", ("p",),
+                             'custom_call_target="tpu_custom_call"')
+    assert kernel.vpu and not kernel.fp8_mxu
+    t = phase_time(PhaseFigures(kernels=1, kernel_vpu_ops=3 * r.vpu_ops), r, clock_hz=1e9)
+    assert t.kernel_s == pytest.approx(3) and t.vpu_floor_s == pytest.approx(3)
+    assert t.mxu_floor_s == 0 and t.bound == "VPU"
+
+
+def test_work_the_compiler_gives_no_price_is_counted_in_its_phase():
+    """A sort carries no estimated cycles, nor does a call XLA:TPU moved to the SparseCores
+    (a gather here); each is counted as unpriced work in its phase, with the least HBM bytes
+    it moves (its result written and as much read); a priced fusion beside them is not."""
+    text = """HloModule m
+
+%gathered (x: s32[1024]) -> s32[1024] {
+  ROOT %x = s32[1024]{0} parameter(0)
+}
+
+ENTRY %main (p: f32[8,256], q: s32[1024]) -> f32[8,256] {
+  %p = f32[8,256]{1,0} parameter(0)
+  %q = s32[1024]{0} parameter(1)
+  %s = f32[8,256]{1,0} sort(%p), dimensions={1}, to_apply=%lt, metadata={op_name="jit(step)/shard_map/layer2/selection/sort"}
+  %g = ((s32[1024]{0}), s32[1024]{0}, u32[]) call-start(%q), async_execution_thread="sparsecore", to_apply=%gathered, metadata={op_name="jit(step)/shard_map/layer2/dense/gather"}
+  %gd = s32[1024]{0} call-done(%g), metadata={op_name="jit(step)/shard_map/layer2/dense/gather"}
+  ROOT %f = f32[8,256]{1,0} fusion(%s), kind=kLoop, calls=%lt, metadata={op_name="jit(step)/shard_map/layer2/selection/add"}, backend_config={"estimated_cycles":"100"}
+}
+"""
+    figures = layer_figures(text, CLOCK_HZ)
+    assert figures[(2, "selection")].unpriced == 1
+    assert figures[(2, "selection")].unpriced_bytes == 2 * 8 * 256 * 4
+    assert figures[(2, "dense")].unpriced == 1
+    assert figures[(2, "dense")].unpriced_bytes == 2 * 1024 * 4
+
+
 def test_an_offloaded_collective_counts_in_its_callers_phase():
     """XLA:TPU moves a collective to the SparseCores as an async call of a computation that
     holds it, where the collective may carry no op_name, and the call's result may first feed

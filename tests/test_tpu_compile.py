@@ -190,7 +190,7 @@ def test_compile_kernels_lists_every_kernel(model_name, device):
     cases = kernel_cases(model, "fp8_e4m3", 64, device)
     assert {c.kernel for c in cases} == {"cache_write", "sparse_decode", "sparse_prefill",
                                          "indexer", "experts", "linear", "router", "latent",
-                                         "whole_heads", "shared"}
+                                         "whole_heads", "shared", "top_k"}
     assert len({c.name for c in cases}) == len(cases)
     for c in cases:
         assert {"flops", "bytes", "vmem_bytes"} <= set(c.cost), c.name

@@ -29,7 +29,7 @@ import dataclasses
 import math
 import re
 
-from cp_runtime.kernels.costs import FP8_MXU_SUFFIX
+from cp_runtime.kernels.costs import FP8_MXU_SUFFIX, VPU_SUFFIX
 
 __all__ = ["Instruction", "Module", "parse_module", "called_computations", "shape_bytes",
            "array_bytes", "last_array_bytes", "ici_bytes", "COLLECTIVES", "matmul_flops",
@@ -140,6 +140,29 @@ class Instruction:
     def fp8_mxu(self) -> bool:
         """A Mosaic call whose name says its matmuls are fp8 x fp8 (kernels/costs.py)."""
         return self.is_kernel and self.name.split(".")[0].endswith(FP8_MXU_SUFFIX)
+
+    @property
+    def vpu(self) -> bool:
+        """A Mosaic call whose name says its flops are VPU operations (kernels/costs.py)."""
+        return self.is_kernel and self.name.split(".")[0].endswith(VPU_SUFFIX)
+
+    @property
+    def unpriced(self) -> bool:
+        """Work XLA:TPU gives no price: a sort (no estimated cycles), a custom fusion without
+        them (a scatter it rewrote), or a call it moved to the SparseCores (a gather, a
+        relayout). A SparseCore call holding collectives is priced as those
+        (cp_runtime.aot.phases), so the caller rules those out."""
+        if self.cycles or self.is_kernel:
+            return False
+        return (self.op == "sort" or (self.op == "fusion" and "kind=kCustom" in self.line)
+                or (self.op == "call-start" and 'async_execution_thread="sparsecore"' in self.line))
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of what the instruction makes: an async start's result (its shape also lists
+        the operands), else every array of its shape."""
+        return last_array_bytes(self.shape) if self.op.endswith("-start") else shape_bytes(
+            self.shape)
 
     @property
     def kernel_cost(self) -> tuple[int, int]:

@@ -24,6 +24,8 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
              whole lane tiles, and W_uv with o_proj, at 8K and 16K chunks' rows
     shared   a MoE layer's shared experts (one device's inner / S features) added to the
              routed sum, for every row of half a 32K prefill chunk, in fp8
+    top_k    the page selection's ranks: a shard's own pages of a 1M context by position and
+             the S * K gathered candidates by page, for a decode row and half a 32K chunk
 
 (The experts' visit plan, a scalar-core kernel, compiles inside the experts' cases.)
 """
@@ -39,15 +41,17 @@ from jax.sharding import SingleDeviceSharding
 
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, router,
-                                scaled_linear, shared_expert, sparse_decode, sparse_prefill,
+from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, page_top_k,
+                                router, scaled_linear, shared_expert, sparse_decode,
+                                sparse_prefill,
                                 whole_heads)
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.forward import routing
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
-           "linear_cases", "router_cases", "shared_expert_cases", "whole_heads_cases"]
+           "linear_cases", "router_cases", "shared_expert_cases", "whole_heads_cases",
+           "top_k_cases"]
 
 POOL_BYTES = 256 << 20          # per kernel case: well past a TensorCore's 64 MiB of VMEM
 CONTEXT = 1 << 20               # tokens of the session whose pages the readers walk
@@ -317,12 +321,33 @@ def shared_expert_cases(model: ModelConfig, rows: tuple[int, ...], device) -> li
             for t in rows if model.n_shared_experts]
 
 
+def top_k_cases(model: ModelConfig, page_size: int, queries: tuple[int, ...], device
+                ) -> list[KernelCase]:
+    """The selection's two ranks at CONTEXT: a shard's own pages by position (k of M) and the
+    S * k gathered candidates by page, for `queries` queries (a decode row, half a chunk)."""
+    k = model.index_topk // page_size
+    own = cdiv(CONTEXT, page_size * NUM_SHARDS) + 1        # a rotated sequence's spare page
+    out = []
+    for q in queries:
+        out.append(KernelCase(f"top-k own pages M={own} Q={q}", "top_k",
+                              lambda s, k=k: page_top_k.top_pages(s, k=k),
+                              _structs(device, ((own, q), jnp.float32)),
+                              page_top_k.cost(own, q, k, has_pages=False)))
+        gathered = NUM_SHARDS * k
+        out.append(KernelCase(f"top-k gathered M={gathered} Q={q}", "top_k",
+                              lambda s, p, k=k: page_top_k.top_pages(s, p, k=k),
+                              _structs(device, ((gathered, q), jnp.float32),
+                                       ((gathered, q), jnp.int32)),
+                              page_top_k.cost(gathered, q, k, has_pages=True)))
+    return out
+
+
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
                  router_tokens=(1, 64), latent_rows=(1, 64), whole_head_rows=(512, 1024),
-                 shared_rows=(16384,),
+                 shared_rows=(16384,), top_k_queries=(1, 16384),
                  key_block_pages: int = RuntimeConfig().key_block_pages) -> list[KernelCase]:
     """Every kernel's cases for one model, cache dtype and page size (defaults: the sweep of
     `cp-runtime compile --kernels`)."""
@@ -336,4 +361,5 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
             + (router_cases(model, router_tokens, device) if model.n_routed_experts else [])
             + latent_cases(model, latent_rows, device)
             + whole_heads_cases(model, whole_head_rows, device)
-            + shared_expert_cases(model, shared_rows, device))
+            + shared_expert_cases(model, shared_rows, device)
+            + top_k_cases(model, page_size, top_k_queries, device))

@@ -18,7 +18,13 @@ computation (cp_runtime.aot.hlo says how each figure is read):
     kernels          Mosaic calls: our Pallas kernels and XLA's ragged dots
     kernel_flops     their flops and HBM bytes, from the cost estimate each carries
     kernel_flops_f8    of which in kernels whose matmuls are fp8 x fp8 (`Instruction.fp8_mxu`)
+    kernel_vpu_ops   the VPU operations of kernels whose work is the vector unit's
+                     (`Instruction.vpu`), not counted in kernel_flops
     kernel_bytes
+    unpriced         work XLA:TPU gives no price and that is no kernel or collective: sorts,
+                     rewritten scatters, SparseCore gathers and relayouts (`hlo.Instruction.
+                     unpriced`), priced at nothing: a gap in every estimate, counted so it shows
+    unpriced_bytes   HBM bytes they move at the least: each result written and as much read
     collectives      all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
                      instructions anywhere in the module (XLA:TPU runs them asynchronously,
                      on the SparseCores; a start and its done count once)
@@ -82,7 +88,10 @@ class PhaseFigures:
     kernels: float = 0
     kernel_flops: float = 0
     kernel_flops_f8: float = 0
+    kernel_vpu_ops: float = 0
     kernel_bytes: float = 0
+    unpriced: float = 0
+    unpriced_bytes: float = 0
     collectives: float = 0
     collective_bytes: float = 0
     ici_bytes: float = 0
@@ -175,9 +184,15 @@ def layer_figures(hlo_text: str, clock_hz: float,
         if ins.is_kernel:
             f.kernels += 1
             kernel_flops, kernel_bytes = ins.kernel_cost
-            f.kernel_flops += kernel_flops
-            f.kernel_flops_f8 += kernel_flops if ins.fp8_mxu else 0
+            if ins.vpu:
+                f.kernel_vpu_ops += kernel_flops
+            else:
+                f.kernel_flops += kernel_flops
+                f.kernel_flops_f8 += kernel_flops if ins.fp8_mxu else 0
             f.kernel_bytes += kernel_bytes
+        if ins.unpriced and not _collectives_run_by(module, ins):
+            f.unpriced += 1
+            f.unpriced_bytes += 2 * ins.result_bytes
     caller_in_entry = _entry_callers(module)
 
     def named(computation: str, ins: hlo.Instruction) -> hlo.Instruction:
@@ -269,8 +284,8 @@ def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float) -> list[d
             "-done") else []
         for span in waited:
             wait_until(span["end"])
-        clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates, ins.fp8_mxu)
-                                          if ins.is_kernel else 0.0)
+        clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates, ins.fp8_mxu,
+                                                         ins.vpu) if ins.is_kernel else 0.0)
     return [{"collectives": span["collectives"], "figures": [
         1, sum(hlo.ici_bytes(c)[1] for _, c in span["collectives"]), len(span["collectives"]),
         span["seconds"] - span["exposed"]]} for span in spans]

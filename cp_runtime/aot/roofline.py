@@ -14,7 +14,8 @@ Per phase:
 
     estimate   tensor_core_s = XLA cycles / clock + each Mosaic call's roofline (its cost
                estimate's flops at the bf16 rate or bytes at HBM rate, whichever is longer:
-               Mosaic gives no cycles, so a kernel is taken at its roofline, i.e. at its floor);
+               Mosaic gives no cycles, so a kernel is taken at its roofline, i.e. at its floor;
+               a VPU kernel's flops are VPU operations, at TPU7X_VPU_OPS_PER_S);
                collective_s = ICI bytes / ICI rate + a latency per collective (the compiler
                gives no collective time; COLLECTIVE_LATENCY_S is an assumption);
                seconds = tensor_core_s + collective_s (collectives run on the SparseCores and
@@ -27,7 +28,8 @@ Per phase:
                estimate if the SparseCores moved the bytes while the TensorCore ran that
                work, neither slowing the other
     floor      the longest of: flops at the MXU rate of their dtype (fp8 x fp8 at the fp8 rate,
-               everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate
+               everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate,
+               VPU kernels' operations at the VPU rate
     fraction   floor / seconds (1.0: the phase runs at the speed of its own bytes or flops)
 
 The floor is the phase's own: the compiled program's flops and bytes. A floor of the
@@ -56,17 +58,25 @@ TFLOP = 1e12
 TPU7X_CHIP = {"bf16_flops": 2307 * TFLOP, "fp8_flops": 4614 * TFLOP, "hbm_bytes": 192 * 2**30,
               "hbm_bytes_per_s": 7.37e12, "ici_bidir_bytes_per_s": 1.2e12, "cores": 2}
 COLLECTIVE_LATENCY_S = 10e-6      # an assumption, as `bench tpu_model --collective-us`
+# VPU element operations a second of one device: no published figure. Measured: the page top-k
+# kernel (kernels/page_top_k.py; 32 rounds x 6 ops over [1032, 16384] f32, VMEM-resident) ran
+# 0.821 ms on a TPU v5e, 3.95e12 ops/s, 2,310 a cycle of that compiler's clock (1.712 GHz,
+# `compiler_clock_hz`); TPU7x is taken to do as many a cycle of its own (2.359 GHz): an
+# assumption only a TPU7x can check.
+TPU7X_VPU_OPS_PER_S = 2310 * 2.359e9
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceRates:
-    """One device's peak rates: flop/s by dtype, HBM bytes/s, ICI bytes/s one way."""
+    """One device's peak rates: flop/s by dtype, HBM bytes/s, ICI bytes/s one way, VPU
+    operations/s."""
 
     bf16_flops: float
     fp8_flops: float
     hbm_bytes_per_s: float
     ici_bytes_per_s: float
     collective_latency_s: float = COLLECTIVE_LATENCY_S
+    vpu_ops: float = TPU7X_VPU_OPS_PER_S
 
 
 def _tpu7x_device() -> DeviceRates:
@@ -90,6 +100,7 @@ class PhaseTime:
     hbm_floor_s: float
     ici_floor_s: float
     hidden_s: float = 0.0
+    vpu_floor_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -101,11 +112,12 @@ class PhaseTime:
 
     @property
     def floor_s(self) -> float:
-        return max(self.mxu_floor_s, self.hbm_floor_s, self.ici_floor_s)
+        return max(self.mxu_floor_s, self.hbm_floor_s, self.ici_floor_s, self.vpu_floor_s)
 
     @property
     def bound(self) -> str:
-        parts = {"MXU": self.mxu_floor_s, "HBM": self.hbm_floor_s, "ICI": self.ici_floor_s}
+        parts = {"MXU": self.mxu_floor_s, "HBM": self.hbm_floor_s, "ICI": self.ici_floor_s,
+                 "VPU": self.vpu_floor_s}
         return max(parts, key=parts.get) if any(parts.values()) else "-"
 
     @property
@@ -118,11 +130,12 @@ class PhaseTime:
                 "overlapped_s": self.overlapped_s}
 
 
-def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates, fp8: bool = False) -> float:
-    """A Mosaic call at its roofline: its flops at the bf16 rate (fp8: the fp8 rate) or its
-    bytes at HBM rate."""
-    return max(flops / (rates.fp8_flops if fp8 else rates.bf16_flops),
-               nbytes / rates.hbm_bytes_per_s)
+def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates, fp8: bool = False,
+                   vpu: bool = False) -> float:
+    """A Mosaic call at its roofline: its flops at the bf16 rate (fp8: the fp8 rate; vpu: VPU
+    operations at the VPU's) or its bytes at HBM rate."""
+    rate = rates.vpu_ops if vpu else rates.fp8_flops if fp8 else rates.bf16_flops
+    return max(flops / rate, nbytes / rates.hbm_bytes_per_s)
 
 
 def collective_seconds(ici_bytes: float, collectives: float, rates: DeviceRates) -> float:
@@ -145,12 +158,14 @@ def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
                     + f.kernel_flops_f8 / rates.fp8_flops)
     return PhaseTime(
         xla_s=f.cycles / clock_hz,
-        kernel_s=max(kernel_mxu_s, f.kernel_bytes / rates.hbm_bytes_per_s),
+        kernel_s=max(kernel_mxu_s + f.kernel_vpu_ops / rates.vpu_ops,
+                     f.kernel_bytes / rates.hbm_bytes_per_s),
         collective_s=collective_seconds(f.ici_bytes, f.collectives, rates),
         mxu_floor_s=bf16_flops / rates.bf16_flops + f8_flops / rates.fp8_flops,
         hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
         ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s,
-        hidden_s=hidden_seconds(f.windows, rates))
+        hidden_s=hidden_seconds(f.windows, rates),
+        vpu_floor_s=f.kernel_vpu_ops / rates.vpu_ops)
 
 
 @functools.lru_cache(maxsize=None)

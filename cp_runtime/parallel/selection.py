@@ -8,18 +8,26 @@ would (the global top-K is contained in the union of the local top-Ks, and ranki
 order is associative).
 
 Unused entries carry page -1 and score -inf.
+
+On a TPU the ranks run in kernels/page_top_k (`_rank_by_kernel`): XLA:TPU lowers `lax.top_k` and
+the two-key sort to a full sort of every query's candidates, which its cost model prices at
+nothing and which ran 97 ms on a TPU v5e for a shard's 1,025 pages of a 1M context at 16,384
+queries, against 0.82 ms for the kernel (docs/performance.md). Same pages, same order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from cp_runtime.cache.layout import global_page_jnp
+from cp_runtime.kernels import page_top_k
 from cp_runtime.parallel.collectives import gather_reduce
 
-__all__ = ["NO_PAGE", "rank_pages", "rank_ascending_pages", "rank_distinct_pages",
+__all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_ascending_pages", "rank_distinct_pages",
            "rank_gathered_pages", "local_candidates", "global_top_pages", "attended_pages",
            "earlier_pages_mask"]
 
@@ -45,21 +53,59 @@ def rank_pages(scores: jax.Array, pages: jax.Array, k: int) -> tuple[jax.Array, 
     return top_scores, jnp.where(top_pages == _LAST, NO_PAGE, top_pages)
 
 
+def rank_rows(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k best positions along the last axis under (score desc, position asc).
+
+    scores:  f32[..., C] (-inf = not a candidate)
+    returns: f32[..., k], i32[..., k] with NO_PAGE where fewer than k candidates exist
+
+    A partial selection (`lax.top_k`) instead of a full two-key sort (measured on CPU: 1024
+    queries x 1024 pages, k = 4: 2.3 ms against 168 ms); on a TPU `_rank_by_kernel`.
+    `lax.top_k` puts equal scores lower index first. Zeros are made +0.0 first, since the
+    sort's order treats -0.0 and 0.0 as equal.
+    """
+    def by_top_k(scores):
+        if scores.shape[-1] < k:
+            pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - scores.shape[-1])]
+            scores = jnp.pad(scores, pad, constant_values=-jnp.inf)
+        top_scores, index = lax.top_k(jnp.where(scores == 0, 0.0, scores), k)
+        return top_scores, jnp.where(top_scores > -jnp.inf, index, NO_PAGE)
+
+    return _on_tpu_by_kernel(scores, None, k, default=by_top_k)
+
+
 def rank_ascending_pages(scores: jax.Array, pages: jax.Array, k: int
                          ) -> tuple[jax.Array, jax.Array]:
     """`rank_pages` for candidates whose pages ascend along the last axis (a shard's own pages
-    in local order): the same k pages in the same order, by a partial selection instead of a
-    full two-key sort (measured on CPU: 1024 queries x 1024 pages, k = 4: 2.3 ms against 168 ms).
+    in local order): the same k pages in the same order, ranked by position (`rank_rows`),
+    which orders equals as the pages do."""
+    top_scores, rows = rank_rows(scores, k)
+    found = jnp.take_along_axis(pages, jnp.maximum(rows, 0), axis=-1)
+    return top_scores, jnp.where(rows == NO_PAGE, NO_PAGE, found)
 
-    `lax.top_k` puts equal scores lower index first, which is lower page first here. Zeros are
-    made +0.0 first, since the sort's order treats -0.0 and 0.0 as equal.
-    """
-    c = scores.shape[-1]
-    if c < k:
-        return rank_pages(scores, pages, k)
-    top_scores, index = lax.top_k(jnp.where(scores == 0, 0.0, scores), k)
-    top_pages = jnp.take_along_axis(pages, index, axis=-1)
-    return top_scores, jnp.where(top_scores > -jnp.inf, top_pages, NO_PAGE)
+
+def _on_tpu_by_kernel(scores: jax.Array, pages: jax.Array | None, k: int, *, default,
+                      cpu=None) -> tuple[jax.Array, jax.Array]:
+    """`_rank_by_kernel` on a TPU where the kernel takes the shape, `default` elsewhere (`cpu`
+    on a CPU, where given); pages None: rank by position."""
+    operands = (scores,) if pages is None else (scores, pages)
+    branches = dict(cpu=cpu or default, default=default)
+    queries = scores.size // max(scores.shape[-1], 1)
+    if page_top_k.supports(scores.shape[-1], queries, k, has_pages=pages is not None):
+        branches["tpu"] = lambda *ops: _rank_by_kernel(*ops, k=k)
+    return lax.platform_dependent(*operands, **branches)
+
+
+def _rank_by_kernel(scores: jax.Array, pages: jax.Array | None = None, *, k: int,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`rank_pages` of distinct pages by kernels/page_top_k, or `rank_rows` where pages is
+    None: the candidates f32/i32[..., C] become columns [C, N], one a query."""
+    *lead, c = scores.shape
+    columns = lambda x: x.reshape(-1, c).T                                # noqa: E731
+    top_scores, top = page_top_k.top_pages(columns(scores),
+                                           None if pages is None else columns(pages),
+                                           k=k, interpret=interpret)     # [k, N]
+    return top_scores.T.reshape(*lead, k), top.T.reshape(*lead, k)
 
 
 def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int
@@ -84,14 +130,13 @@ def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int
 def rank_gathered_pages(scores: jax.Array, pages: jax.Array, k: int
                         ) -> tuple[jax.Array, jax.Array]:
     """`rank_pages` for distinct candidates, by whichever form is cheaper where the program
-    runs (both give the same k pages in the same order): on CPU `rank_distinct_pages`' k
-    rounds; elsewhere one two-key sort (`rank_pages`): XLA:TPU makes each round a few small
-    ops of ~1 us apiece, so for TPU7x its compiler puts 528 candidates, k = 33 (GLM-5.2 at
-    S = 16), at 65 us for the rounds against 5 us for the sort at one query, and at 1,124
-    against 205 us at 8,192 queries."""
-    return lax.platform_dependent(
-        scores, pages, cpu=lambda s, p: rank_distinct_pages(s, p, k),
-        default=lambda s, p: rank_pages(s, p, k))
+    runs (all give the same k pages in the same order): on CPU `rank_distinct_pages`' k
+    rounds; on a TPU the same rounds in VMEM (`_rank_by_kernel`; as XLA ops each round was a
+    few small ops of ~1 us apiece, and the sort ran 2.6 ms on a TPU v5e for 512 candidates,
+    k = 32, at 16,384 queries, against 0.51 ms for the kernel); elsewhere one two-key sort
+    (`rank_pages`)."""
+    return _on_tpu_by_kernel(scores, pages, k, cpu=functools.partial(rank_distinct_pages, k=k),
+                             default=functools.partial(rank_pages, k=k))
 
 
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
@@ -111,12 +156,15 @@ def local_candidates(page_scores: jax.Array, q_pos: jax.Array, shard: jax.Array,
     rotation:    i32[B]
     returns      f32[B, Q, k], i32[B, Q, k] (logical page indices)
     """
-    b, _, m = page_scores.shape
+    m = page_scores.shape[-1]
     local = jnp.arange(m, dtype=jnp.int32)
     pages = global_page_jnp(local[None, :], shard, num_shards, rotation[:, None])   # [B, M]
-    pages = jnp.broadcast_to(pages[:, None, :], page_scores.shape)
+    pages = pages[:, None, :]
     eligible = (pages >= 0) & earlier_pages_mask(pages, q_pos, page_size)
-    return rank_ascending_pages(jnp.where(eligible, page_scores, -jnp.inf), pages, k)
+    # The pages ascend with the local index, so ranking by position is ranking by page.
+    top_scores, rows = rank_rows(jnp.where(eligible, page_scores, -jnp.inf), k)
+    top_pages = global_page_jnp(rows, shard, num_shards, rotation[:, None, None])
+    return top_scores, jnp.where(rows == NO_PAGE, NO_PAGE, top_pages)
 
 
 def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: str | None,
