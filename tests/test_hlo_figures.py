@@ -389,3 +389,14 @@ def test_a_collective_permute_start_moves_its_destination_not_its_contexts():
     module = hlo.parse_module(text)
     assert hlo.ici_bytes(module.by_name["cp"]) == (1026 * 64 * 640, 1026 * 64 * 640)
     assert hlo.last_array_bytes("f32[]") == 4          # a scalar result is still counted
+
+
+def test_the_report_names_what_it_left_unpriced():
+    """`cp-runtime compile`'s case report ends with the unpriced work per phase and the least
+    time its bytes take at the HBM rate, or says there is none."""
+    from cp_runtime.aot.report import _unpriced_line
+    nbytes = TPU7X_DEVICE.hbm_bytes_per_s / 1000                       # 1 ms of HBM
+    line = _unpriced_line({"dense": {"unpriced": 30, "unpriced_bytes": nbytes},
+                           "selection": {"unpriced": 0, "unpriced_bytes": 0}})
+    assert "dense 30" in line and "selection" not in line and "1.000 ms" in line, line
+    assert "none" in _unpriced_line({"dense": {"unpriced": 0}})

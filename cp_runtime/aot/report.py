@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from cp_runtime.aot.phases import layer_figures, sum_figures
-from cp_runtime.aot.roofline import compiler_clock_hz
+from cp_runtime.aot.roofline import TPU7X_DEVICE, compiler_clock_hz
 from cp_runtime.aot.programs import Program
 
 __all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "format_table",
@@ -196,4 +196,18 @@ def format_case(row: dict) -> str:
     if "overlapped_s" in row:
         lines.append(f"overlapped: {_ms(row['overlapped_s'])} ms if each collective ran beside "
                      "the work the schedule runs while it moves (`hidden`)")
+    lines.append(_unpriced_line(row["phases"]))
     return "\n".join(lines)
+
+
+def _unpriced_line(phases: dict) -> str:
+    """What the estimates leave out: work XLA:TPU gives no price (cp_runtime.aot.phases,
+    `unpriced`), per phase, and the least it costs: its bytes at the HBM rate."""
+    found = {name: p.get("unpriced", 0) for name, p in phases.items() if p.get("unpriced")}
+    if not found:
+        return "unpriced: none (every instruction that does work carries a price)"
+    nbytes = sum(p.get("unpriced_bytes", 0) for p in phases.values())
+    each = ", ".join(f"{name} {n:,.0f}" for name, n in found.items())
+    return (f"unpriced (sorts, rewritten scatters, SparseCore calls; in no estimate above): "
+            f"{each}; they move at least {nbytes / 1e9:,.1f} GB, "
+            f"{_ms(nbytes / TPU7X_DEVICE.hbm_bytes_per_s)} ms at the HBM rate")
