@@ -237,41 +237,41 @@ def test_schedule_options_reach_tpu_programs_only():
 
 
 @pytest.mark.slow
-def test_overlap_hides_collectives_that_xla_runs_alone():
-    """The 8K chunk of a GLM-5.2 prompt at 120K (5 layers: every kind of layer; figures
-    scaled to 78), in one pass: the same program text both ways. Measured: 38.1 of its
-    115.1 ms of collectives hidden with "overlap", 5.0 ms with "xla" (the same with the shared
-    experts in their kernel; 38.0 and 5.0 before the query rows were written in the
-    attention's layout; 39.8 of 116.5 and 1.3 before the absorbing kernel rotated q's rope
-    part itself)."""
+def test_a_32k_chunk_fits_only_with_the_runtimes_schedule():
+    """The 32K chunk at 1M - 32K of a GLM-5.2 prompt as two halves (7 layers; figures scaled
+    to 78): the same program text both ways. With XLA's default scheduling (its memory-pressure
+    tracking on) the temporaries do not fit the device (measured: 99.86 GB required against
+    94.75 GB, RESOURCE_EXHAUSTED); with the runtime's ("overlap") it compiles at 92.9 GiB and
+    hides 388.2 of its 405.4 ms of collectives. (At 8K chunks the two schedules are now the
+    same: at 120K in one pass both hide 47.0 of 115.1 ms, since the page selection's sorts,
+    whose temporaries were [16384, 1025] pairs a half, became a kernel; 38.1 against 5.0
+    before.)"""
     device = compile_only_devices("tpu7x-16")[0]
-    case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
-    runs = {schedule: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
+    case = PhaseCase("prefill_logits", 1015808 + 32768, 1, 1015808)
+    runs = {schedule: run_case(case, model="glm-5.2", layers=7, chunk=32768, page_size=64,
                                kv_cache_dtype="fp8_e4m3", topology="tpu7x-16",
-                               clock_hz=compiler_clock_hz(device), tpu_schedule=schedule,
-                               chunk_halves="off")
+                               clock_hz=compiler_clock_hz(device), tpu_schedule=schedule)
             for schedule in ("xla", "overlap")}
-    for r in runs.values():
-        assert r["compiled"], r["error"]
-        assert r["peak_bytes"] <= 96 * GIB, r["peak_bytes"]
-    hidden = {s: sum(p["hidden_s"] for p in r["phases"].values()) for s, r in runs.items()}
-    ici = sum(p["collective_s"] for p in runs["overlap"]["phases"].values())
-    # The work is the same either way (within 2%: fusion choices may differ a little) ...
-    assert runs["overlap"]["seconds"] == pytest.approx(runs["xla"]["seconds"], rel=0.02)
-    # ... but only with the tracking off does any real share of the collectives overlap it.
-    assert hidden["overlap"] >= 0.25 * ici, (hidden, ici)
-    assert hidden["xla"] <= 0.2 * hidden["overlap"], hidden
+    assert not runs["xla"]["compiled"]
+    assert "RESOURCE_EXHAUSTED" in runs["xla"]["error"], runs["xla"]["error"]
+    r = runs["overlap"]
+    assert r["compiled"], r["error"]
+    assert r["peak_bytes"] <= 96 * GIB, r["peak_bytes"]
+    hidden = sum(p["hidden_s"] for p in r["phases"].values())
+    ici = sum(p["collective_s"] for p in r["phases"].values())
+    assert hidden >= 0.6 * ici, (hidden, ici)
 
 
 @pytest.mark.slow
 def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
     """The 8K chunk of a GLM-5.2 prompt at 0 (5 layers, scaled to 78), in one pass and as
     two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8, the query rows
-    written in the attention's layout and the shared experts in their kernel: of the MLP's
-    all-gathers and reduce-scatters (the dense phase's 40.3 ms of ICI; 42.6 as halves), 1.3
-    ms hidden in one pass and 34.9 ms as halves (33.8 before the shared experts' kernel); the
-    chunk's overlapped time 173.3 -> 148.2 ms (184.1 -> 161.0 before), its serial time 210.8
-    -> 235.4 ms (every weight read twice)."""
+    written in the attention's layout, the shared experts in their kernel and the page
+    selection's ranks in theirs: of the MLP's all-gathers and reduce-scatters (the dense
+    phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms hidden in one pass and 34.7 ms as halves
+    (33.8 before the shared experts' kernel); the chunk's overlapped time 173.0 -> 148.0 ms
+    (184.1 -> 161.0 before that kernel), its serial time 211.6 -> 234.7 ms (every weight read
+    twice)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
     runs = {halves: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
@@ -297,8 +297,9 @@ def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     attention; figures scaled to 78). Measured, the indexer in fp8: 17.7 of the kv_gather's
     21.5 ms hidden (19.3 before each layer's q weights were gathered in the layer before it,
     16.0 with four layers gathered beside the bf16 kernels, 6.5 before the pages were gathered
-    ahead), the overlapped chunk 163.1 ms (176.1 before the shared experts' kernel, 177.2
-    before the query rows were written in the attention's layout), peak 87.7 GiB."""
+    ahead), the overlapped chunk 163.4 ms with the selection's ranks in their kernel (163.1
+    with XLA's sorts, priced at nothing; 176.1 before the shared experts' kernel, 177.2 before
+    the query rows were written in the attention's layout), peak 87.6 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 122880 + 8192, 1, 122880)
     r = run_case(case, model="glm-5.2", layers=7, chunk=8192, page_size=64,
