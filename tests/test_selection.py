@@ -10,8 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_runtime.model.oracle import oracle_logits, selection_mask
-from cp_runtime.parallel.selection import (NO_PAGE, global_top_pages, local_candidates,
-                                           rank_ascending_pages, rank_distinct_pages, rank_pages)
+from cp_runtime.parallel.selection import (NO_PAGE, global_top_pages, halve_sorted_lists,
+                                           local_candidates, rank_ascending_pages,
+                                           rank_distinct_pages, rank_pages)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -63,6 +64,34 @@ def test_rank_distinct_pages_is_rank_pages(seed):
         full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
         np.testing.assert_array_equal(fast[1], full[1])
         np.testing.assert_array_equal(fast[0], full[0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_halved_lists_keep_the_top_k_of_each_pair(seed):
+    """Pairs of ranked lists (ties, signed zeros, short lists padded with -inf and NO_PAGE)
+    halved to k entries each: ranking the halves gives the pages and scores ranking all of
+    them gives; an odd number of lists is left whole."""
+    rng = np.random.default_rng(seed)
+    g, rows, k = 6, 8, 5
+    scores = rng.integers(-1, 3, (g, rows, 40)).astype(np.float32)
+    scores[scores == 0] = rng.choice([0.0, -0.0], (scores == 0).sum())
+    scores[rng.random(scores.shape) < 0.3] = -np.inf
+    scores[1, 0, 2:] = -np.inf                                        # a list of 2 < k
+    pages = np.stack([np.stack([rng.permutation(1000)[:40] for _ in range(rows)])
+                      for _ in range(g)]).astype(np.int32)
+    pages = pages + 1000 * np.arange(g, dtype=np.int32)[:, None, None]   # distinct over lists
+    lists = [rank_pages(jnp.asarray(scores[i]), jnp.asarray(pages[i]), k) for i in range(g)]
+    every = jnp.stack([jnp.stack([s, jax.lax.bitcast_convert_type(p, jnp.float32)])
+                       for s, p in lists])                            # [G, 2, rows, k]
+    halved = halve_sorted_lists(every)
+    assert halved.shape == (g // 2, 2, rows, k)
+    assert halve_sorted_lists(every[:3]).shape == (3, 2, rows, k)
+
+    def ranked(x):
+        flat = jnp.moveaxis(x, 0, -2).reshape(2, rows, -1)
+        return rank_pages(flat[0], jax.lax.bitcast_convert_type(flat[1], jnp.int32), k)
+    np.testing.assert_array_equal(ranked(halved)[1], ranked(every)[1])
+    np.testing.assert_array_equal(ranked(halved)[0], ranked(every)[0])
 
 
 def test_ties_resolve_to_lower_page_index():

@@ -43,8 +43,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, page_top_k,
                                 router, scaled_linear, shared_expert, sparse_decode,
-                                sparse_prefill,
-                                whole_heads)
+                                sparse_prefill, whole_heads)
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.forward import routing

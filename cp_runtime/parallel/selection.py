@@ -28,8 +28,8 @@ from cp_runtime.kernels import page_top_k
 from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_ascending_pages", "rank_distinct_pages",
-           "rank_gathered_pages", "local_candidates", "global_top_pages", "attended_pages",
-           "earlier_pages_mask"]
+           "rank_gathered_pages", "local_candidates", "global_top_pages", "halve_sorted_lists",
+           "attended_pages", "earlier_pages_mask"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
@@ -175,8 +175,9 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
     collective, not two, since on small steps a collective's latency, not its bytes, is the
     cost. The gather may run in stages (`gathers`, cp_runtime.parallel.collectives.gather_reduce),
     each group's candidates ranked to its top k before the next: the same pages, since the top k of
-    the union is the top k of the groups' top ks. With axis_name None (S = 1) the candidates
-    are already global.
+    the union is the top k of the groups' top ks. Each shard's list arrives ranked, so pairs of
+    lists are first halved to their top k (`halve_sorted_lists`): half the candidates to rank.
+    With axis_name None (S = 1) the candidates are already global.
     """
     if axis_name is None:
         return rank_gathered_pages(scores, pages, k)[1]
@@ -184,7 +185,7 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
                         lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
 
     def rank_gathered(every: jax.Array) -> jax.Array:        # [G, 2, B, Q, k] -> [2, B, Q, k]
-        every = jnp.moveaxis(every, 0, -2)
+        every = jnp.moveaxis(halve_sorted_lists(every), 0, -2)
         every = every.reshape(*every.shape[:-2], -1)                       # [2, B, Q, G * k]
         top_scores, top_pages = rank_gathered_pages(
             every[0], lax.bitcast_convert_type(every[1], jnp.int32), k)
@@ -192,6 +193,23 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
 
     ranked = gather_reduce(packed, axis_name, rank_gathered, gathers)
     return lax.bitcast_convert_type(ranked[1], jnp.int32)
+
+
+def halve_sorted_lists(every: jax.Array) -> jax.Array:
+    """[G, 2, ..., k] -> [G / 2, 2, ..., k] for even G: each pair of ranked lists (scores, and
+    pages bit-cast to f32, best first under (score desc, page asc)) cut to the k best of the
+    two, as a set, in no useful order; odd G is left as it is.
+
+    The top k of two ranked lists a and b are the better of a[i] and b[k - 1 - i] for each i
+    (a followed by b reversed is V-shaped in the order, and a bitonic split of it keeps the
+    better half): one elementwise pass instead of a rank over 2k.
+    """
+    if every.shape[0] % 2:
+        return every
+    a, b = every[0::2], every[1::2][..., ::-1]
+    a_pages, b_pages = (lax.bitcast_convert_type(x[:, 1], jnp.int32) for x in (a, b))
+    a_first = (a[:, 0] > b[:, 0]) | ((a[:, 0] == b[:, 0]) & (a_pages < b_pages))
+    return jnp.where(a_first[:, None], a, b)
 
 
 def attended_pages(selected: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
