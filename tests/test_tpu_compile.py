@@ -268,9 +268,9 @@ def test_two_halves_hide_the_mlps_collectives_that_one_pass_leaves_exposed():
     two halves (cp_runtime.model.halves). Measured, the MLP's rows in fp8, the query rows
     written in the attention's layout, the shared experts in their kernel and the page
     selection's ranks in theirs: of the MLP's all-gathers and reduce-scatters (the dense
-    phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms hidden in one pass and 34.7 ms as halves
-    (33.8 before the shared experts' kernel); the chunk's overlapped time 173.0 -> 148.0 ms
-    (184.1 -> 161.0 before that kernel), its serial time 211.6 -> 234.7 ms (every weight read
+    phase's 40.3 ms of ICI; 42.6 as halves), 1.3 ms hidden in one pass and 34.1 ms as halves
+    (33.8 before the shared experts' kernel); the chunk's overlapped time 171.7 -> 147.3 ms
+    (184.1 -> 161.0 before that kernel), its serial time 210.4 -> 233.4 ms (every weight read
     twice)."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
@@ -297,7 +297,7 @@ def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     attention; figures scaled to 78). Measured, the indexer in fp8: 17.7 of the kv_gather's
     21.5 ms hidden (19.3 before each layer's q weights were gathered in the layer before it,
     16.0 with four layers gathered beside the bf16 kernels, 6.5 before the pages were gathered
-    ahead), the overlapped chunk 163.4 ms with the selection's ranks in their kernel (163.1
+    ahead), the overlapped chunk 163.3 ms with the selection's ranks in their kernel (163.1
     with XLA's sorts, priced at nothing; 176.1 before the shared experts' kernel, 177.2 before
     the query rows were written in the attention's layout), peak 87.6 GiB."""
     device = compile_only_devices("tpu7x-16")[0]
