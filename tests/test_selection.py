@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from cp_runtime.model.oracle import oracle_logits, selection_mask
 from cp_runtime.parallel.selection import (NO_PAGE, global_top_pages, halve_sorted_lists,
-                                           local_candidates, rank_ascending_pages,
-                                           rank_distinct_pages, rank_pages)
+                                           local_candidates, rank_distinct_pages, rank_pages,
+                                           rank_rows)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -33,9 +33,10 @@ def test_rank_pages_matches_brute_force_with_ties(seed):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_rank_ascending_pages_is_rank_pages(seed):
-    """The partial selection agrees with the two-key sort on ties, signed zeros, -inf and rows
-    with fewer than k candidates."""
+def test_rank_rows_is_rank_pages_of_ascending_pages(seed):
+    """Ranking by position (`lax.top_k`, a partial selection) picks, for pages that ascend
+    with position, the pages the two-key sort picks: ties, signed zeros, -inf and rows with
+    fewer than k candidates."""
     rng = np.random.default_rng(seed)
     scores = rng.integers(-1, 3, (8, 40)).astype(np.float32)
     scores[scores == 0] = rng.choice([0.0, -0.0], (scores == 0).sum())
@@ -43,7 +44,9 @@ def test_rank_ascending_pages_is_rank_pages(seed):
     scores[0, 3:] = -np.inf                                          # 3 candidates < k
     pages = np.sort(rng.choice(400, (8, 40), replace=False), axis=-1).astype(np.int32)
     for k in (1, 7, 40, 41):
-        fast = rank_ascending_pages(jnp.asarray(scores), jnp.asarray(pages), k)
+        top_scores, rows = rank_rows(jnp.asarray(scores), k)
+        fast = top_scores, np.where(rows >= 0, np.take_along_axis(pages, np.maximum(rows, 0),
+                                                                  axis=-1), NO_PAGE)
         full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
         np.testing.assert_array_equal(fast[1], full[1])
         np.testing.assert_array_equal(fast[0], full[0])

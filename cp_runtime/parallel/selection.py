@@ -27,7 +27,7 @@ from cp_runtime.cache.layout import global_page_jnp
 from cp_runtime.kernels import page_top_k
 from cp_runtime.parallel.collectives import gather_reduce
 
-__all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_ascending_pages", "rank_distinct_pages",
+__all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_distinct_pages",
            "rank_gathered_pages", "local_candidates", "global_top_pages", "halve_sorted_lists",
            "attended_pages", "earlier_pages_mask"]
 
@@ -72,16 +72,6 @@ def rank_rows(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         return top_scores, jnp.where(top_scores > -jnp.inf, index, NO_PAGE)
 
     return _on_tpu_by_kernel(scores, None, k, default=by_top_k)
-
-
-def rank_ascending_pages(scores: jax.Array, pages: jax.Array, k: int
-                         ) -> tuple[jax.Array, jax.Array]:
-    """`rank_pages` for candidates whose pages ascend along the last axis (a shard's own pages
-    in local order): the same k pages in the same order, ranked by position (`rank_rows`),
-    which orders equals as the pages do."""
-    top_scores, rows = rank_rows(scores, k)
-    found = jnp.take_along_axis(pages, jnp.maximum(rows, 0), axis=-1)
-    return top_scores, jnp.where(rows == NO_PAGE, NO_PAGE, found)
 
 
 def _on_tpu_by_kernel(scores: jax.Array, pages: jax.Array | None, k: int, *, default,
