@@ -21,8 +21,11 @@ the two agree on every other page). (slot, offset) pairs must be distinct elsewh
 Bound on tiles. A call holds at most `max_tiles` distinct tiles (static; default N, one per row):
 a step's B rows of Q consecutive positions touch at most B * (ceil((Q - 1) / tr) + 1)
 (`tiles_bound`), which keeps a prefill chunk's grouped rows near the size of the rows themselves.
-A call that touches more tiles than `max_tiles` loses the excess rows, so callers pass the bound
-of their row structure, never a guess.
+A shard writing only the pages it owns of such rows touches about 1/S of that
+(`owned_tiles_bound`), and the grouping then gathers only that many rows: a 16K-row
+half chunk's own write on 16 shards groups 1,088 rows, not 16,416. A call that touches more tiles
+than `max_tiles` loses the excess rows, so callers pass the bound of their row structure, never a
+guess.
 
 Grid:   (G = max_tiles,), arbitrary (groups past the call's count are skipped).
 Blocks: group slot, tile and fill i32[G] scalar prefetch (SMEM); new rows T[tr, D] and row mask
@@ -51,7 +54,8 @@ from cp_runtime.kernels.packing import tile_rows
 from cp_runtime.kernels.storage import cdiv, saturating_cast
 from cp_runtime.kernels.vmem import tiled_bytes
 
-__all__ = ["write_kv", "group_rows", "tiles_bound", "write_tile_rows", "cost"]
+__all__ = ["write_kv", "group_rows", "tiles_bound", "owned_tiles_bound", "write_tile_rows",
+           "cost"]
 
 _NO_TILE = np.iinfo(np.int32).max   # sorts after every real tile key
 
@@ -66,6 +70,17 @@ def tiles_bound(num_rows: int, queries_per_row: int, tile: int) -> int:
     return num_rows * (cdiv(queries_per_row - 1, tile) + 1)
 
 
+def owned_tiles_bound(num_rows: int, queries_per_row: int, page_size: int, num_shards: int,
+                      tile: int) -> int:
+    """Distinct tiles one shard's pages can take from `num_rows` rows of `queries_per_row`
+    consecutive positions, when pages go round-robin over `num_shards` shards
+    (cp_runtime.cache.layout): a row spans at most cdiv(Q - 1, ps) + 1 pages, a shard owns at
+    most every S-th of them, and a page holds ps // tile tiles. Never above `tiles_bound`."""
+    spanned = cdiv(queries_per_row - 1, page_size) + 1
+    owned = num_rows * cdiv(spanned, num_shards) * (page_size // tile)
+    return min(owned, tiles_bound(num_rows, queries_per_row, tile))
+
+
 def group_rows(new: jax.Array, slots: jax.Array, offsets: jax.Array, *, sentinel: int,
                tile: int, tiles_per_page: int, max_tiles: int):
     """Group rows by destination tile (XLA, outside the kernel).
@@ -74,27 +89,31 @@ def group_rows(new: jax.Array, slots: jax.Array, offsets: jax.Array, *, sentinel
     returns: rows T[G, tile, D] (row r of group g goes to offset tile * t_g + r of slot s_g),
              mask i32[G, tile, 1] (1 where a new row lands), group slot i32[G], group tile
              index t_g i32[G], fill i32[G] (rows written per group), count i32[] (groups used)
+
+    Only the first G * tile rows in tile order can land in the G groups kept, so only those
+    are gathered: a shard's own write of a prefill chunk (`owned_tiles_bound`) moves its own
+    rows, not the chunk's.
     """
     d = new.shape[1]
     live = slots != sentinel
     tile_of = offsets // tile
     key = jnp.where(live, slots * tiles_per_page + tile_of, _NO_TILE)
-    order = jnp.argsort(key, stable=True)
+    order = jnp.argsort(key, stable=True)[:max_tiles * tile]
     skey = key[order]
     first = (skey != jnp.roll(skey, 1)).at[0].set(True) & (skey != _NO_TILE)
     group = jnp.cumsum(first.astype(jnp.int32)) - 1                  # group of each sorted row
     count = first.sum(dtype=jnp.int32)
-    srow_live = skey != _NO_TILE
-    # Rows of dropped or overflowing groups go to a scratch group G that is cut off below.
-    target = jnp.where(srow_live & (group < max_tiles), group, max_tiles)
+    # Rows of dropped or overflowing groups aim at group G, past the end: the scatters drop
+    # them, so nothing is built only to be sliced off.
+    target = jnp.where((skey != _NO_TILE) & (group < max_tiles), group, max_tiles)
     within = offsets[order] % tile
-    rows = jnp.zeros((max_tiles + 1, tile, d), new.dtype).at[target, within].set(new[order])
-    mask = jnp.zeros((max_tiles + 1, tile, 1), jnp.int32).at[target, within].set(1)
-    gslot = jnp.full((max_tiles + 1,), sentinel, jnp.int32).at[target].set(slots[order])
-    gtile = jnp.zeros((max_tiles + 1,), jnp.int32).at[target].set(tile_of[order])
+    rows = jnp.zeros((max_tiles, tile, d), new.dtype).at[target, within].set(new[order],
+                                                                            mode="drop")
+    mask = jnp.zeros((max_tiles, tile, 1), jnp.int32).at[target, within].set(1, mode="drop")
+    gslot = jnp.full((max_tiles,), sentinel, jnp.int32).at[target].set(slots[order], mode="drop")
+    gtile = jnp.zeros((max_tiles,), jnp.int32).at[target].set(tile_of[order], mode="drop")
     fill = mask[:, :, 0].sum(axis=1, dtype=jnp.int32)
-    return (rows[:max_tiles], mask[:max_tiles], gslot[:max_tiles], gtile[:max_tiles],
-            fill[:max_tiles], jnp.minimum(count, max_tiles))
+    return rows, mask, gslot, gtile, fill, jnp.minimum(count, max_tiles)
 
 
 def _write_kernel(gslot_ref, gtile_ref, fill_ref, count_ref,   # [G], [G], [G], [1] SMEM

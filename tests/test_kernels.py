@@ -14,7 +14,8 @@ import pytest
 
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.kernels import reference
-from cp_runtime.kernels.cache_write import tiles_bound, write_kv, write_tile_rows
+from cp_runtime.kernels.cache_write import (owned_tiles_bound, tiles_bound, write_kv,
+                                            write_tile_rows)
 from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.indexer import indexer_page_scores
 from cp_runtime.kernels.packing import check_page_size, packing, tile_rows
@@ -228,6 +229,52 @@ def test_write_kv_chunk_of_consecutive_rows(name, start):
                    interpret=True)
     ref = reference.write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets))
     _assert_same_bits(out, ref)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("shard,rotation,start", [(0, 0, 0), (1, 3, 37), (3, 1, 100)])
+def test_write_kv_of_a_shards_own_pages(name, shard, rotation, start):
+    """A shard's own write of a prefill chunk: pages go round-robin over 4 shards, the shard's
+    rows land in its slots and the rest at the sentinel, with `owned_tiles_bound` (pages of
+    64 rows: two fp8 tiles or four bf16 tiles a page) as the kernel's bound."""
+    rng = np.random.default_rng(shard)
+    ps, d, shards, rows = 64, 128, 4, 9 * 64 + 5
+    dtype = CACHE_DTYPES[name]
+    pos = start + np.arange(rows)
+    page = pos // ps
+    owned = (page + rotation) % shards == shard
+    local = (page + rotation) // shards
+    slots_of_local = rng.permutation(local.max() + 1)                  # local page -> slot
+    sentinel = len(slots_of_local)
+    cache = jnp.asarray(rng.standard_normal((sentinel + 1, ps, d)), jnp.float32).astype(dtype)
+    slots = np.where(owned, slots_of_local[local], sentinel).astype(np.int32)
+    offsets = (pos % ps).astype(np.int32)
+    new = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
+    bound = owned_tiles_bound(1, rows, ps, shards, write_tile_rows(cache.shape, dtype))
+    assert bound < tiles_bound(1, rows, write_tile_rows(cache.shape, dtype))
+    out = write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets), max_tiles=bound,
+                   interpret=True)
+    ref = reference.write_kv(cache, new, jnp.asarray(slots), jnp.asarray(offsets))
+    _assert_same_bits(out[:sentinel], ref[:sentinel])
+
+
+@pytest.mark.parametrize("tile", [8, 16, 32, 64])
+def test_owned_tiles_bound_holds_for_every_start(tile):
+    """The distinct tiles a shard's pages take from Q consecutive positions never exceed
+    `owned_tiles_bound`, for every start, shard and rotation, and come within a page's tiles
+    of it (it counts both partial end pages whole)."""
+    ps, shards = 64, 4
+    for q in (1, 5, 64, 65, 300, 1024):
+        bound = owned_tiles_bound(1, q, ps, shards, tile)
+        most = 0
+        for start in range(2 * shards * ps):
+            pos = start + np.arange(q)
+            page = pos // ps
+            for shard in range(shards):
+                mine = (page % shards) == shard         # a rotation is a shift of `start`
+                most = max(most, len(set(pos[mine] // tile)))
+        assert most <= bound, (q, tile, most, bound)
+        assert most > bound - max(1, ps // tile), (q, tile, most, bound)
 
 
 def test_write_kv_rejects_wrong_width():

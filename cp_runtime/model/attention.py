@@ -48,7 +48,7 @@ from jax import lax
 from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.kernels.cache_write import tiles_bound, write_tile_rows
+from cp_runtime.kernels.cache_write import owned_tiles_bound, tiles_bound, write_tile_rows
 from cp_runtime.kernels.dispatch import QUERY_DTYPE, Kernels, select_kernels
 from cp_runtime.kernels.sparse_prefill import priced_bound
 from cp_runtime.model.forward import IndexerInputs
@@ -226,9 +226,11 @@ class ShardAttention:
         page = jnp.where(self.pos >= 0, self.pos // self.page_size, -1)
         slots = self._slots_of(page, sentinel)
         offsets = jnp.maximum(self.pos, 0) % self.page_size
-        # Each row's queries sit at consecutive positions, which bounds the tiles they touch.
+        # Each row's queries sit at consecutive positions on round-robin pages, which bounds
+        # the tiles this shard's pages take from them.
         b, q = self.pos.shape
-        max_tiles = tiles_bound(b, q, write_tile_rows(cache.shape, cache_dtype))
+        max_tiles = owned_tiles_bound(b, q, self.page_size, self.num_shards,
+                                      write_tile_rows(cache.shape, cache_dtype))
         with phase("cache_write"):
             return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]),
                                          slots.reshape(-1), offsets.reshape(-1),
