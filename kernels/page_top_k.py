@@ -18,6 +18,14 @@ Per call (Mp = M rounded up to 8 sublanes, Np = N rounded up to a tile of whole 
     vpu ops = k * 6 * Mp * Np          (the kernel is VPU-bound: it reads each candidate once)
     bytes   = Mp * Np * 4 * (1 + has_pages) + 2 * k * Np * 4
 Scores are not NaN; -0.0 counts as 0.0 (as the sort's order has them equal).
+
+The gathered lists (`top_pages_of_pairs`): S shards' ranked lists of k arrive as one array
+[G, 2, k, N] (scores, and pages bit-cast to f32). Each pair of lists is first cut to its k best
+in VMEM (the better of a[i] and b[k - 1 - i], `selection.halve_sorted_lists`' bitonic split; the
+odd lists arrive worst first, since Mosaic lowers no reversal), then the rounds run over the
+G / 2 * k left. Per call (kp = k rounded up to 8 sublanes):
+    vpu ops = (k * 6 + VPU_OPS_PER_HALVING) * G / 2 * kp * Np
+    bytes   = G * 2 * kp * Np * 4 + 2 * k * Np * 4
 """
 
 from __future__ import annotations
@@ -32,10 +40,12 @@ from jax.experimental import pallas as pl
 from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.vmem import LANES, VMEM_BUDGET_BYTES, tiled_bytes
 
-__all__ = ["top_pages", "cost", "supports", "NO_PAGE", "VPU_OPS_PER_ROUND"]
+__all__ = ["top_pages", "top_pages_of_pairs", "cost", "pairs_cost", "supports",
+           "supports_pairs", "NO_PAGE", "VPU_OPS_PER_ROUND", "VPU_OPS_PER_HALVING"]
 
 NO_PAGE = -1
 VPU_OPS_PER_ROUND = 6
+VPU_OPS_PER_HALVING = 6     # per entry of a pair: 2 compares, equal, less, or, and the select
 QUERY_TILE = 256     # lanes; v5e, M = 1025 with pages: 1.66 ms at 128, 1.30 at 256, 1.28 at 512
 _LAST = jnp.iinfo(jnp.int32).max     # above every page: what a round's min starts from
 _SUBLANES = 8
@@ -71,13 +81,37 @@ def supports(m: int, n: int, k: int, has_pages: bool) -> bool:
     return cost(m, n, k, has_pages)["vmem_bytes"] <= VMEM_BUDGET_BYTES
 
 
+def supports_pairs(g: int, n: int, k: int) -> bool:
+    """Whether `top_pages_of_pairs`' block of G lists of a query tile fits the VMEM budget."""
+    return pairs_cost(g, n, k)["vmem_bytes"] <= VMEM_BUDGET_BYTES
+
+
 def _kernel(*refs, k: int, has_pages: bool):
     """scores [M, tq] f32 (and pages [M, tq] i32) -> best scores [k, tq], pages [k, tq]."""
     scores_ref, *rest = refs
     pages_ref, top_scores_ref, top_pages_ref = rest if has_pages else (None, *rest)
     s = scores_ref[...]
-    s = jnp.where(s == 0, 0.0, s)
     pages = pages_ref[...] if has_pages else lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    _rounds(s, pages, top_scores_ref, top_pages_ref, k)
+
+
+def _pairs_kernel(lists_ref, top_scores_ref, top_pages_ref, *, k: int):
+    """lists [G, 2, k, tq] f32 (scores; pages bit-cast), the odd lists worst first -> best
+    scores [k, tq], pages [k, tq]: each pair halved to its k best, then the rounds."""
+    halves = []
+    for g in range(lists_ref.shape[0] // 2):
+        a_s, b_s = lists_ref[2 * g, 0], lists_ref[2 * g + 1, 0]                    # [k, tq]
+        a_p, b_p = (lax.bitcast_convert_type(lists_ref[i, 1], jnp.int32)
+                    for i in (2 * g, 2 * g + 1))
+        a_first = (a_s > b_s) | ((a_s == b_s) & (a_p < b_p))
+        halves.append((jnp.where(a_first, a_s, b_s), jnp.where(a_first, a_p, b_p)))
+    _rounds(jnp.concatenate([h[0] for h in halves]), jnp.concatenate([h[1] for h in halves]),
+            top_scores_ref, top_pages_ref, k)
+
+
+def _rounds(s, pages, top_scores_ref, top_pages_ref, k: int) -> None:
+    """k rounds over candidates s f32[M, tq], pages i32[M, tq] into the [k, tq] outputs."""
+    s = jnp.where(s == 0, 0.0, s)
     for r in range(k):
         best = jnp.max(s, axis=0, keepdims=True)                                    # [1, tq]
         page = jnp.min(jnp.where(s == best, pages, _LAST), axis=0, keepdims=True)
@@ -117,3 +151,46 @@ def top_pages(scores: jax.Array, pages: jax.Array | None = None, *, k: int,
         **call_options("page_top_k", cost(m, n, k, has_pages), ("parallel",), interpret),
     )(*operands)
     return top_scores, top
+
+
+def pairs_cost(g: int, n: int, k: int) -> dict:
+    """VPU ops (as flops, `vpu`), HBM bytes and VMEM bytes of one `top_pages_of_pairs` call:
+    the halving's pass over G / 2 pairs of k entries, then the rounds over G / 2 * k."""
+    tq = _query_tile(n)
+    kp, np_ = _padded(k, n, tq)
+    halved = g // 2 * kp
+    # Two buffers of the block, the outputs', and five working copies of the halved column
+    # (its scores and pages, and the rounds' three).
+    vmem = (2 * tiled_bytes((g * 2 * k, tq), 4) + 4 * tiled_bytes((k, tq), 4)
+            + 5 * tiled_bytes((halved, tq), 4))
+    return {"flops": (k * VPU_OPS_PER_ROUND + VPU_OPS_PER_HALVING) * halved * np_,
+            "bytes": g * 2 * kp * np_ * 4 + 2 * k * np_ * 4, "vmem_bytes": vmem, "vpu": True}
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def top_pages_of_pairs(lists: jax.Array, *, k: int, interpret: bool = False
+                       ) -> tuple[jax.Array, jax.Array]:
+    """The k best of G ranked lists of k, in order (score desc, page asc), halving each pair
+    of lists (2i, 2i + 1) in VMEM first, as `selection.halve_sorted_lists` does in XLA.
+
+    lists:   f32[G, 2, k, N]  G even; [g, 0] a list's scores, [g, 1] its pages bit-cast to f32;
+             the even lists best first, the odd lists worst first (so that the halving, the
+             better of a[i] and b[k - 1 - i], reads both at i: Mosaic has no reversal); pages
+             distinct among a column's candidates, NO_PAGE and -inf for none
+    returns: (f32[k, N], i32[k, N]) with -inf and NO_PAGE where a query has fewer than k
+    """
+    g, two, kk, n = lists.shape
+    if g % 2 or two != 2 or kk != k:
+        raise ValueError(f"lists {lists.shape} are not an even number of (scores, pages) "
+                         f"lists of k={k}")
+    tq = _query_tile(n)
+    out = pl.BlockSpec((k, tq), lambda i: (0, i))
+    return pl.pallas_call(
+        functools.partial(_pairs_kernel, k=k),
+        grid=(pl.cdiv(n, tq),),
+        in_specs=[pl.BlockSpec((g, 2, k, tq), lambda i: (0, 0, 0, i))],
+        out_specs=[out, out],
+        out_shape=[jax.ShapeDtypeStruct((k, n), jnp.float32),
+                   jax.ShapeDtypeStruct((k, n), jnp.int32)],
+        **call_options("page_top_k_pairs", pairs_cost(g, n, k), ("parallel",), interpret),
+    )(lists.astype(jnp.float32))

@@ -6,6 +6,7 @@ VPU work."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -120,15 +121,17 @@ def _struct(device, shape, dtype):
 @pytest.mark.parametrize("c, by_position", [(1025, True), (512, False)])
 def test_selection_compiles_to_the_kernel_on_tpu7x(device, c, by_position):
     """A half of a 32K chunk at 1M (16,384 queries): the shard's 1,025 pages, or the 512
-    gathered candidates, rank in the kernel; no sort is left in the module (XLA:TPU prices a
-    sort at nothing), and the kernel's estimate reaches it, priced at the VPU rate."""
+    gathered candidates (candidates first, as `global_top_pages` ranks them), rank in the
+    kernel; no sort is left in the module (XLA:TPU prices a sort at nothing), and the kernel's
+    estimate reaches it, priced at the VPU rate."""
     k, q = 32, 16384
-    scores = _struct(device, (1, q, c), jnp.float32)
     if by_position:
-        compiled = _compiled(device, lambda s: selection.rank_rows(s, k), scores)
+        compiled = _compiled(device, lambda s: selection.rank_rows(s, k),
+                             _struct(device, (1, q, c), jnp.float32))
     else:
-        compiled = _compiled(device, lambda s, p: selection.rank_gathered_pages(s, p, k),
-                             scores, _struct(device, (1, q, c), jnp.int32))
+        compiled = _compiled(device, lambda s, p: selection.rank_gathered_columns(s, p, k),
+                             _struct(device, (c, 1, q), jnp.float32),
+                             _struct(device, (c, 1, q), jnp.int32))
     module = hlo.parse_module(compiled.as_text())
     every = [i for instrs in module.computations.values() for i in instrs]
     calls = [i for i in every if i.is_kernel]
@@ -165,3 +168,66 @@ def test_selection_on_a_tpu_is_the_cpus():
                 want = rank(jax.device_put(s, cpu))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def _ranked_lists(g, n, k, seed):
+    """G lists of k per query, each ranked by `selection.rank_pages` (ties, zeros of both
+    signs, short lists padded with -inf and NO_PAGE), pages distinct over the lists:
+    scores f32[G, k, N], pages i32[G, k, N]."""
+    s = np.array(_scores((g, n, 3 * k), seed=seed))
+    s[1, :, 2:] = -np.inf                                              # a list of 2 < k
+    pages = np.stack([np.argsort(np.random.default_rng(seed + i).random((n, 3 * k)), axis=-1)
+                      for i in range(g)]).astype(np.int32) + 1000 * np.arange(g)[:, None, None]
+    ranked = [selection.rank_pages(jnp.asarray(s[i]), jnp.asarray(pages[i]), k)
+              for i in range(g)]
+    return (np.stack([np.asarray(r[0]).T for r in ranked]),
+            np.stack([np.asarray(r[1]).T for r in ranked]))
+
+
+@pytest.mark.parametrize("g, n, k", [(16, 300, 32), (2, 5, 8), (4, 1, 4), (6, 260, 16)])
+def test_pairs_rank_as_the_two_key_sort_of_every_list(g, n, k):
+    """`top_pages_of_pairs`: G ranked lists, the odd ones sent worst first, halved in VMEM and
+    ranked: the pages and scores the sort of all G * k candidates gives."""
+    scores, pages = _ranked_lists(g, n, k, seed=g)
+    sent = lambda x: np.where((np.arange(g) % 2 == 1)[:, None, None], x[:, ::-1], x)  # noqa: E731
+    lists = np.stack([sent(scores), sent(pages).view(np.float32)], axis=1)   # [G, 2, k, N]
+    got = page_top_k.top_pages_of_pairs(jnp.asarray(lists), k=k, interpret=True)
+    every = lambda x: jnp.asarray(x.transpose(2, 0, 1).reshape(n, g * k))   # noqa: E731
+    want = selection.rank_pages(every(scores), every(pages), k)
+    np.testing.assert_array_equal(np.asarray(got[1]).T, want[1])
+    np.testing.assert_array_equal(np.asarray(got[0]).T, want[0])
+    assert (np.asarray(got[1]) != selection.NO_PAGE).any()
+
+
+def test_pairs_refuse_an_odd_count_of_lists():
+    with pytest.raises(ValueError, match="not an even number"):
+        page_top_k.top_pages_of_pairs(jnp.zeros((3, 2, 4, 8)), k=4, interpret=True)
+
+
+@needs_libtpu
+def test_gathered_selection_compiles_to_the_pairs_kernel_on_tpu7x():
+    """`global_top_pages` over the 16 devices of tpu7x-16, half a 32K chunk (16,384 queries,
+    k = 32): one all-gather and the pairs kernel, no sort, and of XLA's own work only the odd
+    shards' flip and the moves around the gather (the halving's passes are in the kernel)."""
+    devices = topology.compile_only_devices("tpu7x-16")
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("cp",))
+    spec = jax.sharding.PartitionSpec("cp")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
+                       check_vma=False)
+    def select(s, p):
+        return selection.global_top_pages(s[0], p[0], k=32, axis_name="cp")[None]
+
+    structs = [jax.ShapeDtypeStruct((16, 1, 16384, 32), dtype,
+                                    sharding=jax.sharding.NamedSharding(mesh, spec))
+               for dtype in (jnp.float32, jnp.int32)]
+    with jax.default_device(devices[0]):
+        module = hlo.parse_module(select.lower(*structs).compile().as_text())
+    every = [i for instrs in module.computations.values() for i in instrs]
+    assert [i.name.split(".")[0] for i in every if i.is_kernel] == ["page_top_k_pairs_vpu"]
+    assert not [i.name for i in every if i.op == "sort"]
+    assert sum(i.op.startswith("all-gather") for i in every) >= 1
+    figures = page_top_k.pairs_cost(16, 16384, 32)
+    kernel = next(i for i in every if i.is_kernel)
+    assert kernel.kernel_cost == (figures["flops"], figures["bytes"]) and kernel.vpu

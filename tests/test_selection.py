@@ -10,9 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cp_runtime.model.oracle import oracle_logits, selection_mask
+from cp_runtime.parallel import selection
 from cp_runtime.parallel.selection import (NO_PAGE, global_top_pages, halve_sorted_lists,
-                                           local_candidates, rank_distinct_pages, rank_pages,
-                                           rank_rows)
+                                           local_candidates, rank_distinct_pages,
+                                           rank_gathered_columns, rank_pages, rank_rows)
 
 
 def brute_force_top(scores: np.ndarray, k: int) -> list[int]:
@@ -67,6 +68,10 @@ def test_rank_distinct_pages_is_rank_pages(seed):
         full = rank_pages(jnp.asarray(scores), jnp.asarray(pages), k)
         np.testing.assert_array_equal(fast[1], full[1])
         np.testing.assert_array_equal(fast[0], full[0])
+        # Candidates on the first axis: the columns form the gathered lists rank in.
+        columns = rank_gathered_columns(jnp.asarray(scores.T), jnp.asarray(pages.T), k)
+        np.testing.assert_array_equal(np.asarray(columns[1]).T, full[1])
+        np.testing.assert_array_equal(np.asarray(columns[0]).T, full[0])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -84,14 +89,14 @@ def test_halved_lists_keep_the_top_k_of_each_pair(seed):
                       for _ in range(g)]).astype(np.int32)
     pages = pages + 1000 * np.arange(g, dtype=np.int32)[:, None, None]   # distinct over lists
     lists = [rank_pages(jnp.asarray(scores[i]), jnp.asarray(pages[i]), k) for i in range(g)]
-    every = jnp.stack([jnp.stack([s, jax.lax.bitcast_convert_type(p, jnp.float32)])
-                       for s, p in lists])                            # [G, 2, rows, k]
+    every = jnp.stack([jnp.stack([s.T, jax.lax.bitcast_convert_type(p, jnp.float32).T])
+                       for s, p in lists])                            # [G, 2, k, rows]
     halved = halve_sorted_lists(every)
-    assert halved.shape == (g // 2, 2, rows, k)
-    assert halve_sorted_lists(every[:3]).shape == (3, 2, rows, k)
+    assert halved.shape == (g // 2, 2, k, rows)
+    assert halve_sorted_lists(every[:3]).shape == (3, 2, k, rows)
 
     def ranked(x):
-        flat = jnp.moveaxis(x, 0, -2).reshape(2, rows, -1)
+        flat = jnp.moveaxis(x, 0, 1).reshape(2, -1, rows).transpose(0, 2, 1)   # [2, rows, G k]
         return rank_pages(flat[0], jax.lax.bitcast_convert_type(flat[1], jnp.int32), k)
     np.testing.assert_array_equal(ranked(halved)[1], ranked(every)[1])
     np.testing.assert_array_equal(ranked(halved)[0], ranked(every)[0])
@@ -159,8 +164,9 @@ def test_shared_layers_reuse_last_full_selection(tiny, tiny_params):
 
 
 @functools.cache
-def _selector(num_shards: int, k: int, page_size: int):
-    """A jitted selection through real collectives over S devices (compiled once per S)."""
+def _selector(num_shards: int, k: int, page_size: int, by_kernel: bool = False):
+    """A jitted selection through real collectives over S devices (compiled once per S); with
+    `by_kernel` the gathered rank a TPU runs (`_pairs_by_kernel`), in interpret mode."""
     mesh = jax.make_mesh((num_shards,), ("cp",), devices=jax.devices()[:num_shards])
 
     @jax.jit
@@ -170,17 +176,21 @@ def _selector(num_shards: int, k: int, page_size: int):
         shard = jax.lax.axis_index("cp")
         s, p = local_candidates(local_scores[0], pos, shard, rotation, num_shards=num_shards,
                                 page_size=page_size, k=k)
+        if by_kernel:
+            top = selection._pairs_by_kernel(selection._packed_columns(s, p), axis_name="cp",
+                                             k=k, interpret=True)
+            return jnp.moveaxis(top, 0, -1)
         return global_top_pages(s, p, k=k, axis_name="cp")
 
     return mesh, select
 
 
 def _sharded_selection(scores: np.ndarray, q_pos: np.ndarray, *, num_shards: int, k: int,
-                       page_size: int, rotation=(0, 0)) -> np.ndarray:
+                       page_size: int, rotation=(0, 0), by_kernel: bool = False) -> np.ndarray:
     """scores f32[B, Q, M] split by owner (row b's page p on shard (p + rotation[b]) % S, as
     local page (p + rotation[b]) // S) and selected on S devices."""
     b, q, m = scores.shape
-    mesh, select = _selector(num_shards, k, page_size)
+    mesh, select = _selector(num_shards, k, page_size, by_kernel)
     width = -(-(m + num_shards) // num_shards) * num_shards
     rotated = np.full((b, q, width), -np.inf, np.float32)
     for row, r in enumerate(rotation):
@@ -215,6 +225,11 @@ def test_global_top_k_equals_single_device(name, scores, length):
         many = _sharded_selection(scores, q_pos, num_shards=16, k=k, page_size=ps,
                                   rotation=rotation)
         np.testing.assert_array_equal(one, many)
+    # The TPU's gathered rank (odd shards' lists sent worst first, halved and ranked in one
+    # kernel), in interpret mode over the same 16 devices.
+    by_kernel = _sharded_selection(scores, q_pos, num_shards=16, k=k, page_size=ps,
+                                   rotation=(5, 15), by_kernel=True)
+    np.testing.assert_array_equal(one, by_kernel)
     for bi in range(2):
         for qi in range(5):
             own = q_pos[bi, qi] // ps if q_pos[bi, qi] >= 0 else 0

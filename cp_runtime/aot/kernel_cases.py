@@ -322,8 +322,9 @@ def shared_expert_cases(model: ModelConfig, rows: tuple[int, ...], device) -> li
 
 def top_k_cases(model: ModelConfig, page_size: int, queries: tuple[int, ...], device
                 ) -> list[KernelCase]:
-    """The selection's two ranks at CONTEXT: a shard's own pages by position (k of M) and the
-    S * k gathered candidates by page, for `queries` queries (a decode row, half a chunk)."""
+    """The selection's ranks at CONTEXT: a shard's own pages by position (k of M), the S * k
+    gathered candidates by page, and the S gathered lists halved by pairs first (the TPU's
+    form at an even S), for `queries` queries (a decode row, half a chunk)."""
     k = model.index_topk // page_size
     own = cdiv(CONTEXT, page_size * NUM_SHARDS) + 1        # a rotated sequence's spare page
     out = []
@@ -338,6 +339,10 @@ def top_k_cases(model: ModelConfig, page_size: int, queries: tuple[int, ...], de
                               _structs(device, ((gathered, q), jnp.float32),
                                        ((gathered, q), jnp.int32)),
                               page_top_k.cost(gathered, q, k, has_pages=True)))
+        out.append(KernelCase(f"top-k pairs G={NUM_SHARDS} Q={q}", "top_k",
+                              lambda lists, k=k: page_top_k.top_pages_of_pairs(lists, k=k),
+                              _structs(device, ((NUM_SHARDS, 2, k, q), jnp.float32)),
+                              page_top_k.pairs_cost(NUM_SHARDS, q, k)))
     return out
 
 

@@ -28,8 +28,8 @@ from cp_runtime.kernels import page_top_k
 from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_distinct_pages",
-           "rank_gathered_pages", "local_candidates", "global_top_pages", "halve_sorted_lists",
-           "attended_pages", "earlier_pages_mask"]
+           "rank_gathered_pages", "rank_gathered_columns", "local_candidates",
+           "global_top_pages", "halve_sorted_lists", "attended_pages", "earlier_pages_mask"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
@@ -75,46 +75,59 @@ def rank_rows(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _on_tpu_by_kernel(scores: jax.Array, pages: jax.Array | None, k: int, *, default,
-                      cpu=None) -> tuple[jax.Array, jax.Array]:
+                      cpu=None, columns: bool = False) -> tuple[jax.Array, jax.Array]:
     """`_rank_by_kernel` on a TPU where the kernel takes the shape, `default` elsewhere (`cpu`
-    on a CPU, where given); pages None: rank by position."""
+    on a CPU, where given); pages None: rank by position. Candidates lie on the last axis, or
+    on the first with `columns` (`_rank_columns_by_kernel`)."""
     operands = (scores,) if pages is None else (scores, pages)
     branches = dict(cpu=cpu or default, default=default)
-    queries = scores.size // max(scores.shape[-1], 1)
-    if page_top_k.supports(scores.shape[-1], queries, k, has_pages=pages is not None):
-        branches["tpu"] = lambda *ops: _rank_by_kernel(*ops, k=k)
+    c = scores.shape[0 if columns else -1]
+    by_kernel = _rank_columns_by_kernel if columns else _rank_by_kernel
+    if page_top_k.supports(c, scores.size // max(c, 1), k, has_pages=pages is not None):
+        branches["tpu"] = lambda *ops: by_kernel(*ops, k=k)
     return lax.platform_dependent(*operands, **branches)
+
+
+def _rank_columns_by_kernel(scores: jax.Array, pages: jax.Array | None = None, *, k: int,
+                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`rank_gathered_columns` (or by position, where pages is None) by kernels/page_top_k:
+    f32/i32[C, ...] -> [k, ...]; the trailing axes are the kernel's query lanes as they lie."""
+    c, *rest = scores.shape
+    flat = lambda x: x.reshape(c, -1)                                     # noqa: E731
+    top_scores, top = page_top_k.top_pages(flat(scores), None if pages is None else flat(pages),
+                                           k=k, interpret=interpret)     # [k, N]
+    return top_scores.reshape(k, *rest), top.reshape(k, *rest)
 
 
 def _rank_by_kernel(scores: jax.Array, pages: jax.Array | None = None, *, k: int,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`rank_pages` of distinct pages by kernels/page_top_k, or `rank_rows` where pages is
-    None: the candidates f32/i32[..., C] become columns [C, N], one a query."""
-    *lead, c = scores.shape
-    columns = lambda x: x.reshape(-1, c).T                                # noqa: E731
-    top_scores, top = page_top_k.top_pages(columns(scores),
-                                           None if pages is None else columns(pages),
-                                           k=k, interpret=interpret)     # [k, N]
-    return top_scores.T.reshape(*lead, k), top.T.reshape(*lead, k)
+    None: the candidates f32/i32[..., C] become columns [C, ...], one a query."""
+    first = lambda x: jnp.moveaxis(x, -1, 0)                              # noqa: E731
+    top_scores, top = _rank_columns_by_kernel(first(scores),
+                                              None if pages is None else first(pages),
+                                              k=k, interpret=interpret)
+    return jnp.moveaxis(top_scores, 0, -1), jnp.moveaxis(top, 0, -1)
 
 
-def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int
+def rank_distinct_pages(scores: jax.Array, pages: jax.Array, k: int, axis: int = -1
                         ) -> tuple[jax.Array, jax.Array]:
     """`rank_pages` for candidates whose valid pages are distinct, in any order (the S * K
     gathered candidates): k rounds of "best score, then lowest page among its ties", O(k * C)
     elementwise work instead of a two-key sort (measured on CPU, 1024 queries: 64 candidates,
-    k = 4: 0.5 ms against 7.2 ms; 512 candidates, k = 32: 6.0 against 72 ms).
+    k = 4: 0.5 ms against 7.2 ms; 512 candidates, k = 32: 6.0 against 72 ms). The candidates
+    lie along `axis`, and so do the k results.
     """
     s = jnp.where(scores == 0, 0.0, scores)         # the sort's order: -0.0 ties with 0.0
     top_scores, top_pages = [], []
     for _ in range(k):
-        best = s.max(axis=-1, keepdims=True)
+        best = s.max(axis=axis, keepdims=True)
         tied = (s == best) & (best > -jnp.inf)
-        page = jnp.min(jnp.where(tied, pages, _LAST), axis=-1, keepdims=True)
+        page = jnp.min(jnp.where(tied, pages, _LAST), axis=axis, keepdims=True)
         s = jnp.where(tied & (pages == page), -jnp.inf, s)
-        top_scores.append(best[..., 0])
-        top_pages.append(jnp.where(best[..., 0] > -jnp.inf, page[..., 0], NO_PAGE))
-    return jnp.stack(top_scores, axis=-1), jnp.stack(top_pages, axis=-1)
+        top_scores.append(best)
+        top_pages.append(jnp.where(best > -jnp.inf, page, NO_PAGE))
+    return jnp.concatenate(top_scores, axis=axis), jnp.concatenate(top_pages, axis=axis)
 
 
 def rank_gathered_pages(scores: jax.Array, pages: jax.Array, k: int
@@ -127,6 +140,25 @@ def rank_gathered_pages(scores: jax.Array, pages: jax.Array, k: int
     (`rank_pages`)."""
     return _on_tpu_by_kernel(scores, pages, k, cpu=functools.partial(rank_distinct_pages, k=k),
                              default=functools.partial(rank_pages, k=k))
+
+
+def rank_gathered_columns(scores: jax.Array, pages: jax.Array, k: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """`rank_gathered_pages` of candidates on the first axis: f32/i32[C, ...] -> [k, ...].
+
+    The gathered candidates' form on every platform (`global_top_pages`): with the queries on
+    the trailing axes the TPU kernel takes them as they lie ([C, N] columns), and the arrays
+    the gather and the halving move keep the queries on the 128-lane axis instead of k = 32
+    candidates padded to 128 lanes.
+    """
+    last = lambda x: jnp.moveaxis(x, 0, -1)                               # noqa: E731
+    first = lambda x: jnp.moveaxis(x, -1, 0)                              # noqa: E731
+
+    def by_sort(scores, pages):
+        return tuple(first(x) for x in rank_pages(last(scores), last(pages), k))
+
+    return _on_tpu_by_kernel(scores, pages, k, columns=True, default=by_sort,
+                             cpu=functools.partial(rank_distinct_pages, k=k, axis=0))
 
 
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
@@ -167,28 +199,64 @@ def global_top_pages(scores: jax.Array, pages: jax.Array, *, k: int, axis_name: 
     each group's candidates ranked to its top k before the next: the same pages, since the top k of
     the union is the top k of the groups' top ks. Each shard's list arrives ranked, so pairs of
     lists are first halved to their top k (`halve_sorted_lists`): half the candidates to rank.
-    With axis_name None (S = 1) the candidates are already global.
+    The lists travel and rank with the candidates first ([k, B, Q], `rank_gathered_columns`).
+    On a TPU, for an even S gathered in one stage, the halving and the rank are one kernel
+    (`_pairs_by_kernel`). With axis_name None (S = 1) the candidates are already global.
     """
     if axis_name is None:
         return rank_gathered_pages(scores, pages, k)[1]
-    packed = jnp.stack([scores.astype(jnp.float32),
-                        lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32)])
+    packed = _packed_columns(scores, pages)                                # [2, k, B, Q]
 
-    def rank_gathered(every: jax.Array) -> jax.Array:        # [G, 2, B, Q, k] -> [2, B, Q, k]
-        every = jnp.moveaxis(halve_sorted_lists(every), 0, -2)
-        every = every.reshape(*every.shape[:-2], -1)                       # [2, B, Q, G * k]
-        top_scores, top_pages = rank_gathered_pages(
-            every[0], lax.bitcast_convert_type(every[1], jnp.int32), k)
+    def rank_gathered(every: jax.Array) -> jax.Array:        # [G, 2, k, B, Q] -> [2, k, B, Q]
+        every = halve_sorted_lists(every)
+        scores, pages = (every[:, i].reshape(-1, *every.shape[3:]) for i in (0, 1))  # [G*k, B, Q]
+        top_scores, top_pages = rank_gathered_columns(
+            scores, lax.bitcast_convert_type(pages, jnp.int32), k)
         return jnp.stack([top_scores, lax.bitcast_convert_type(top_pages, jnp.float32)])
 
-    ranked = gather_reduce(packed, axis_name, rank_gathered, gathers)
-    return lax.bitcast_convert_type(ranked[1], jnp.int32)
+    def in_xla(packed: jax.Array) -> jax.Array:
+        ranked = gather_reduce(packed, axis_name, rank_gathered, gathers)
+        return lax.bitcast_convert_type(ranked[1], jnp.int32)
+
+    shards, queries = lax.axis_size(axis_name), packed[0, 0].size
+    if shards % 2 == 0 and gathers != "staged" and page_top_k.supports_pairs(shards, queries, k):
+        by_kernel = functools.partial(_pairs_by_kernel, axis_name=axis_name, k=k)
+        top = lax.platform_dependent(packed, tpu=by_kernel, default=in_xla)
+    else:
+        top = in_xla(packed)
+    return jnp.moveaxis(top, 0, -1)
+
+
+def _packed_columns(scores: jax.Array, pages: jax.Array) -> jax.Array:
+    """A shard's ranked list f32/i32[B, Q, k] as one array f32[2, k, B, Q]: scores, and pages
+    bit-cast to f32 (exactly), the candidates first (`rank_gathered_columns`)."""
+    first = lambda x: jnp.moveaxis(x, -1, 0)                              # noqa: E731
+    return jnp.stack([first(scores.astype(jnp.float32)),
+                      first(lax.bitcast_convert_type(pages.astype(jnp.int32), jnp.float32))])
+
+
+def _pairs_by_kernel(packed: jax.Array, *, axis_name: str, k: int, interpret: bool = False
+                     ) -> jax.Array:
+    """`global_top_pages`' gather and rank on a TPU: packed f32[2, k, B, Q] (this shard's
+    ranked list) -> pages i32[k, B, Q], the k best over every shard.
+
+    One kernel halves the pairs of lists in VMEM and ranks what is left
+    (kernels/page_top_k.top_pages_of_pairs); as XLA ops the halving's passes over the gathered
+    lists cost more than the rank (0.15 ms a half-chunk at 16,384 queries, by the compiler's
+    estimate). The odd shards send their lists worst first, which the kernel's halving reads
+    (Mosaic lowers no reversal), a flip of k rows here before the gather.
+    """
+    odd = lax.axis_index(axis_name) % 2 == 1
+    every = lax.all_gather(jnp.where(odd, jnp.flip(packed, axis=1), packed), axis_name)
+    _, top = page_top_k.top_pages_of_pairs(every.reshape(*every.shape[:3], -1), k=k,
+                                           interpret=interpret)
+    return top.reshape(k, *packed.shape[2:])
 
 
 def halve_sorted_lists(every: jax.Array) -> jax.Array:
-    """[G, 2, ..., k] -> [G / 2, 2, ..., k] for even G: each pair of ranked lists (scores, and
-    pages bit-cast to f32, best first under (score desc, page asc)) cut to the k best of the
-    two, as a set, in no useful order; odd G is left as it is.
+    """[G, 2, k, ...] -> [G / 2, 2, k, ...] for even G: each pair of ranked lists (scores, and
+    pages bit-cast to f32, best first under (score desc, page asc), along axis 2) cut to the k
+    best of the two, as a set, in no useful order; odd G is left as it is.
 
     The top k of two ranked lists a and b are the better of a[i] and b[k - 1 - i] for each i
     (a followed by b reversed is V-shaped in the order, and a bitonic split of it keeps the
@@ -196,7 +264,7 @@ def halve_sorted_lists(every: jax.Array) -> jax.Array:
     """
     if every.shape[0] % 2:
         return every
-    a, b = every[0::2], every[1::2][..., ::-1]
+    a, b = every[0::2], jnp.flip(every[1::2], axis=2)
     a_pages, b_pages = (lax.bitcast_convert_type(x[:, 1], jnp.int32) for x in (a, b))
     a_first = (a[:, 0] > b[:, 0]) | ((a[:, 0] == b[:, 0]) & (a_pages < b_pages))
     return jnp.where(a_first[:, None], a, b)
