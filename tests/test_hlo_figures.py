@@ -391,6 +391,43 @@ def test_a_collective_permute_start_moves_its_destination_not_its_contexts():
     assert hlo.last_array_bytes("f32[]") == 4          # a scalar result is still counted
 
 
+def test_the_unpriced_work_replayed_at_the_hbm_rate():
+    """The hand model of the unpriced work (`with_unpriced_s`): a SparseCore gather runs
+    beside the TensorCore at its least bytes at the HBM rate, so the 1,000 cycles of work
+    scheduled before its done hide that much of it and the done waits for the rest; a sort
+    runs on the TensorCore at its bytes. The compiler's own figures stay as they were."""
+    n = 1 << 20
+    text = f"""HloModule m
+
+%gathered (x: s32[{n}]) -> s32[{n}] {{
+  ROOT %x = s32[{n}]{{0}} parameter(0)
+}}
+
+ENTRY %main (p: f32[8,256], q: s32[{n}]) -> f32[8,256] {{
+  %p = f32[8,256]{{1,0}} parameter(0)
+  %q = s32[{n}]{{0}} parameter(1)
+  %g = ((s32[{n}]{{0}}), s32[{n}]{{0}}, u32[]) call-start(%q), async_execution_thread="sparsecore", to_apply=%gathered, metadata={{op_name="jit(step)/shard_map/layer2/dense/gather"}}
+  %work = f32[8,256]{{1,0}} negate(%p), backend_config={{"estimated_cycles":"1000"}}, metadata={{op_name="jit(step)/shard_map/layer2/dense/neg"}}
+  %gd = s32[{n}]{{0}} call-done(%g), metadata={{op_name="jit(step)/shard_map/layer2/dense/gather"}}
+  ROOT %s = f32[8,256]{{1,0}} sort(%work), dimensions={{1}}, to_apply=%lt, metadata={{op_name="jit(step)/shard_map/layer2/selection/sort"}}
+}}
+"""
+    figures = layer_figures(text, CLOCK_HZ)
+    r = TPU7X_DEVICE
+    dense, selection = figures[(2, "dense")], figures[(2, "selection")]
+    gather_s = 2 * n * 4 / r.hbm_bytes_per_s
+    assert gather_s > 1000 / CLOCK_HZ                  # the work hides only part of it
+    assert dense.sparsecore_bytes == dense.unpriced_bytes == 2 * n * 4
+    assert dense.unpriced_waits == pytest.approx(gather_s - 1000 / CLOCK_HZ)
+    t = phase_time(dense, r, CLOCK_HZ)
+    assert t.unpriced_tc_s == 0 and t.overlapped_s == pytest.approx(1000 / CLOCK_HZ)
+    assert t.with_unpriced_s == pytest.approx(gather_s)
+    sort = phase_time(selection, r, CLOCK_HZ)
+    assert selection.sparsecore_bytes == 0 and selection.unpriced_waits == 0
+    assert sort.with_unpriced_s == pytest.approx(2 * 8 * 256 * 4 / r.hbm_bytes_per_s)
+    assert sort.overlapped_s == 0
+
+
 def test_the_report_names_what_it_left_unpriced():
     """`cp-runtime compile`'s case report ends with the unpriced work per phase and the least
     time its bytes take at the HBM rate, or says there is none."""

@@ -116,13 +116,15 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
 def priced(phases: dict[str, PhaseFigures], clock_hz: float,
            rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """{phases: each phase's figures with its estimate and floor (cp_runtime.aot.roofline),
-    attention: the layout the program ran, seconds, overlapped_s, floor_s: their sums}."""
+    attention: the layout the program ran, seconds, overlapped_s, with_unpriced_s, floor_s:
+    their sums}."""
     out = {name: {**dataclasses.asdict(f), **phase_time(f, rates, clock_hz).as_dict()}
            for name, f in phases.items()}
     return {"phases": out,
             "attention": "gather_kv" if out["kv_gather"]["instructions"] else "gather_q",
             "seconds": sum(p["seconds"] for p in out.values()),
             "overlapped_s": sum(p["overlapped_s"] for p in out.values()),
+            "with_unpriced_s": sum(p["with_unpriced_s"] for p in out.values()),
             "floor_s": sum(p["floor_s"] for p in out.values())}
 
 
@@ -155,9 +157,9 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
 
 def prefill_seconds(rows: list[dict], length: int, chunk: int, key: str = "seconds"
                     ) -> float | None:
-    """A whole `length`-token prefill from its compiled chunks' `key` ("seconds" or
-    "overlapped_s"; module docstring); None when the chunks at 0 and length - chunk are not
-    among `rows`."""
+    """A whole `length`-token prefill from its compiled chunks' `key` ("seconds",
+    "overlapped_s" or "with_unpriced_s"; module docstring); None when the chunks at 0 and
+    length - chunk are not among `rows`."""
     at = {r["offset"]: r[key] for r in rows
           if r["program"] == PREFILL_PROGRAM and r.get(key) is not None}
     last = length - chunk

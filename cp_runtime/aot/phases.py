@@ -25,6 +25,12 @@ computation (cp_runtime.aot.hlo says how each figure is read):
                      rewritten scatters, SparseCore gathers and relayouts (`hlo.Instruction.
                      unpriced`), priced at nothing: a gap in every estimate, counted so it shows
     unpriced_bytes   HBM bytes they move at the least: each result written and as much read
+    sparsecore_bytes   of which the SparseCore calls'
+    unpriced_waits   seconds the TensorCore waits on the ICI and the SparseCores (charged to
+                     what it waits on) in the replay of `windows` with the unpriced work run
+                     at its least bytes at the HBM rate: sorts and rewritten scatters on the
+                     TensorCore, the SparseCore calls beside it, one after another (a hand
+                     model where the compiler gives no time; roofline's `with_unpriced_s`)
     collectives      all-gather / all-reduce / reduce-scatter / all-to-all / collective-permute
                      instructions anywhere in the module (XLA:TPU runs them asynchronously,
                      on the SparseCores; a start and its done count once)
@@ -92,6 +98,8 @@ class PhaseFigures:
     kernel_bytes: float = 0
     unpriced: float = 0
     unpriced_bytes: float = 0
+    sparsecore_bytes: float = 0
+    unpriced_waits: float = 0
     collectives: float = 0
     collective_bytes: float = 0
     ici_bytes: float = 0
@@ -193,6 +201,8 @@ def layer_figures(hlo_text: str, clock_hz: float,
         if ins.unpriced and not _collectives_run_by(module, ins):
             f.unpriced += 1
             f.unpriced_bytes += 2 * ins.result_bytes
+            if ins.op == "call-start":
+                f.sparsecore_bytes += 2 * ins.result_bytes
     caller_in_entry = _entry_callers(module)
 
     def named(computation: str, ins: hlo.Instruction) -> hlo.Instruction:
@@ -221,6 +231,9 @@ def layer_figures(hlo_text: str, clock_hz: float,
     for window in _timeline(module, rates, clock_hz):
         computation, first = window["collectives"][0]
         at(named(computation, first)).windows.append(window["figures"])
+    for span in _timeline(module, rates, clock_hz, unpriced=True):
+        computation, first = span["collectives"][0]
+        at(named(computation, first)).unpriced_waits += span["exposed"]
     return out
 
 
@@ -244,51 +257,77 @@ def _collectives_run_by(module: hlo.Module, start: hlo.Instruction) -> list[tupl
     return found
 
 
-def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float) -> list[dict]:
+class _Fifo:
+    """One resource that runs its spans one after another in the order they start (the ICI's
+    collectives, or the SparseCores' calls); waits on it are charged to its spans."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.free = 0.0
+        self.first_busy = 0
+
+    def start(self, clock: float, seconds: float, **fields) -> dict:
+        begin = max(clock, self.free)
+        self.free = begin + seconds
+        span = {**fields, "seconds": seconds, "begin": begin, "end": self.free, "exposed": 0.0}
+        self.spans.append(span)
+        return span
+
+    def wait(self, clock: float, end: float) -> float:
+        """The TensorCore waits from `clock` to `end`: the wait is charged to the spans this
+        resource is moving meanwhile; returns the new clock."""
+        while self.first_busy < len(self.spans) and self.spans[self.first_busy]["end"] <= clock:
+            self.first_busy += 1
+        for span in self.spans[self.first_busy:]:
+            if span["begin"] >= end:
+                break
+            span["exposed"] += max(0.0, min(end, span["end"]) - max(clock, span["begin"]))
+        return max(clock, end)
+
+
+def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float,
+              unpriced: bool = False) -> list[dict]:
     """Each collective the entry starts, with the seconds of it the schedule hides (module
     docstring, `windows`): the entry runs in order on the TensorCore (XLA's cycles at
     `clock_hz`, a kernel at its roofline), the collectives on one ICI in the order they start
     (`roofline.collective_seconds`); a done waits for its collective, and the time it waits
-    is charged to whichever collectives the ICI is moving meanwhile."""
+    is charged to whichever collectives the ICI is moving meanwhile.
+
+    With `unpriced`, the work XLA:TPU gives no price runs too, at its least bytes
+    (`Instruction.unpriced`, the result written and as much read) at the HBM rate: sorts and
+    rewritten scatters on the TensorCore, the calls it moved to the SparseCores on a second
+    resource of their own, beside the TensorCore and the ICI (`unpriced_waits`). Spans then
+    include those calls; each span's "exposed" is the time the TensorCore waited on it."""
     entry = module.computations[module.entry]
     awaited = {name for ins in entry if ins.op.endswith("-done") for name in ins.operands}
-    spans: list[dict] = []            # FIFO on the ICI: begin and end in order
-    by_start: dict[str, dict] = {}
-    clock, ici_free, first_busy = 0.0, 0.0, 0
-
-    def wait_until(end: float) -> None:
-        nonlocal clock, first_busy
-        while first_busy < len(spans) and spans[first_busy]["end"] <= clock:
-            first_busy += 1
-        for span in spans[first_busy:]:
-            if span["begin"] >= end:
-                break
-            span["exposed"] += max(0.0, min(end, span["end"]) - max(clock, span["begin"]))
-        clock = max(clock, end)
-
+    ici, sparsecore = _Fifo(), _Fifo()
+    by_start: dict[str, tuple[_Fifo, dict]] = {}
+    clock = 0.0
     for ins in entry:
         collectives = _collectives_run_by(module, ins)
-        if collectives:
-            seconds = sum(collective_seconds(hlo.ici_bytes(c)[1], 1, rates)
-                          for _, c in collectives)
-            begin = max(clock, ici_free)
-            ici_free = begin + seconds
-            span = {"collectives": collectives, "seconds": seconds, "begin": begin,
-                    "end": ici_free, "exposed": 0.0}
-            spans.append(span)
-            by_start[ins.name] = span
+        offloaded = unpriced and not collectives and ins.unpriced and ins.op == "call-start"
+        if collectives or offloaded:
+            fifo = ici if collectives else sparsecore
+            seconds = (sum(collective_seconds(hlo.ici_bytes(c)[1], 1, rates)
+                           for _, c in collectives) if collectives
+                       else 2 * ins.result_bytes / rates.hbm_bytes_per_s)
+            span = fifo.start(clock, seconds, collectives=collectives or [(module.entry, ins)])
+            by_start[ins.name] = (fifo, span)
             if ins.name not in awaited:               # synchronous: the TensorCore waits
-                wait_until(span["end"])
+                clock = fifo.wait(clock, span["end"])
             continue
-        waited = [by_start[o] for o in ins.operands if o in by_start] if ins.op.endswith(
-            "-done") else []
-        for span in waited:
-            wait_until(span["end"])
+        if ins.op.endswith("-done"):
+            for fifo, span in [by_start[o] for o in ins.operands if o in by_start]:
+                clock = fifo.wait(clock, span["end"])
         clock += ins.cycles / clock_hz + (kernel_seconds(*ins.kernel_cost, rates, ins.fp8_mxu,
                                                          ins.vpu) if ins.is_kernel else 0.0)
+        if unpriced and ins.unpriced:
+            clock += 2 * ins.result_bytes / rates.hbm_bytes_per_s
+    if unpriced:
+        return ici.spans + sparsecore.spans
     return [{"collectives": span["collectives"], "figures": [
         1, sum(hlo.ici_bytes(c)[1] for _, c in span["collectives"]), len(span["collectives"]),
-        span["seconds"] - span["exposed"]]} for span in spans]
+        span["seconds"] - span["exposed"]]} for span in ici.spans]
 
 
 def sum_figures(by_key: dict[Key, PhaseFigures]) -> dict[str, PhaseFigures]:

@@ -197,6 +197,11 @@ def format_case(row: dict) -> str:
         lines.append(f"overlapped: {_ms(row['overlapped_s'])} ms if each collective ran beside "
                      "the work the schedule runs while it moves (`hidden`)")
     lines.append(_unpriced_line(row["phases"]))
+    if row.get("with_unpriced_s") is not None and any(
+            p.get("unpriced") for p in row["phases"].values()):
+        lines.append(f"with the unpriced work at its least bytes at the HBM rate (sorts and "
+                     f"scatters on the TensorCore, SparseCore calls beside it, replayed in the "
+                     f"schedule's order): {_ms(row['with_unpriced_s'])} ms")
     return "\n".join(lines)
 
 

@@ -27,6 +27,13 @@ Per phase:
                waits of the dones while it moves. overlapped_s = seconds - hidden_s, the
                estimate if the SparseCores moved the bytes while the TensorCore ran that
                work, neither slowing the other
+    with_unpriced   a hand model of the work XLA:TPU gives no price (phases' `unpriced`):
+               the same replay with that work at its least bytes at HBM bandwidth, sorts and
+               rewritten scatters on the TensorCore (unpriced_tc_s), the SparseCore calls on a
+               resource of their own beside it; with_unpriced_s = tensor_core_s +
+               unpriced_tc_s + the TensorCore's waits on the ICI and the SparseCores then
+               (unpriced_waits_s). An assumption twice over: the bytes are the least such
+               work moves, and the SparseCores' own rate is not known here
     floor      the longest of: flops at the MXU rate of their dtype (fp8 x fp8 at the fp8 rate,
                everything else at bf16), HBM bytes at HBM bandwidth, ICI bytes at ICI rate,
                VPU kernels' operations at the VPU rate
@@ -101,6 +108,8 @@ class PhaseTime:
     ici_floor_s: float
     hidden_s: float = 0.0
     vpu_floor_s: float = 0.0
+    unpriced_tc_s: float = 0.0
+    unpriced_waits_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -109,6 +118,10 @@ class PhaseTime:
     @property
     def overlapped_s(self) -> float:
         return self.seconds - self.hidden_s
+
+    @property
+    def with_unpriced_s(self) -> float:
+        return self.xla_s + self.kernel_s + self.unpriced_tc_s + self.unpriced_waits_s
 
     @property
     def floor_s(self) -> float:
@@ -127,7 +140,7 @@ class PhaseTime:
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "seconds": self.seconds, "floor_s": self.floor_s,
                 "bound": self.bound, "fraction": self.fraction,
-                "overlapped_s": self.overlapped_s}
+                "overlapped_s": self.overlapped_s, "with_unpriced_s": self.with_unpriced_s}
 
 
 def kernel_seconds(flops: float, nbytes: float, rates: DeviceRates, fp8: bool = False,
@@ -165,7 +178,9 @@ def phase_time(f, rates: DeviceRates, clock_hz: float) -> PhaseTime:
         hbm_floor_s=(f.xla_bytes + f.kernel_bytes) / rates.hbm_bytes_per_s,
         ici_floor_s=f.ici_bytes / rates.ici_bytes_per_s,
         hidden_s=hidden_seconds(f.windows, rates),
-        vpu_floor_s=f.kernel_vpu_ops / rates.vpu_ops)
+        vpu_floor_s=f.kernel_vpu_ops / rates.vpu_ops,
+        unpriced_tc_s=(f.unpriced_bytes - f.sparsecore_bytes) / rates.hbm_bytes_per_s,
+        unpriced_waits_s=f.unpriced_waits)
 
 
 @functools.lru_cache(maxsize=None)
