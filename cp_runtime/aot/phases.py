@@ -311,6 +311,7 @@ def _timeline(module: hlo.Module, rates: DeviceRates, clock_hz: float,
             seconds = (sum(collective_seconds(hlo.ici_bytes(c)[1], 1, rates)
                            for _, c in collectives) if collectives
                        else 2 * ins.result_bytes / rates.hbm_bytes_per_s)
+            # A SparseCore call's span names the call where a collective's names those it runs.
             span = fifo.start(clock, seconds, collectives=collectives or [(module.entry, ins)])
             by_start[ins.name] = (fifo, span)
             if ins.name not in awaited:               # synchronous: the TensorCore waits
