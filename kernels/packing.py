@@ -26,9 +26,14 @@ and each of its host callbacks first copies its operands (whole kernel inputs, f
 allocation) onto a CPU device. When the mesh takes every pool thread (S = 16 on 16 CPU devices
 with nproc <= 16), a device blocked on a large copy waits for a pool thread that never frees: a
 deadlock with the process idle (jax 0.10.2, 2 cores: S = 2 on 2 devices and S = 16 on 16 devices
-both hang once an operand passes 100 KiB; PJRT_NPROC = S + 1 runs them). `interpret_params`
-refuses such a mesh instead of hanging; the fix is a larger pool, set before JAX creates its CPU
-client (tests/conftest.py).
+both hang once an operand passes 100 KiB; PJRT_NPROC = S + 1 runs them). One spare thread is
+not always enough: XLA:CPU also runs a device's independent ops on the pool beside its kernels,
+and a 16-shard prefill in interpret mode (tests/test_kernel_path.py) aborted in 3 of 4 runs
+under a second process's load with S + 1 threads (XLA's rendezvous of a collective timing out
+while other devices waited in a kernel's barrier), in none of 6 with 2 S + 1. So the pool takes
+`interpret_pool_threads(S)` = 2 S + 1 threads, and `interpret_params` refuses a smaller one
+instead of risking the hang; the pool is sized before JAX creates its CPU client
+(tests/conftest.py, cp_runtime.parallel.devices).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = [
     "check_page_size",
     "tile_rows",
     "interpret_params",
+    "interpret_pool_threads",
     "cpu_client_threads",
     "page_ring",
 ]
@@ -75,6 +81,12 @@ def tile_rows(dtype) -> int:
     return 8 * packing(dtype)
 
 
+def interpret_pool_threads(devices: int) -> int:
+    """Threads XLA's CPU client pool needs for interpret-mode kernels on `devices` devices at
+    once: one each, and as many again for what XLA runs beside them (module docstring)."""
+    return 2 * devices + 1
+
+
 def cpu_client_threads() -> int:
     """Threads of XLA's CPU client pool, as it sizes them (module docstring); read at trace time,
     so it assumes the environment has not changed since the client was created."""
@@ -93,18 +105,19 @@ def interpret_params(interpret: bool):
     """The `interpret=` argument of `pl.pallas_call`: TPU interpret mode (runs on CPU) or off.
 
     Called while tracing the kernel; inside a `shard_map` over S CPU devices it raises
-    RuntimeError unless XLA's CPU client pool has a thread to spare beyond S (module docstring).
+    RuntimeError unless XLA's CPU client pool has `interpret_pool_threads(S)` threads (module
+    docstring).
     """
     if not interpret:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1 and jax.default_backend() == "cpu":
-        threads = cpu_client_threads()
-        if threads <= mesh.size:
+        threads, needed = cpu_client_threads(), interpret_pool_threads(mesh.size)
+        if threads < needed:
             raise RuntimeError(
                 f"TPU interpret mode on {mesh.size} CPU devices at once can deadlock: XLA's CPU "
-                f"client has {threads} threads and needs more than {mesh.size}; set "
-                f"PJRT_NPROC={mesh.size + 1} (or more) before JAX creates its CPU client")
+                f"client has {threads} threads and needs {needed}; set PJRT_NPROC={needed} (or "
+                f"more) before JAX creates its CPU client")
     return pltpu.InterpretParams()
 
 

@@ -16,10 +16,13 @@ if "CP_RUNTIME_TEST_XLA_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["CP_RUNTIME_TEST_XLA_CACHE"], True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["CP_RUNTIME_TEST_XLA_CACHE"])
 
+from cp_runtime.kernels.packing import interpret_pool_threads  # noqa: E402
+
 CPU_DEVICES = 16
-# One more thread than devices in XLA's CPU client pool: TPU interpret-mode kernels running on
-# all 16 devices at once otherwise deadlock (see kernels/packing.py).
-os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, CPU_DEVICES + 1)))
+# Twice as many threads as devices, and one, in XLA's CPU client pool: TPU interpret-mode
+# kernels running on all 16 devices at once otherwise can deadlock (kernels/packing.py).
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1,
+                                            interpret_pool_threads(CPU_DEVICES))))
 jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 from cp_runtime.platform import keep_jax_off_absent_tpus  # noqa: E402
 
