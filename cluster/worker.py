@@ -89,8 +89,9 @@ class _Worker:
 
         self.state = "initializing"
         if self.platform == "cpu":
-            os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1,
-                                                        self.devices_per_host + 1)))
+            from cp_runtime.kernels.packing import interpret_pool_threads
+            os.environ.setdefault("PJRT_NPROC", str(max(
+                os.cpu_count() or 1, interpret_pool_threads(self.devices_per_host))))
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", self.devices_per_host)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")

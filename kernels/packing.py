@@ -30,10 +30,10 @@ both hang once an operand passes 100 KiB; PJRT_NPROC = S + 1 runs them). One spa
 not always enough (XLA:CPU may also run a device's independent ops on the pool beside its
 kernels): a 16-shard prefill in interpret mode (tests/test_kernel_path.py) aborted, devices
 waiting in a kernel's barrier, in 3 of 4 runs under a second process's load with S + 1 threads,
-and in none of 6 with 2 S + 1. So the pool takes
-`interpret_pool_threads(S)` = 2 S + 1 threads, and `interpret_params` refuses a smaller one
-instead of risking the hang; the pool is sized before JAX creates its CPU client
-(tests/conftest.py, cp_runtime.parallel.devices).
+and in none of 6 with 2 S + 1. So the pool takes `interpret_pool_threads(S)` = 2 S + 1
+threads, and `interpret_params` refuses a smaller one instead of risking the hang; the pool is
+sized before JAX creates its CPU client (tests/conftest.py, cp_runtime.parallel.devices,
+cluster/worker.py).
 """
 
 from __future__ import annotations
