@@ -108,13 +108,15 @@ def row_tile(num_rows: int, num_groups: int, row_itemsize: int = 2) -> int:
 
 def column_tile(k: int, m: int, gb: int, itemsize: int) -> int:
     """tn: the widest run-aligned divisor of M whose weight block [K, tn] stays within
-    WEIGHT_BLOCK_BYTES (one run when none does)."""
+    WEIGHT_BLOCK_BYTES (the narrowest allowed when none does), of whole sublane tiles of scale
+    runs: the scales' SMEM block [K / ga, tn / gb, E] takes tn / gb runs, which Mosaic
+    accepts as a multiple of 8 or as all M / gb of them. (Taking any divisor, 256 of an
+    expert's 512 columns held 2 of its 4 runs, which Mosaic refused: GLM-5.2's experts in 4
+    groups on 16 devices, benchmarks/moe_layouts.py.)"""
     runs = m // gb
-    best = 1
-    for d in range(1, runs + 1):
-        if runs % d == 0 and k * d * gb * itemsize <= WEIGHT_BLOCK_BYTES:
-            best = d
-    return best * gb
+    allowed = [d for d in range(1, runs + 1) if runs % d == 0 and (d % 8 == 0 or d == runs)]
+    fits = [d for d in allowed if k * d * gb * itemsize <= WEIGHT_BLOCK_BYTES]
+    return (max(fits) if fits else min(allowed)) * gb
 
 
 def visits_bound(num_rows: int, num_groups: int, tm: int) -> int:

@@ -310,3 +310,30 @@ def test_compiles_for_tpu7x_at_glm_shapes(device, rows, proj):
     if fp8:                                       # the rows at a byte a value, plus a scale
         bf16 = expert_matmul.cost(rows, (e, k, m), (e, k // 128, m // 128), weights=n_w)
         assert bf16["bytes"] - nbytes >= 0.9 * rows * k
+
+
+def test_column_tiles_take_whole_sublane_tiles_of_scale_runs():
+    """tn / gb, the scale runs a column tile's SMEM block holds, is a multiple of 8 or all of
+    M's runs: GLM-5.2's down projection (6,144 columns) stays whole, an expert's 512 columns
+    behind 6,144 rows (2 MB allows 256) go whole rather than in halves of 2 runs."""
+    assert expert_matmul.column_tile(128, 6144, 128, 1) == 6144
+    assert expert_matmul.column_tile(6144, 128, 128, 1) == 128
+    assert expert_matmul.column_tile(6144, 512, 128, 1) == 512
+    assert expert_matmul.column_tile(512, 6144, 128, 1) == 3072          # 24 runs of 48
+    for k, m in [(6144, 2048), (2048, 6144), (7168, 256), (64, 1536)]:
+        runs = expert_matmul.column_tile(k, m, 128, 1) // 128
+        assert (m // 128) % runs == 0 and (runs % 8 == 0 or runs == m // 128)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("proj", ["gate_up_fp8", "down"])
+def test_compiles_for_tpu7x_with_experts_in_groups(device, proj):
+    """GLM-5.2's experts in 4 groups of 64 whole-row experts, 512 of their inner features a
+    device: column tiles of part of M compile (the scales' block in whole runs of 8)."""
+    e, hid, inner = 64, 6144, 512
+    k, m = (inner, hid) if proj == "down" else (hid, inner)
+    fp8 = proj == "gate_up_fp8"
+    module = _compiled(device, 40960, e, k, m, gated=fp8, out_dtype=jnp.bfloat16, fp8=fp8,
+                       weighted=fp8)
+    assert any(i.name.startswith("expert_grouped_matmul")
+               for i in module.computations[module.entry] if i.is_kernel)
