@@ -14,7 +14,8 @@ from cp_runtime.cli import args as cli_args
 from cp_runtime.config import model_names
 
 KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
-         "million", "niah", "overload", "prefix_reuse", "profile", "recovery", "report",
+         "million", "moe_layouts", "niah", "overload", "prefix_reuse", "profile", "recovery",
+         "report",
          "roofline", "selection", "serving", "throughput", "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
@@ -222,6 +223,9 @@ BAD = [
     ("overload", ["--page-size", "24"], "--page-size"),
     ("overload", ["--chunk-size", "100"], "--chunk-size"),      # not a multiple of the page
     ("overload", ["--pages-per-shard", "8"], "--pages-per-shard"),  # 64 sessions need more
+    ("moe_layouts", ["--groups", "3"], "--groups"),             # does not divide 16 shards
+    ("moe_layouts", ["--groups", "1,x"], "--groups"),
+    ("moe_layouts", ["--capacity-factor", "0.5"], "--capacity-factor"),
 ]
 
 

@@ -18,7 +18,8 @@ import jax
 import pytest
 
 from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kernel_error, kernels,
-                                   merge, million, niah, overload, prefix_reuse, profile,
+                                   merge, million, moe_layouts, niah, overload, prefix_reuse,
+                                   profile,
                                    recovery, report,
                                    roofline, selection, serving, throughput, tpu_model)
 from cp_runtime.cache.capacity import deployment_report
@@ -113,6 +114,15 @@ def test_million(tmp_path):
          "--chunk-size", "1k", "--decode-steps", "1")
     r = _json(tmp_path, "million.json")["result"]
     assert r["tokens"] == 1024 and r["prefill_tok_per_s"] > 0 and r["decode_ms_per_step"] > 0
+
+
+def test_moe_layouts(tmp_path):
+    """4 devices' sums in 1, 2 and 4 groups: the same to bf16 rounding (each device's partial
+    leaves its kernel in bf16); a device's rows cut below its pairs would not be."""
+    _run(moe_layouts, tmp_path, "--shards", "4", "--groups", "1,2,4")
+    d = _json(tmp_path, "moe_layouts.json")["check"]
+    assert set(d["max_abs_diff"]) == {"1", "2", "4"} and d["max_abs"] > 0
+    assert all(diff <= 2 ** -7 * d["max_abs"] for diff in d["max_abs_diff"].values())
 
 
 def test_niah(tmp_path):

@@ -47,7 +47,7 @@ __all__ = ["main", "build_parser"]
 
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
-              "decode", "collectives", "overload", "prefix_reuse",
+              "decode", "collectives", "overload", "prefix_reuse", "moe_layouts",
               "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
