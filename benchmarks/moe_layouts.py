@@ -36,7 +36,7 @@ import numpy as np
 
 from cp_runtime.benchmarks.args import BenchmarkParser
 from cp_runtime.benchmarks.common import print_table, write_json
-from cp_runtime.cli.args import positive_int
+from cp_runtime.cli.args import finite_positive_float, positive_int
 from cp_runtime.kernels import expert_matmul
 
 __all__ = ["build_parser", "parse_args", "main", "layouts", "routed_experts"]
@@ -55,7 +55,7 @@ def build_parser() -> BenchmarkParser:
                    help="tokens of the half-chunk (every device sees all of them)")
     p.add_argument("--groups", default="1,4,16",
                    help="comma-separated group counts, each dividing --shards")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
+    p.add_argument("--capacity-factor", type=finite_positive_float, default=1.25,
                    help="a grouped device's rows: this times its even share of the pairs")
     p.add_argument("--decode-batch", type=positive_int, default=1,
                    help="tokens of the decode step --tpu7x prices beside the half-chunk")
@@ -101,8 +101,8 @@ def routed_experts(x8, x_scales, chosen, weights, gate, gate_s, up, up_s, down, 
     stacks gate/up f8[E_g, hidden, inner_d], down f8[E_g, inner_d, hidden] with their block
     scales; the group's pairs sorted by expert and cut to `rows` (the pairs of other groups
     sorted past them; the group's own past `rows` dropped, as a capacity drops them). With one
-    group and rows = T k this is the runtime's MoE
-    (forward._routed_experts with the expert kernel and fp8 rows)."""
+    group and rows = T k these are the calls of the runtime's MoE on a prefill's fp8 rows
+    (forward._routed_experts with the expert kernel), the sizes' cut aside."""
     t, k = chosen.shape
     local = chosen.reshape(-1) - group * gate.shape[0]
     key = jnp.where((local >= 0) & (local < gate.shape[0]), local, gate.shape[0])
@@ -230,12 +230,13 @@ def priced(args) -> list[dict]:
 
 def _priced_program(device, t: int, k: int, hidden: int, layout: dict) -> dict:
     """`routed_experts` of device 0 at these shapes, compiled for `device` and priced as the
-    runtime's figures price a step (cp_runtime.aot): its XLA cycles and kernels at their
-    roofline, and the hand model of the work XLA:TPU leaves unpriced."""
-    from cp_runtime.aot import hlo, phases
-    from cp_runtime.aot.roofline import TPU7X_DEVICE, compiler_clock_hz, kernel_seconds
+    runtime's figures price a step (cp_runtime.aot: phases' figures of the whole module, its
+    XLA cycles and its kernels at their roofline, and the hand model of the work XLA:TPU
+    leaves unpriced)."""
+    from cp_runtime.aot import phases
+    from cp_runtime.aot.roofline import TPU7X_DEVICE, compiler_clock_hz, phase_time
 
-    clock, hbm = compiler_clock_hz(device), TPU7X_DEVICE.hbm_bytes_per_s
+    clock = compiler_clock_hz(device)
     e, m = layout["experts"], layout["inner"]
     stacks = 2 * [((e, hidden, m), jnp.float8_e4m3fn),
                   ((e, hidden // BLOCK, m // BLOCK), jnp.float32)]
@@ -245,20 +246,14 @@ def _priced_program(device, t: int, k: int, hidden: int, layout: dict) -> dict:
     f = functools.partial(routed_experts, group=0, rows=layout["rows"])
     with jax.default_device(device):
         text = jax.jit(f).lower(*(jax.ShapeDtypeStruct(*s) for s in specs)).compile().as_text()
-    module = hlo.parse_module(text)
-    entry = module.computations[module.entry]
-    xla_s = sum(i.cycles for i in entry) / clock
-    kernel_s = sum(kernel_seconds(*i.kernel_cost, TPU7X_DEVICE, i.fp8_mxu, i.vpu)
-                   for i in entry if i.is_kernel)
-    unpriced = [i for i in entry if i.unpriced]
-    sparsecore = sum(2 * i.result_bytes for i in unpriced if i.op == "call-start")
-    on_tc = sum(2 * i.result_bytes for i in unpriced if i.op != "call-start") / hbm
-    waits = sum(s["exposed"] for s in phases._timeline(module, TPU7X_DEVICE, clock,
-                                                        unpriced=True))
-    return dict(priced_ms=1e3 * (xla_s + kernel_s), kernels_ms=1e3 * kernel_s,
-                kernel_gb=sum(i.kernel_cost[1] for i in entry if i.is_kernel) / 1e9,
-                sparsecore_gb=sparsecore / 1e9, unpriced_tc_ms=1e3 * on_tc,
-                waits_ms=1e3 * waits, with_unpriced_ms=1e3 * (xla_s + kernel_s + on_tc + waits))
+    total = phases.PhaseFigures()
+    for figures in phases.layer_figures(text, clock).values():
+        total.add(figures)
+    time_ = phase_time(total, TPU7X_DEVICE, clock)
+    return dict(priced_ms=1e3 * (time_.xla_s + time_.kernel_s), kernels_ms=1e3 * time_.kernel_s,
+                kernel_gb=total.kernel_bytes / 1e9, sparsecore_gb=total.sparsecore_bytes / 1e9,
+                unpriced_tc_ms=1e3 * time_.unpriced_tc_s, waits_ms=1e3 * time_.unpriced_waits_s,
+                with_unpriced_ms=1e3 * time_.with_unpriced_s)
 
 
 def main(argv: list[str] | None = None) -> int:
