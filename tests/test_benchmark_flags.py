@@ -15,8 +15,7 @@ from cp_runtime.config import model_names
 
 KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
          "million", "moe_layouts", "niah", "overload", "prefix_reuse", "profile", "recovery",
-         "report",
-         "roofline", "selection", "serving", "throughput", "tpu_model")
+         "report", "roofline", "selection", "serving", "throughput", "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
 # Shared flags' common defaults (cp_runtime.cli.args): a benchmark whose default differs says

@@ -19,9 +19,8 @@ import pytest
 
 from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kernel_error, kernels,
                                    merge, million, moe_layouts, niah, overload, prefix_reuse,
-                                   profile,
-                                   recovery, report,
-                                   roofline, selection, serving, throughput, tpu_model)
+                                   profile, recovery, report, roofline, selection, serving,
+                                   throughput, tpu_model)
 from cp_runtime.cache.capacity import deployment_report
 from cp_runtime.config import load_model_config
 
