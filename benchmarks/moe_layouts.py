@@ -37,7 +37,7 @@ import numpy as np
 from cp_runtime.benchmarks.args import BenchmarkParser
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.cli.args import finite_positive_float, positive_int
-from cp_runtime.kernels import expert_matmul
+from cp_runtime.kernels import expert_matmul, fp8_rows
 
 __all__ = ["build_parser", "parse_args", "main", "layouts", "routed_experts"]
 
@@ -119,11 +119,11 @@ def routed_experts(x8, x_scales, chosen, weights, gate, gate_s, up, up_s, down, 
 
 
 def _rows(rng, t: int, k: int, experts: int, hidden: int):
-    x = rng.standard_normal((t, hidden)).astype(np.float32)
-    scales = np.abs(x).max(1, keepdims=True) / 448
+    """A half-chunk's MLP rows as the runtime gathers them (fp8_rows: fp8 values, an f32
+    scale a row), each token's k distinct experts (uniform) and routing weights."""
+    rows = fp8_rows.quantize(jnp.asarray(rng.standard_normal((t, hidden)), jnp.float32))
     chosen = np.argsort(rng.random((t, experts)), axis=1)[:, :k].astype(np.int32)
-    return ((x / scales).astype(jnp.float8_e4m3fn), scales, chosen,
-            rng.random((t, k)).astype(np.float32))
+    return rows.values, rows.scales, chosen, rng.random((t, k)).astype(np.float32)
 
 
 def _stacks(rng, experts: int, hidden: int, inner: int, block: int) -> list[np.ndarray]:
