@@ -1,10 +1,11 @@
 """One device's routed experts of a prefill half-chunk, with the experts split over S devices
-in g groups: each group holds E / g whole experts, each of its S / g devices a slice of their
-inner features. g = 1 is the runtime's layout (every device a slice of every expert, so every
-device runs every (token, expert) pair); g = S splits by expert. The rows reach every device
-as the runtime's do (all-gathered, fp8), so the collectives are the same in every layout; what
-changes is each device's own work: its group's pairs are sorted out of all T k, gathered,
-run through the expert kernel (kernels/expert_matmul.py) and summed back by token.
+in g groups (runtime field `expert_groups`): each group holds E / g whole experts, each of its
+S / g devices a slice of their inner features. g = 1 is every device a slice of every expert,
+so every device runs every (token, expert) pair; g = S splits by expert. The rows reach every
+device as the runtime's do (all-gathered, fp8), so the collectives are the same in every
+layout; what changes is each device's own work: its group's pairs are sorted out of all T k,
+gathered, run through the expert kernel (kernels/expert_matmul.py) and summed back by token,
+by the runtime's own functions (cp_runtime.model.expert_groups, forward.expert_rows).
 
     cp-runtime bench moe_layouts              # on a TPU: timed; elsewhere: the check only
     cp-runtime bench moe_layouts --tpu7x      # compiled for one TPU7x device and priced, with
@@ -18,9 +19,9 @@ program compiled for TPU7x, its XLA cycles and kernels at their roofline (the ru
 figures, cp_runtime.aot), and the hand model of what XLA:TPU leaves unpriced (the SparseCore
 gathers: `with_unpriced_ms`).
 
-A grouped device's pairs are cut to a capacity of `--capacity-factor` times their even share
-(T k / g): the routing here is uniform, so they fit. The runtime has no grouped layout yet: a
-serving layout needs an exact path for a group over its capacity, which this does not measure.
+A grouped device runs its pairs in passes of `--capacity-factor` times their even share
+(T k / g; the runtime's is 1.25): the routing here is uniform, so one pass takes them, and a
+pass more runs only for a group over that share (the timed table says how many ran).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from cp_runtime.benchmarks.args import BenchmarkParser
 from cp_runtime.benchmarks.common import print_table, write_json
 from cp_runtime.cli.args import finite_positive_float, positive_int
 from cp_runtime.kernels import expert_matmul, fp8_rows
+from cp_runtime.kernels.fp8_rows import Fp8Rows
+from cp_runtime.model.expert_groups import routed_in_group, rows_per_pass
+from cp_runtime.model.forward import EXPERTS, expert_rows
+from cp_runtime.weights.format import SCALE_SUFFIX
 
 __all__ = ["build_parser", "parse_args", "main", "layouts", "routed_experts"]
 
@@ -56,7 +61,8 @@ def build_parser() -> BenchmarkParser:
     p.add_argument("--groups", default="1,4,16",
                    help="comma-separated group counts, each dividing --shards")
     p.add_argument("--capacity-factor", type=finite_positive_float, default=1.25,
-                   help="a grouped device's rows: this times its even share of the pairs")
+                   help="a grouped device's rows a pass: this times its even share of the "
+                        "pairs")
     p.add_argument("--decode-batch", type=positive_int, default=1,
                    help="tokens of the decode step --tpu7x prices beside the half-chunk")
     p.add_argument("--tpu7x", action="store_true",
@@ -84,11 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def layouts(experts: int, inner: int, shards: int, groups: list[int], pairs: int,
             factor: float) -> list[dict]:
-    """Per group count g: a device's experts (E / g), inner features (inner g / S) and rows
-    (all T k pairs where g = 1; else `factor` x T k / g, in whole 256-row tiles)."""
+    """Per group count g: a device's experts (E / g), inner features (inner g / S) and rows a
+    pass (`expert_groups.rows_per_pass` at `factor`: all T k pairs where g = 1)."""
     out = []
     for g in groups:
-        rows = pairs if g == 1 else min(pairs, math.ceil(factor * pairs / g / 256) * 256)
+        rows = rows_per_pass(pairs, g, factor)
         out.append(dict(groups=g, slices=shards // g, experts=experts // g,
                         inner=inner * g // shards, rows=rows))
     return out
@@ -96,26 +102,19 @@ def layouts(experts: int, inner: int, shards: int, groups: list[int], pairs: int
 
 def routed_experts(x8, x_scales, chosen, weights, gate, gate_s, up, up_s, down, down_s, *,
                    group: int, rows: int, interpret: bool = False):
-    """A device's sum bf16[T, hidden] over the pairs of its group's experts: x8 f8[T, hidden]
-    with x_scales f32[T, 1], chosen i32[T, k] (global expert ids), weights f32[T, k]; its
-    stacks gate/up f8[E_g, hidden, inner_d], down f8[E_g, inner_d, hidden] with their block
-    scales; the group's pairs sorted by expert and cut to `rows` (the pairs of other groups
-    sorted past them; the group's own past `rows` dropped, as a capacity drops them). With one
-    group and rows = T k these are the calls of the runtime's MoE on a prefill's fp8 rows
-    (forward._routed_experts with the expert kernel), the sizes' cut aside."""
-    t, k = chosen.shape
-    local = chosen.reshape(-1) - group * gate.shape[0]
-    key = jnp.where((local >= 0) & (local < gate.shape[0]), local, gate.shape[0])
-    order = jnp.argsort(key, stable=True)[:rows]
-    token = order // k
-    counts = jnp.zeros((gate.shape[0],), jnp.int32).at[key].add(1, mode="drop")
-    ends = jnp.minimum(jnp.cumsum(counts), rows)        # pairs past `rows` are dropped
-    sizes = jnp.diff(ends, prepend=0)
+    """A device's sum bf16[T, hidden] over the pairs of its group's experts, as the runtime's
+    MoE runs a prefill's fp8 rows in expert groups: x8 f8[T, hidden] with x_scales f32[T, 1],
+    chosen i32[T, k] (global expert ids), weights f32[T, k]; its stacks gate/up
+    f8[E_g, hidden, inner_d], down f8[E_g, inner_d, hidden] with their block scales; the
+    group's pairs sorted by expert, `rows` a pass (`expert_groups.routed_in_group`)."""
+    p = {}
+    for proj, w, s in (("gate", gate, gate_s), ("up", up, up_s), ("down", down, down_s)):
+        p[EXPERTS.format(proj)], p[EXPERTS.format(proj) + SCALE_SUFFIX] = w, s
     matmul = functools.partial(expert_matmul.grouped_matmul, interpret=interpret)
-    h = matmul(x8[token], gate, gate_s, sizes, up=(up, up_s), row_scales=x_scales[token],
-               row_weights=weights.reshape(-1)[order, None], out_dtype=jnp.bfloat16)
-    y = matmul(h, down, down_s, sizes, out_dtype=jnp.bfloat16)
-    return jnp.zeros((t, x8.shape[1]), jnp.bfloat16).at[token].add(y)
+    out = jnp.zeros(x8.shape, jnp.bfloat16)
+    run = expert_rows(p, out, matmul, Fp8Rows(x8, x_scales))
+    n = gate.shape[0]
+    return routed_in_group(chosen, weights, group * n, n, run, out, capacity=rows)[0]
 
 
 def _rows(rng, t: int, k: int, experts: int, hidden: int):
@@ -206,7 +205,7 @@ def timed(args) -> list[dict]:
             jax.block_until_ready(result)
             best = min(best, (time.perf_counter() - t0) / 5)
         pairs = int((chosen // layout["experts"] == 0).sum())
-        out.append(dict(layout, pairs=pairs, dropped=max(0, pairs - layout["rows"]),
+        out.append(dict(layout, pairs=pairs, passes=math.ceil(pairs / layout["rows"]),
                         ms=1e3 * best))
     return out
 
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               f" group(s)'s| {payload['check']['max_abs_diff']} of {payload['check']['max_abs']:.3g}")
     if jax.default_backend() == "tpu" and not args.quick:
         payload["timed"] = timed(args)
-        print_table(payload["timed"], ["groups", "experts", "inner", "rows", "pairs", "dropped",
+        print_table(payload["timed"], ["groups", "experts", "inner", "rows", "pairs", "passes",
                                        "ms"],
                     f"device 0, {args.model}, {args.tokens} tokens, "
                     f"{jax.devices()[0].device_kind}:")

@@ -344,6 +344,12 @@ class RuntimeConfig:
     weights: str = "auto"
     # "auto" (the model's own dtype), "fp8", "bf16" or "f32" (cp_runtime.weights.format).
     weight_dtype: str = "auto"
+    # Sharded weights' routed experts in this many groups of whole experts, each group's
+    # experts split by inner feature over num_shards / expert_groups shards: 1, every shard
+    # holds a slice of every expert (a decode step's few experts read by all shards evenly);
+    # more, each shard runs only its group's (token, expert) pairs of a prefill chunk, about
+    # 1 / expert_groups of them (cp_runtime.model.expert_groups). Must divide num_shards.
+    expert_groups: int = 1
     key_block_pages: int = 64
     query_block: int = 64
     # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
@@ -369,6 +375,13 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         _check_sizes("", self, ("page_size", "num_shards", "pages_per_shard", "chunk_size",
                                 "max_batch", "key_block_pages", "query_block"))
+        _check_sizes("", self, ("expert_groups",))
+        if self.num_shards % self.expert_groups:
+            raise ConfigError(f"expert_groups={self.expert_groups} must divide "
+                              f"num_shards={self.num_shards}")
+        if self.expert_groups > 1 and self.weights == "replicated":
+            raise ConfigError(f"expert_groups={self.expert_groups} splits the experts over the "
+                              "shards: it needs weights='sharded', not 'replicated'")
         if self.step_token_budget is not None:
             _check_sizes("", self, ("step_token_budget",))
         if self.max_queued_tokens is not None and (

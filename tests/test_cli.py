@@ -50,6 +50,9 @@ def test_serve_help_is_grouped_and_says_what_each_limit_does():
     (["--page-size", "24"], "--page-size 24"),
     (["--model", "glm-5.2", "--page-size", "48"], "--page-size 48"),
     (["--shards", "16", "--merge", "head_scatter", "--weights", "replicated"], "--merge"),
+    (["--shards", "16", "--expert-groups", "3"], "--expert-groups 3 must divide --shards 16"),
+    (["--expert-groups", "4", "--weights", "replicated"],
+     "--expert-groups 4 splits the experts over the shards: it needs --weights 'sharded'"),
 ])
 def test_serve_errors_name_the_flag(argv, flag, capsys):
     assert main(["serve", "--port", "0", *argv]) == 2

@@ -1,5 +1,5 @@
-"""cp-runtime bench moe_layouts' pieces: the layouts' arithmetic, the check's power to fail
-(a device whose rows are cut below its pairs sums to something else), and device 0's program
+"""cp-runtime bench moe_layouts' pieces: the layouts' arithmetic, passes below a group's pairs
+(the same sum; test_expert_groups shows a dropped pass would not be), and device 0's program
 compiled for TPU7x and priced (the grouped device moves a 16th of the rows through the
 SparseCores). The benchmark's check itself runs in test_benchmark_smoke.py."""
 
@@ -23,7 +23,10 @@ def test_layouts_of_glm_on_16_devices():
         (256, 128, 131072), (64, 512, 40960), (16, 2048, 10240)]
 
 
-def test_rows_cut_below_the_pairs_change_the_sum():
+def test_passes_below_the_pairs_give_the_same_sum():
+    """128 pairs at 112 rows a pass: two passes (the runtime's exact path over a pass's rows,
+    cp_runtime.model.expert_groups), the same sum to the bf16 rounding of adding each token's
+    outputs in two scatters rather than one (measured 0 here; bound 1e-2 of the largest)."""
     rng = np.random.default_rng(0)
     t, k, experts, hidden, inner, block = 32, 4, 8, 64, 32, 16
     x8, scales, chosen, weights = (jnp.asarray(a) for a in
@@ -37,7 +40,7 @@ def test_rows_cut_below_the_pairs_change_the_sum():
 
     whole = total(t * k)
     assert np.abs(whole).max() > 0
-    assert np.abs(total(t * k - 16) - whole).max() > 0.01 * np.abs(whole).max()
+    assert np.abs(total(t * k - 16) - whole).max() <= 1e-2 * np.abs(whole).max()
 
 
 @needs_libtpu

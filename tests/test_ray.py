@@ -22,6 +22,7 @@ from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
 from cp_runtime.engine.requests import Done, Extend, Failed, Generate, SamplingParams  # noqa: E402
 from cp_runtime.model.source import WeightsSource  # noqa: E402
 from cp_runtime.weights.format import bytes_per_device, device_tensors  # noqa: E402
+from cp_runtime.weights.params import model_shapes  # noqa: E402
 from cp_runtime.serving.process import ServerProcess  # noqa: E402
 
 SOURCE = WeightsSource(model="tiny", seed=0)
@@ -230,17 +231,21 @@ def checkpoint(tmp_path_factory):
     tokens = [int(engine.extend(s.id, prompt, all_logits=True)[-1].argmax())]
     for _ in range(GENERATE - 1):
         tokens.append(int(engine.decode([s.id], [tokens[-1]])[0].argmax()))
-    shapes = {name: x.shape for name, x in expected.items()}
+    shapes = model_shapes(cfg)                     # the model layout: experts stacked
     return {"dir": str(d), "prompt": prompt, "tokens": tokens,
             "whole_bytes": sum(4 * x.size for x in expected.values()),
-            "device_bytes": bytes_per_device(device_tensors(shapes, cfg, "sharded", "f32", 16))}
+            "device_bytes": {groups: bytes_per_device(device_tensors(
+                shapes, cfg, "sharded", "f32", 16, expert_groups=groups)) for groups in (1, 4)}}
 
 
-def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint):
+@pytest.mark.parametrize("groups", [1, 4])
+def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint, groups):
     """`cp-runtime serve --checkpoint DIR --weights sharded --executor ray`: each worker reads
     only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
-    executor's with whole weights; `stats` shows both workers, each device with its part."""
+    executor's with whole weights; `stats` shows both workers, each device with its part. With
+    the routed experts in 4 groups (each worker holds two groups' experts) as well."""
     server = ServerProcess(["--checkpoint", checkpoint["dir"], "--shards", "16",
+                            "--expert-groups", str(groups),
                             "--weights", "sharded", "--weight-dtype", "f32",
                             "--kv-cache-dtype", "f32", "--pages-per-shard", "24",
                             "--chunk-size", "64", "--executor", "ray", "--hosts", "2",
@@ -259,6 +264,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
             per_device = [b for w in workers for b in w["weight_bytes_per_device"].values()]
             assert len(per_device) == 16 and len(set(per_device)) == 1
             # the layout rule's share (cp_runtime.weights.layout), a fraction of the whole
-            assert per_device[0] == checkpoint["device_bytes"] < checkpoint["whole_bytes"] / 4
+            assert per_device[0] == checkpoint["device_bytes"][groups]
+            assert per_device[0] < checkpoint["whole_bytes"] / 4
     finally:
         assert server.stop() == 0, server.log()[-4000:]

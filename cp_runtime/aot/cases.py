@@ -91,7 +91,7 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              pages_per_shard: int | None = None, attention: str = "auto",
              residual: str = "auto", row_attention: str = "auto",
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
-             rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             expert_groups: int = 1, rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -100,7 +100,8 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
                        max_batch=case.batch, context=case.context, programs=(case.program,),
                        pages_per_shard=pages_per_shard, attention=attention,
                        residual=residual, row_attention=row_attention,
-                       tpu_schedule=tpu_schedule, chunk_halves=chunk_halves)
+                       tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
+                       expert_groups=expert_groups)
     result = compile_plan(plan)
     program = result["programs"][0]
     out = {"case": case.name, **dataclasses.asdict(case), "layers_compiled": layers,
@@ -133,7 +134,7 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                topology: str = "tpu7x-16", pages_per_shard: int | None = None,
                attention: str = "auto", residual: str = "auto", row_attention: str = "auto",
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
-               progress=None) -> dict:
+               expert_groups: int = 1, progress=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
     one capacity sizes for the slice unless `pages_per_shard` is given."""
     device = compile_only_devices(topology)[0]
@@ -147,11 +148,13 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                              topology=topology, clock_hz=clock,
                              pages_per_shard=pages_per_shard, attention=attention,
                              residual=residual, row_attention=row_attention,
-                             tpu_schedule=tpu_schedule, chunk_halves=chunk_halves))
+                             tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
+                             expert_groups=expert_groups))
     return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
             "kv_cache_dtype": kv_cache_dtype, "attention": attention,
             "residual": residual, "row_attention": row_attention,
-            "tpu_schedule": tpu_schedule, "chunk_halves": chunk_halves, "clock_hz": clock,
+            "tpu_schedule": tpu_schedule, "chunk_halves": chunk_halves,
+            "expert_groups": expert_groups, "clock_hz": clock,
             "rates": dataclasses.asdict(TPU7X_DEVICE), "cases": rows}
 
 

@@ -47,6 +47,7 @@ class CompilePlan:
                                            # weights
     tpu_schedule: str = "overlap"          # RuntimeConfig.tpu_schedule: overlap, xla
     chunk_halves: str = "auto"             # RuntimeConfig.chunk_halves: auto, on, off
+    expert_groups: int = 1                 # RuntimeConfig.expert_groups
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -77,7 +78,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             backend=plan.backend, weights=plan.weights,
                             weight_dtype=plan.weight_dtype, attention=plan.attention,
                             residual=plan.residual, row_attention=plan.row_attention,
-                            tpu_schedule=plan.tpu_schedule, chunk_halves=plan.chunk_halves)
+                            tpu_schedule=plan.tpu_schedule, chunk_halves=plan.chunk_halves,
+                            expert_groups=plan.expert_groups)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
@@ -118,6 +120,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "backend": plan.backend,
         "tpu_schedule": plan.tpu_schedule,
         "chunk_halves": plan.chunk_halves,
+        "expert_groups": runtime.expert_groups,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh)),
         "weight_bytes_per_device": per_device_bytes(

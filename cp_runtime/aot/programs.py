@@ -63,9 +63,10 @@ def cut_model(model: ModelConfig, layers: int | None) -> ModelConfig:
 
 def weight_tensors(model: ModelConfig, runtime: RuntimeConfig) -> dict[str, DeviceTensor]:
     """The arrays the executor places the weights in, for runtime.weights and
-    runtime.weight_dtype (both concrete) with the public checkpoints' 128 x 128 blocks."""
+    runtime.weight_dtype (both concrete) with the public checkpoints' 128 x 128 blocks, the
+    experts in runtime.expert_groups."""
     return device_tensors(model_shapes(model), model, runtime.weights, runtime.weight_dtype,
-                          runtime.num_shards)
+                          runtime.num_shards, expert_groups=runtime.expert_groups)
 
 
 def param_structs(tensors: dict[str, DeviceTensor], mesh: Mesh

@@ -239,6 +239,15 @@ def add_weights(p: argparse.ArgumentParser) -> None:
                         "more than a quarter of one device's memory")
 
 
+def add_expert_groups(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-groups", type=positive_int, default=1, metavar="N",
+                   help="with sharded weights, the routed experts in N groups of whole "
+                        "experts, each group's features split over its share of the shards "
+                        "(N must divide --shards): a prefill chunk's device runs about 1/N "
+                        "of its (token, expert) pairs, a decode step may read N times the "
+                        "features; 1: every shard a slice of every expert")
+
+
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--kv-cache-dtypes", default=comma_list(str, choices=KV_CACHE_DTYPES)(default),
                    type=comma_list(str, choices=KV_CACHE_DTYPES), metavar="D[,D...]",

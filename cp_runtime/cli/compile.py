@@ -14,8 +14,9 @@ import sys
 from cp_runtime.cache.capacity import TOPOLOGIES
 from cp_runtime.config import (ATTENTION_LAYOUTS, CHUNK_HALVES, RESIDUAL_MODES,
                                 ROW_ATTENTION_MODES, TPU_SCHEDULES)
-from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_model,
-                                 add_page_size, add_weight_dtype, add_weights, length, positive_int)
+from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_expert_groups,
+                                 add_kv_cache_dtype, add_model, add_page_size, add_weight_dtype,
+                                 add_weights, length, positive_int)
 
 __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 
@@ -107,6 +108,7 @@ def add_compile(sub) -> None:
                         "each half's collectives run beside the other's compute: on (where "
                         "each device attends every head of its rows), off, auto (on, for "
                         "the TPU)")
+    add_expert_groups(p)
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
     p.add_argument("--json", action="store_true",
@@ -130,6 +132,10 @@ def run_compile(args) -> int:
         print("cp-runtime compile: error: compiling for a TPU needs libtpu; install the tpu "
               "extra: pip install -e '.[tpu]'", file=sys.stderr)
         return EXIT_NO_LIBTPU
+    devices = topology.topology(args.topology).devices
+    if devices % args.expert_groups:
+        raise ValueError(f"--expert-groups {args.expert_groups} must divide {args.topology}'s "
+                         f"{devices} devices")
     if args.kernels:
         return _run_kernels(args)
     if args.matrix:
@@ -142,7 +148,8 @@ def run_compile(args) -> int:
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
         context=args.context, programs=programs, attention=args.attention,
         residual=args.residual, row_attention=args.row_attention,
-        tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves)
+        tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
+        expert_groups=args.expert_groups)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -202,7 +209,7 @@ def _run_matrix(args) -> int:
                         topology=args.topology, pages_per_shard=args.pages_per_shard,
                         attention=args.attention, residual=args.residual,
                         row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
-                        chunk_halves=args.chunk_halves,
+                        chunk_halves=args.chunk_halves, expert_groups=args.expert_groups,
                         progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s", "with_unpriced_s"):
@@ -288,6 +295,7 @@ def _summary(r: dict) -> str:
         f"{r['pool_bytes_per_device'] / gib:.2f} GiB ({r['pages_per_shard']:,} pages of "
         f"{r['page_size']}, {r['kv_cache_dtype']}), weights "
         f"{r['weight_bytes_per_device'] / gib:.2f} GiB {r['weights']} {r['weight_dtype']}"
+        + ("" if r["expert_groups"] == 1 else f", experts in {r['expert_groups']} groups")
         + cap_text,
         f"steps: decode {r['max_batch']} rows, prefill chunks of {r['chunk_size']} tokens, "
         f"page tables for a {r['context']:,}-token session",

@@ -28,8 +28,9 @@ from cp_runtime import __version__
 from cp_runtime.cache.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
 from cp_runtime.cli import demo
 from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
-                                 add_gathers, add_kv_cache_dtype, add_model, add_page_size,
-                                 add_pages_per_shard, add_shards, add_weight_dtype, add_weights,
+                                 add_expert_groups, add_gathers, add_kv_cache_dtype, add_model,
+                                 add_page_size, add_pages_per_shard, add_shards,
+                                 add_weight_dtype, add_weights,
                                  finite_nonnegative_float, finite_positive_float,
                                  nonnegative_length, positive_int)
 from cp_runtime.cli.compile import add_compile, run_compile
@@ -95,6 +96,7 @@ def _add_serve_model(g) -> None:
                    help="seed of a config's random weights")
     add_weights(g)
     add_weight_dtype(g)
+    add_expert_groups(g)
 
 
 def _add_serve_cache(g) -> None:
@@ -204,7 +206,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "chunk_size": "chunk_size", "max_batch": "max_batch", "backend": "backend",
                  "weights": "weights", "weight_dtype": "weight_dtype", "merge": "merge",
                  "gathers": "gathers", "max_queued_tokens": "max_queued_tokens",
-                 "prefix_cache_entries": "prefix_cache_entries"}
+                 "prefix_cache_entries": "prefix_cache_entries",
+                 "expert_groups": "expert_groups"}
 
 
 def _flag_of(field: str) -> str:

@@ -175,7 +175,7 @@ class LocalExecutor(Executor):
                   else weights)
         self.weight_tensors = device_tensors(blocks.shapes, model, runtime.weights,
                                              runtime.weight_dtype, runtime.num_shards,
-                                             blocks.block)
+                                             blocks.block, runtime.expert_groups)
         self.params = place_weights(blocks, self.weight_tensors, self.mesh, CP_AXIS)
         jax.block_until_ready(self.params)
         log.info("weights: %s, %s, on the devices in %.1f s", runtime.weights,

@@ -135,8 +135,9 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
     every head of its own, runs them as two halves (`resolve_chunk_halves`)."""
-    ws = WeightShards(CP_AXIS if runtime.weights == "sharded" else None, wire_dtype=wire_dtype,
-                      mlp_rows=mlp_rows)
+    sharded = runtime.weights == "sharded"
+    ws = WeightShards(CP_AXIS if sharded else None, wire_dtype=wire_dtype, mlp_rows=mlp_rows,
+                      expert_groups=runtime.expert_groups if sharded else 1)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,

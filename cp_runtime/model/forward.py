@@ -45,6 +45,7 @@ from cp_runtime.kernels import (latent_heads, reference, router, scaled_linear, 
 from cp_runtime.kernels import fp8_rows
 from cp_runtime.kernels.fp8_rows import Fp8Rows
 from cp_runtime.kernels.vmem import LANES
+from cp_runtime.model import expert_groups
 from cp_runtime.model.phases import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
@@ -75,6 +76,8 @@ __all__ = [
     "route_topk",
     "routing",
     "embed",
+    "EXPERTS",
+    "expert_rows",
     "weight",
 ]
 
@@ -649,6 +652,10 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
     return (weights[..., None] * one_hot).sum(-2)
 
 
+# A MoE layer's routed experts, stacked (cp_runtime.weights.layout), by projection.
+EXPERTS = "mlp.experts.{}_proj.weight"
+
+
 def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     """Rows x[N, in] in groups of `sizes` through the stack w[E, in, out] -> f32[N, out] (in
     W's dtype, widened, as `_matmul`)."""
@@ -666,7 +673,8 @@ ExpertMatmulFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Arra
 
 def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
                     expert_matmul: ExpertMatmulFn | None = None, by_expert: bool = False,
-                    fp8: Fp8Rows | None = None, beside: Any = ()) -> tuple[jax.Array, Any]:
+                    fp8: Fp8Rows | None = None, beside: Any = (),
+                    ws: WeightShards = WeightShards()) -> tuple[jax.Array, Any]:
     """x f[T, hidden], chosen i32[T, k], weights f32[T, k] -> f[T, hidden] (bf16 through
     `expert_matmul`, else x's dtype): each token through its k experts, weighted. Split
     weights hold a slice of every expert's inner features, so this is the device's partial
@@ -694,37 +702,53 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     expert order, so one token's are sorted already (XLA ran the sort as four ops). `fp8`:
     x's rows as `fp8_rows` (f8[T, hidden], f32[T, 1]), which the kernel's rows are gathered
     from instead, at half the bytes. Returns (the sum, beside), beside tied to the gated
-    products (`routed_experts`)."""
-    name = "mlp.experts.{}_proj.weight"
-    n_experts = p[name.format("gate")].shape[0]
-    flat = chosen.reshape(-1)                                    # [T*k]
+    products (`routed_experts`). In expert groups (`ws.expert_groups`) the device runs only
+    its group's pairs (cp_runtime.model.expert_groups)."""
+    n_experts = p[EXPERTS.format("gate")].shape[0]
+    run = expert_rows(p, x, expert_matmul, fp8)
+    out = jnp.zeros(x.shape, x.dtype if expert_matmul is None else jnp.bfloat16)
     presorted = by_expert and chosen.shape[0] == 1
+    if ws.expert_groups > 1:
+        capacity = expert_groups.rows_per_pass(chosen.size, ws.expert_groups)
+        return expert_groups.routed_in_group(chosen, weights, ws.first_expert(n_experts),
+                                             n_experts, run, out, beside, capacity, presorted)
+    flat = chosen.reshape(-1)                                    # [T*k]
     order = jnp.arange(flat.shape[0]) if presorted else jnp.argsort(flat, stable=True)
     token = order // chosen.shape[-1]                            # source token of each row
     sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    y, beside = run(token, weights.reshape(-1)[order, None], sizes, beside)
+    return out.at[token].add(y), beside
 
-    gate, up, down = (name.format(proj) for proj in ("gate", "up", "down"))
-    routing = weights.reshape(-1)[order, None]                   # scales down's inputs
+
+def expert_rows(p: Params, x: jax.Array, expert_matmul: ExpertMatmulFn | None,
+                 fp8: Fp8Rows | None) -> expert_groups.RunFn:
+    """run(token i32[N], routing f32[N, 1], sizes i32[E], beside) -> (y [N, hidden], beside):
+    rows x[token] (or fp8's), sorted by expert, through their experts' SwiGLU
+    (`_routed_experts`), each row's down-projection input times its routing weight; beside
+    tied to the gated products."""
+    gate, up, down = (EXPERTS.format(proj) for proj in ("gate", "up", "down"))
     if expert_matmul is None:
-        rows = x[token]                                          # [T*k, hidden]
-        h = jax.nn.silu(_grouped(rows, weight(p, gate), sizes)) * _grouped(
-            rows, weight(p, up), sizes)                          # [T*k, inner] f32
-        h, beside = _tied(h, beside)
-        y = _grouped(h * routing, weight(p, down), sizes)        # weighted: down is linear
-        return jnp.zeros_like(x).at[token].add(y), beside
+        def xla(token, routing, sizes, beside):
+            rows = x[token]                                      # [N, hidden]
+            h = jax.nn.silu(_grouped(rows, weight(p, gate), sizes)) * _grouped(
+                rows, weight(p, up), sizes)                      # [N, inner] f32
+            h, beside = _tied(h, beside)
+            return _grouped(h * routing, weight(p, down), sizes), beside  # down is linear
+        return xla
 
     def blocks(key: str) -> tuple[jax.Array, jax.Array]:
         return p[key], p[key + SCALE_SUFFIX]
 
-    gated = functools.partial(expert_matmul, up=blocks(up), row_weights=routing,
-                              out_dtype=jnp.bfloat16)                  # gate and up at once
-    if fp8 is None:
-        h = gated(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes)
-    else:
-        h = gated(fp8.values[token], *blocks(gate), sizes, row_scales=fp8.scales[token])
-    h, beside = _tied(h, beside)
-    y = expert_matmul(h, *blocks(down), sizes, out_dtype=jnp.bfloat16)
-    return jnp.zeros(x.shape, jnp.bfloat16).at[token].add(y), beside
+    def kernel(token, routing, sizes, beside):
+        gated = functools.partial(expert_matmul, up=blocks(up), row_weights=routing,
+                                  out_dtype=jnp.bfloat16)              # gate and up at once
+        if fp8 is None:
+            h = gated(x.astype(jnp.bfloat16)[token], *blocks(gate), sizes)
+        else:
+            h = gated(fp8.values[token], *blocks(gate), sizes, row_scales=fp8.scales[token])
+        h, beside = _tied(h, beside)
+        return expert_matmul(h, *blocks(down), sizes, out_dtype=jnp.bfloat16), beside
+    return kernel
 
 
 def _tied(h: jax.Array, beside: Any) -> tuple[jax.Array, Any]:
@@ -762,17 +786,18 @@ def _experts_from_blocks(x: jax.Array, w: jax.Array, s: jax.Array) -> jax.Array:
     return part.sum(2).reshape(x.shape[0], e, b)
 
 
-def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array) -> jax.Array:
+def _every_expert(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Array,
+                  first: jax.Array | int = 0) -> jax.Array:
     """`_routed_experts`' result for block-scaled experts and few tokens: every expert on every
     token from its fp8 blocks, each token's outputs weighted by its routing weight for that
-    expert (zero where the token did not choose it)."""
-    name = "mlp.experts.{}_proj.weight"
-    n_experts = p[name.format("gate")].shape[0]
-    gate = (jax.nn.one_hot(chosen, n_experts, dtype=weights.dtype)
+    expert (zero where the token did not choose it, or where the expert is not one of the
+    device's, first .. first + E)."""
+    n_experts = p[EXPERTS.format("gate")].shape[0]
+    gate = (jax.nn.one_hot(chosen - first, n_experts, dtype=weights.dtype)
             * weights[..., None]).sum(-2)                               # [T, E]
 
     def through(proj: str, h: jax.Array) -> jax.Array:
-        key = name.format(proj)
+        key = EXPERTS.format(proj)
         return _experts_from_blocks(h, p[key], p[key + SCALE_SUFFIX])
 
     h = jax.nn.silu(through("gate", x)) * through("up", x)              # [T, E, inner]
@@ -807,7 +832,7 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array | MlpInput,
     finish = ws.join_rows if join else (lambda partial: partial)
     if not cfg.is_moe_layer(layer):
         return finish(_swiglu(p, "mlp", _swiglu_rows(rows)))
-    routed, _ = routed_experts(p, cfg, rows, expert_matmul)
+    routed, _ = routed_experts(p, cfg, rows, expert_matmul, ws=ws)
     return finish(plus_shared_experts(p, cfg, routed, rows))
 
 
@@ -817,10 +842,11 @@ def _swiglu_rows(rows: MlpInput) -> jax.Array | Fp8Rows:
 
 
 def routed_experts(p: Params, cfg: ModelConfig, rows: MlpInput,
-                   expert_matmul: ExpertMatmulFn | None = None, beside: Any = ()
-                   ) -> tuple[jax.Array, Any]:
+                   expert_matmul: ExpertMatmulFn | None = None, beside: Any = (),
+                   ws: WeightShards = WeightShards()) -> tuple[jax.Array, Any]:
     """A MoE layer's routed experts over rows.x f[..., hidden] -> (the (device's partial)
-    sum f[..., hidden], beside): each token through its k experts only (`route_topk`).
+    sum f[..., hidden], beside): each token through its k experts only (`route_topk`), of
+    the device's experts (all, or its group's: `ws.expert_groups`).
     beside: values tied (`lax.optimization_barrier`) to the rows' gated products where the
     rows are grouped by expert, so that the work making them (a collective) runs beside the
     gate and up projections; elsewhere handed back as they came."""
@@ -830,17 +856,18 @@ def routed_experts(p: Params, cfg: ModelConfig, rows: MlpInput,
         chosen, weights, by_expert = _routed(p, cfg, flat)              # [T, k] each
     else:
         (chosen, weights), by_expert = rows.routed, False
-    if "mlp.experts.gate_proj.weight" + SCALE_SUFFIX not in p:
-        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside)
+    if EXPERTS.format("gate") + SCALE_SUFFIX not in p:
+        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside, ws=ws)
     elif expert_matmul is not None:
         fp8 = None if rows.fp8 is None else Fp8Rows(
             *(a.reshape(-1, a.shape[-1]) for a in rows.fp8))
         out, beside = _routed_experts(p, flat, chosen, weights, expert_matmul, by_expert, fp8,
-                                      beside)
+                                      beside, ws)
     elif flat.shape[0] <= EVERY_EXPERT_MAX_ROWS:
-        out = _every_expert(p, flat, chosen, weights)
+        first = ws.first_expert(p[EXPERTS.format("gate")].shape[0])
+        out = _every_expert(p, flat, chosen, weights, first)
     else:
-        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside)
+        out, beside = _routed_experts(p, flat, chosen, weights, beside=beside, ws=ws)
     return out.reshape(x.shape), beside
 
 

@@ -184,9 +184,9 @@ def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInpu
         a_sum = ws.join_rows(a_partial)
         b_partial = mlp(p, cfg, layer, b_in, ws, expert_matmul, join=False)
         return lax.optimization_barrier((a_sum, b_partial))
-    a_routed, b_in = routed_experts(p, cfg, a_in, expert_matmul, beside=b_in)
+    a_routed, b_in = routed_experts(p, cfg, a_in, expert_matmul, beside=b_in, ws=ws)
     a_sum = ws.join_rows(plus_shared_experts(p, cfg, a_routed, a_in))
-    b_routed, _ = routed_experts(p, cfg, b_in, expert_matmul)
+    b_routed, _ = routed_experts(p, cfg, b_in, expert_matmul, ws=ws)
     a_sum, b_routed = lax.optimization_barrier((a_sum, b_routed))
     return a_sum, plus_shared_experts(p, cfg, b_routed, b_in)
 

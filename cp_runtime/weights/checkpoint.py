@@ -427,14 +427,17 @@ class CheckpointBlocks:
                 raise ValueError(f"{self.reader.dir / fname}: tensor {name!r} has shape {got}, "
                                  f"config {cfg.name} needs {shape}")
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock:
+    def read(self, name: str, axis: int | None, lo: int, hi: int,
+             experts: tuple[int, int] | None = None) -> HostBlock:
         """Elements lo..hi along `axis` of model-layout tensor `name` (all when axis is None),
         as stored (fp8 with its scales). A stack of experts [E, a, b] reads experts lo..hi
-        (axis 0) or elements lo..hi of every expert's axis 1 or 2, each expert's HF [b, a]
-        part transposed into the stack, scales, block and first element too."""
-        experts = expert_sources(name, self.model)
-        if experts is None:
+        (axis 0) or elements lo..hi of every expert's axis 1 or 2 (of experts
+        experts[0]..experts[1] only, where given), each expert's HF [b, a] part transposed
+        into the stack, scales, block and first element too."""
+        sources = expert_sources(name, self.model)
+        if sources is None:
             return self.reader.read(name, axis, lo, hi)
+        experts = sources if experts is None else sources[experts[0]:experts[1]]
         if axis in (None, 0):
             chosen = experts if axis is None else experts[lo:hi]
             parts = [self.reader.read(e) for e in chosen]

@@ -30,7 +30,8 @@ import ml_dtypes
 import numpy as np
 
 from cp_runtime.config import MODEL_WEIGHT_DTYPES, ModelConfig, RuntimeConfig
-from cp_runtime.weights.layout import EXPERT_STACKS, local_shape, padded_shape, split_of
+from cp_runtime.weights.layout import (EXPERT_STACKS, ExpertGroups, grouped_experts, local_shape,
+                                       padded_shape, split_of)
 
 __all__ = ["WEIGHT_DTYPES", "STORED_DTYPES", "FP8_BLOCK", "SCALE_SUFFIX",
            "REPLICATE_MAX_FRACTION", "DeviceTensor", "bytes_per_device", "device_tensors",
@@ -80,7 +81,8 @@ def scale_runs(name: str, local: tuple[int, ...], block: tuple[int, int]) -> tup
 class DeviceTensor:
     """One array the devices hold: `shape` global (split axis padded), `local` per device,
     split over the devices along `split_axis` (None: whole on each). A weight's block scales
-    are a DeviceTensor of their own, `scales` naming the weight."""
+    are a DeviceTensor of their own, `scales` naming the weight. `experts`: a routed-expert
+    stack in expert groups (device-major, split along axis 0), or None."""
 
     name: str
     shape: tuple[int, ...]
@@ -88,6 +90,7 @@ class DeviceTensor:
     dtype: str
     split_axis: int | None
     scales: str | None = None
+    experts: ExpertGroups | None = None
 
     @property
     def nbytes_per_device(self) -> int:
@@ -98,28 +101,42 @@ def _with_runs(shape: tuple[int, ...], runs: tuple[int, int]) -> tuple[int, ...]
     return (*shape[:-2], shape[-2] // runs[0], shape[-1] // runs[1])
 
 
+def _placed(name: str, shape: tuple[int, ...], model: ModelConfig, mode: str, shards: int,
+            expert_groups: int) -> tuple[tuple[int, ...], tuple[int, ...], int | None,
+                                         ExpertGroups | None]:
+    """(global shape, device's shape, split axis, expert groups) of tensor `name`."""
+    if mode != "sharded":
+        return shape, shape, None, None
+    grouped = grouped_experts(name, shape, shards, expert_groups)
+    if grouped is not None:
+        return grouped.full, grouped.local, 0, grouped
+    split = split_of(name, shape, model)
+    if split is None:
+        return shape, shape, None, None
+    return (padded_shape(name, shape, model, shards), local_shape(name, shape, model, shards),
+            split.axis, None)
+
+
 def device_tensors(shapes: dict[str, tuple[int, ...]], model: ModelConfig, mode: str,
-                   weight_dtype: str, shards: int,
-                   block: tuple[int, int] = FP8_BLOCK) -> dict[str, DeviceTensor]:
+                   weight_dtype: str, shards: int, block: tuple[int, int] = FP8_BLOCK,
+                   expert_groups: int = 1) -> dict[str, DeviceTensor]:
     """Every array the devices hold for model-layout tensors `shapes` in weight mode `mode`
     ("replicated" or "sharded") and concrete `weight_dtype`: each weight, and after each fp8
-    weight its scales (`name + SCALE_SUFFIX`). `block`: the checkpoint's scale block."""
+    weight its scales (`name + SCALE_SUFFIX`). `block`: the checkpoint's scale block.
+    `expert_groups` (sharded): the routed experts' groups (cp_runtime.weights.layout)."""
     if mode not in ("replicated", "sharded") or weight_dtype not in MODEL_WEIGHT_DTYPES:
         raise ValueError(f"weights {mode!r} in {weight_dtype!r}: resolve 'auto' first "
                          "(resolve_runtime_weights)")
     out = {}
     for name, shape in shapes.items():
-        split = split_of(name, shape, model) if mode == "sharded" else None
-        full = shape if split is None else padded_shape(name, shape, model, shards)
-        local = shape if split is None else local_shape(name, shape, model, shards)
-        axis = None if split is None else split.axis
+        full, local, axis, grouped = _placed(name, shape, model, mode, shards, expert_groups)
         dtype = stored_dtype(name, shape, weight_dtype)
-        out[name] = DeviceTensor(name, full, local, dtype, axis)
+        out[name] = DeviceTensor(name, full, local, dtype, axis, experts=grouped)
         if dtype == "fp8":
             runs = scale_runs(name, local, block)
             out[name + SCALE_SUFFIX] = DeviceTensor(
                 name + SCALE_SUFFIX, _with_runs(full, runs), _with_runs(local, runs), "f32",
-                axis, scales=name)
+                axis, scales=name, experts=grouped)
     return out
 
 

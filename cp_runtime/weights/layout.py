@@ -29,7 +29,10 @@ The split of each tensor (model layout: HF names, routed experts stacked, see
                                            slice (gate/up [E, hidden, inner / S], down
                                            [E, inner / S, hidden]), so the few experts a decode
                                            step's tokens choose are read by all devices evenly,
-                                           and no device waits on a popular one
+                                           and no device waits on a popular one. In g expert
+                                           groups (runtime field `expert_groups`): g groups of
+                                           E / g whole experts, each group's split by inner
+                                           feature over its S / g devices (`grouped_experts`)
     norms and biases                       replicated
 
 An axis of `units` parts (heads, experts, features) is padded with zero parts up to a multiple
@@ -45,7 +48,7 @@ import math
 from cp_runtime.config import WEIGHT_MODES, ModelConfig
 
 __all__ = ["WEIGHT_MODES", "Split", "split_of", "local_shape", "padded_shape",
-           "EXPERT_STACKS"]
+           "EXPERT_STACKS", "ExpertGroups", "grouped_experts"]
 
 # Routed experts, stacked per layer: gate/up [E, hidden, inner], down [E, inner, hidden].
 EXPERT_STACKS = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
@@ -118,3 +121,60 @@ def local_shape(name: str, shape: tuple[int, ...], model: ModelConfig,
     if split is None:
         return shape
     return _resized(shape, split, split.units_per_device(shards))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+    """A routed-expert stack [E, a, b] in `groups` groups over `shards` devices: device d holds
+    experts `experts(d)` (whole, of group d // (S / g)) and, of each, inner features
+    `features(d)` along `inner_axis` (slice d % (S / g) of S / g), E and the inner axis padded
+    with zeros to a multiple of g and of S / g.
+
+    The global array is device-major, [S * E_g, ...] with device d's block at rows
+    d * E_g .. (d + 1) * E_g: a split along axis 0 places it, as every other split tensor is
+    placed, and a device's block has the shape one group's slice would have."""
+
+    shape: tuple[int, ...]                # the stack's model-layout shape [E, a, b]
+    inner_axis: int                       # 2: gate/up [E, hidden, inner]; 1: down
+    shards: int
+    groups: int
+
+    @property
+    def experts_per_device(self) -> int:
+        return math.ceil(self.shape[0] / self.groups)
+
+    @property
+    def features_per_device(self) -> int:
+        return math.ceil(self.shape[self.inner_axis] / (self.shards // self.groups))
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        out = [self.experts_per_device, *self.shape[1:]]
+        out[self.inner_axis] = self.features_per_device
+        return tuple(out)
+
+    @property
+    def full(self) -> tuple[int, ...]:
+        return (self.shards * self.local[0], *self.local[1:])
+
+    def experts(self, device: int) -> tuple[int, int]:
+        """[lo, hi) of the model's experts device `device` holds (padding past E included)."""
+        group = device // (self.shards // self.groups)
+        return group * self.experts_per_device, (group + 1) * self.experts_per_device
+
+    def features(self, device: int) -> tuple[int, int]:
+        """[lo, hi) of each of its experts' inner features (padding past the end included)."""
+        part = device % (self.shards // self.groups)
+        return part * self.features_per_device, (part + 1) * self.features_per_device
+
+
+def grouped_experts(name: str, shape: tuple[int, ...], shards: int,
+                    groups: int) -> ExpertGroups | None:
+    """How routed-expert stack `name` lies in `groups` > 1 groups; None for any other tensor,
+    or for one group (the by-feature split of `split_of`)."""
+    if groups == 1 or not name.endswith(EXPERT_STACKS):
+        return None
+    if shards % groups:
+        raise ValueError(f"{groups} expert groups do not divide {shards} devices")
+    return ExpertGroups(tuple(shape), 1 if name.endswith("down_proj.weight") else 2,
+                        shards, groups)

@@ -29,13 +29,16 @@ __all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "
 
 class BlockSource(Protocol):
     """shapes: {name: unpadded model-layout shape}; block: the [out, in] values per fp8 scale
-    of its fp8 tensors; read(name, axis, lo, hi): the tensor's elements lo..hi along `axis`
-    (the whole tensor when axis is None), as stored (cp_runtime.weights.fp8_blocks.HostBlock)."""
+    of its fp8 tensors; read(name, axis, lo, hi, experts): the tensor's elements lo..hi along
+    `axis` (the whole tensor when axis is None), of a routed-expert stack's experts
+    experts[0]..experts[1] only when `experts` is given, as stored
+    (cp_runtime.weights.fp8_blocks.HostBlock)."""
 
     shapes: dict[str, tuple[int, ...]]
     block: tuple[int, int]
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock: ...
+    def read(self, name: str, axis: int | None, lo: int, hi: int,
+             experts: tuple[int, int] | None = None) -> HostBlock: ...
 
 
 class ArrayBlocks:
@@ -47,8 +50,11 @@ class ArrayBlocks:
         self.params = params
         self.shapes = {k: tuple(v.shape) for k, v in params.items()}
 
-    def read(self, name: str, axis: int | None, lo: int, hi: int) -> HostBlock:
+    def read(self, name: str, axis: int | None, lo: int, hi: int,
+             experts: tuple[int, int] | None = None) -> HostBlock:
         x = np.asarray(self.params[name])
+        if experts is not None:
+            x = x[experts[0]:experts[1]]
         return HostBlock(x if axis is None else np.take(x, np.arange(lo, hi), axis=axis))
 
 
@@ -70,11 +76,32 @@ def _padded_block(source: BlockSource, name: str, axis: int, lo: int, hi: int,
     return dataclasses.replace(block, values=np.pad(block.values, pad))
 
 
+def _grouped_block(source: BlockSource, t: DeviceTensor, real: tuple[int, ...], device: int
+                   ) -> HostBlock:
+    """Device `device`'s experts and features of a routed-expert stack in expert groups,
+    zero-padded past the model's experts and features."""
+    groups, axis = t.experts, t.experts.inner_axis
+    (e_lo, e_hi), (f_lo, f_hi) = groups.experts(device), groups.features(device)
+    if e_lo >= real[0] or f_lo >= real[axis]:           # all padding: zero experts
+        return HostBlock(np.zeros(t.local, np.float32))
+    block = source.read(t.name, axis, f_lo, min(f_hi, real[axis]),
+                        experts=(e_lo, min(e_hi, real[0])))
+    pad = [(0, want - got) for want, got in zip(t.local, block.values.shape)]
+    if not any(after for _, after in pad):
+        return block
+    scales = block.scales
+    if scales is not None:            # one scale table an expert: the zero experts' any
+        scales = np.pad(scales, [pad[0]] + [(0, 0)] * (scales.ndim - 1), constant_values=1)
+    return dataclasses.replace(block, values=np.pad(block.values, pad), scales=scales)
+
+
 def _device_block(source: BlockSource, t: DeviceTensor, real: tuple[int, ...], index: tuple
                    ) -> HostBlock:
     """The source's part of tensor `t` that device slice `index` holds, zero-padded."""
     if t.split_axis is None:
         return source.read(t.name, None, 0, 0)
+    if t.experts is not None:
+        return _grouped_block(source, t, real, (index[0].start or 0) // t.local[0])
     sl = index[t.split_axis]
     return _padded_block(source, t.name, t.split_axis, sl.start or 0,
                          sl.stop if sl.stop is not None else t.shape[t.split_axis],

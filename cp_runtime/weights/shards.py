@@ -24,6 +24,10 @@ through every head itself, where those weigh less than the rows' heads and sums.
 `mlp_rows` "fp8" gathers the MLP's rows, where the rows are split, as e4m3 values with one f32
 scale a row (cp_runtime.kernels.fp8_rows; `forward.mlp_input`) rather than on the wire: the
 experts' kernel reads the same fp8 rows.
+
+`expert_groups` g > 1: the routed experts lie in g groups of whole experts, each group's split
+by feature over S / g devices (cp_runtime.weights.layout); `first_expert` says which experts
+this device holds (cp_runtime.model.expert_groups).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class WeightShards:
     rows_split: bool = False         # the residual stream split by row: the module docstring
     whole_heads: bool = False        # split rows attend from the attention weights gathered
     mlp_rows: str = "wire"           # "wire" or "fp8": the MLP's split rows (module docstring)
+    expert_groups: int = 1           # the routed experts' groups (module docstring)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -64,6 +69,9 @@ class WeightShards:
             raise ValueError("rows_split needs an axis to split the rows over")
         if self.whole_heads and not self.rows_split:
             raise ValueError("whole_heads attends each device's own rows: it needs rows_split")
+        if self.expert_groups < 1 or (self.expert_groups > 1 and self.axis is None):
+            raise ValueError(f"expert_groups={self.expert_groups}: groups of experts need an "
+                             "axis to split them over (and at least one group)")
 
     @property
     def split(self) -> bool:
@@ -206,6 +214,15 @@ class WeightShards:
     def first(self, local: int) -> jax.Array | int:
         """Index of this device's first part when each device holds `local` parts."""
         return 0 if self.axis is None else lax.axis_index(self.axis) * local
+
+    def first_expert(self, local: int) -> jax.Array | int:
+        """The model's id of this device's first routed expert when each device holds `local`
+        experts: 0 with one group (every device holds a slice of every expert), else its
+        group's first (devices in groups of S / expert_groups, in order)."""
+        if self.expert_groups == 1:
+            return 0
+        per_group = lax.axis_size(self.axis) // self.expert_groups
+        return lax.axis_index(self.axis) // per_group * local
 
     def own(self, x: jax.Array, axis: int, local: int) -> jax.Array:
         """This device's `local` parts of an axis every device holds whole (zero-padded to a
