@@ -243,7 +243,7 @@ def add_expert_groups(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-groups", type=positive_int, default=1, metavar="N",
                    help="with sharded weights, the routed experts in N groups of whole "
                         "experts, each group's features split over its share of the shards "
-                        "(N must divide --shards): a prefill chunk's device runs about 1/N "
+                        "(N must divide the shards): a prefill chunk's device runs about 1/N "
                         "of its (token, expert) pairs, a decode step may read N times the "
                         "features; 1: every shard a slice of every expert")
 
