@@ -84,7 +84,7 @@ def _params(stacks, lo: int, hi: int) -> dict:
 @pytest.mark.parametrize("capacity", [None, 24])
 def test_groups_sum_to_one_groups_result_however_uneven_the_routing(capacity):
     """Every token chooses 3 of its k = 4 experts among group 0's (8 of 32 experts in 4
-    groups) and one of the others': group 0 gets 192 of the T k = 256 pairs, four times its
+    groups) and one of the others': group 0 gets 192 of the T k = 256 pairs, three times its
     even share. With 24 rows a pass it takes 8 passes (the first, then 7 of the loop); the
     groups' sums, added, are one group's sum. Through the fp8 kernel (interpret mode) from fp8
     rows, as a TPU prefill runs them; each group's partial leaves the kernel in bf16, so the
