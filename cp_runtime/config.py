@@ -350,6 +350,13 @@ class RuntimeConfig:
     # more, each shard runs only its group's (token, expert) pairs of a prefill chunk, about
     # 1 / expert_groups of them (cp_runtime.model.expert_groups). Must divide num_shards.
     expert_groups: int = 1
+    # Sharded weights' routed experts held in one group, and exchanged into this many groups
+    # for each MoE layer of a prefill chunk whose rows split over the shards (an all-to-all of
+    # the layer's expert weights within blocks of prefill_expert_groups shards;
+    # WeightShards.regroup_experts): a prefill chunk's shard runs about 1 / N of its (token,
+    # expert) pairs, as in expert_groups N, while a decode step reads every expert from every
+    # shard, as in one group. 1: no exchange. Must divide num_shards; needs expert_groups 1.
+    prefill_expert_groups: int = 1
     key_block_pages: int = 64
     query_block: int = 64
     # Tokens one engine step may run (decode rows + one prefill chunk); absent: chunk_size +
@@ -375,13 +382,18 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         _check_sizes("", self, ("page_size", "num_shards", "pages_per_shard", "chunk_size",
                                 "max_batch", "key_block_pages", "query_block"))
-        _check_sizes("", self, ("expert_groups",))
-        if self.num_shards % self.expert_groups:
-            raise ConfigError(f"expert_groups={self.expert_groups} must divide "
-                              f"num_shards={self.num_shards}")
-        if self.expert_groups > 1 and self.weights == "replicated":
-            raise ConfigError(f"expert_groups={self.expert_groups} splits the experts over the "
-                              "shards: it needs weights='sharded', not 'replicated'")
+        _check_sizes("", self, ("expert_groups", "prefill_expert_groups"))
+        for field in ("expert_groups", "prefill_expert_groups"):
+            groups = getattr(self, field)
+            if self.num_shards % groups:
+                raise ConfigError(f"{field}={groups} must divide num_shards={self.num_shards}")
+            if groups > 1 and self.weights == "replicated":
+                raise ConfigError(f"{field}={groups} splits the experts over the shards: it "
+                                  "needs weights='sharded', not 'replicated'")
+        if self.expert_groups > 1 and self.prefill_expert_groups > 1:
+            raise ConfigError(f"prefill_expert_groups={self.prefill_expert_groups} regroups "
+                              "experts held in one group: it needs expert_groups=1, not "
+                              f"{self.expert_groups}")
         if self.step_token_budget is not None:
             _check_sizes("", self, ("step_token_budget",))
         if self.max_queued_tokens is not None and (

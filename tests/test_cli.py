@@ -53,6 +53,11 @@ def test_serve_help_is_grouped_and_says_what_each_limit_does():
     (["--shards", "16", "--expert-groups", "3"], "--expert-groups 3 must divide --shards 16"),
     (["--expert-groups", "4", "--weights", "replicated"],
      "--expert-groups 4 splits the experts over the shards: it needs --weights 'sharded'"),
+    (["--shards", "16", "--prefill-expert-groups", "3"],
+     "--prefill-expert-groups 3 must divide --shards 16"),
+    (["--shards", "16", "--expert-groups", "4", "--prefill-expert-groups", "8"],
+     "--prefill-expert-groups 8 regroups experts held in one group: it needs "
+     "--expert-groups 1, not 4"),
 ])
 def test_serve_errors_name_the_flag(argv, flag, capsys):
     assert main(["serve", "--port", "0", *argv]) == 2

@@ -60,6 +60,12 @@ def test_expert_groups_must_divide_the_shards_and_need_split_weights():
         RuntimeConfig(expert_groups=0)
     with pytest.raises(ConfigError, match="expert_groups=4 .* needs weights='sharded'"):
         RuntimeConfig(expert_groups=4, weights="replicated")
+    with pytest.raises(ConfigError, match="prefill_expert_groups=6 must divide num_shards=16"):
+        RuntimeConfig(prefill_expert_groups=6)
+    with pytest.raises(ConfigError, match="prefill_expert_groups=8 .* needs weights='sharded'"):
+        RuntimeConfig(prefill_expert_groups=8, weights="replicated")
+    with pytest.raises(ConfigError, match="needs expert_groups=1, not 4"):
+        RuntimeConfig(expert_groups=4, prefill_expert_groups=8)
 
 
 def _stacks(rng, experts: int, hidden: int, inner: int, runs: int):
@@ -229,3 +235,31 @@ def test_a_prefill_in_expert_groups_gives_one_groups_logits(model_name):
     one = _prefill(model, params, 1, 300)
     for groups in (2, 4, 16):
         assert rel_l2(_prefill(model, params, groups, 300), one) <= 1e-5, groups
+
+
+def _prefill_regrouped(model, params, groups: int, tokens: int, halves: str) -> np.ndarray:
+    """A prefill whose chunks split their rows over the shards (gather_kv, 64 rows over 16),
+    the experts held in one group and regrouped into `groups` for each MoE layer; `halves`
+    "on": as two halves, each layer's experts regrouped in the layer before."""
+    engine = make_engine(model, params, kv_cache_dtype="f32", num_shards=S, pages_per_shard=4,
+                         page_size=16, chunk_size=64, weights="sharded", attention="gather_kv",
+                         row_attention="weights", chunk_halves=halves,
+                         prefill_expert_groups=groups)
+    s = engine.create_session()
+    return engine.extend(s.id, random_tokens(model, tokens, seed=3), all_logits=True)
+
+
+@pytest.mark.parametrize("model_name,halves", [("tiny", "off"), ("deepseek-mini", "off"),
+                                               ("deepseek-mini", "on")])
+def test_a_prefill_regrouping_its_experts_gives_one_groups_logits(model_name, halves):
+    """f32 weights over 16 shards, 300 tokens (the last chunk's 44 rows do not split: the
+    experts as held there): each MoE layer's experts exchanged into 2, 4 and 16 groups
+    against none, in one pass and as two halves (deepseek-mini's layer 0 is dense, so each
+    MoE layer's are exchanged in the layer before). tiny's 4 experts in 16 groups are
+    padded with 12 zero experts. Bound 1e-5, as above."""
+    model = load_model_config(model_name)
+    params = init_params(model, seed=0)
+    one = _prefill_regrouped(model, params, 1, 300, halves)
+    for groups in (2, 4, 16):
+        got = _prefill_regrouped(model, params, groups, 300, halves)
+        assert rel_l2(got, one) <= 1e-5, groups

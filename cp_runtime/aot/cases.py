@@ -91,7 +91,8 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              pages_per_shard: int | None = None, attention: str = "auto",
              residual: str = "auto", row_attention: str = "auto",
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
-             expert_groups: int = 1, rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             expert_groups: int = 1, prefill_expert_groups: int = 1,
+             rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -101,7 +102,8 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
                        pages_per_shard=pages_per_shard, attention=attention,
                        residual=residual, row_attention=row_attention,
                        tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
-                       expert_groups=expert_groups)
+                       expert_groups=expert_groups,
+                       prefill_expert_groups=prefill_expert_groups)
     result = compile_plan(plan)
     program = result["programs"][0]
     out = {"case": case.name, **dataclasses.asdict(case), "layers_compiled": layers,
@@ -134,7 +136,8 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                topology: str = "tpu7x-16", pages_per_shard: int | None = None,
                attention: str = "auto", residual: str = "auto", row_attention: str = "auto",
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
-               expert_groups: int = 1, progress=None) -> dict:
+               expert_groups: int = 1, prefill_expert_groups: int = 1,
+               progress=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
     one capacity sizes for the slice unless `pages_per_shard` is given."""
     device = compile_only_devices(topology)[0]
@@ -149,12 +152,14 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                              pages_per_shard=pages_per_shard, attention=attention,
                              residual=residual, row_attention=row_attention,
                              tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
-                             expert_groups=expert_groups))
+                             expert_groups=expert_groups,
+                             prefill_expert_groups=prefill_expert_groups))
     return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
             "kv_cache_dtype": kv_cache_dtype, "attention": attention,
             "residual": residual, "row_attention": row_attention,
             "tpu_schedule": tpu_schedule, "chunk_halves": chunk_halves,
-            "expert_groups": expert_groups, "clock_hz": clock,
+            "expert_groups": expert_groups, "prefill_expert_groups": prefill_expert_groups,
+            "clock_hz": clock,
             "rates": dataclasses.asdict(TPU7X_DEVICE), "cases": rows}
 
 

@@ -48,6 +48,7 @@ class CompilePlan:
     tpu_schedule: str = "overlap"          # RuntimeConfig.tpu_schedule: overlap, xla
     chunk_halves: str = "auto"             # RuntimeConfig.chunk_halves: auto, on, off
     expert_groups: int = 1                 # RuntimeConfig.expert_groups
+    prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -79,7 +80,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             weight_dtype=plan.weight_dtype, attention=plan.attention,
                             residual=plan.residual, row_attention=plan.row_attention,
                             tpu_schedule=plan.tpu_schedule, chunk_halves=plan.chunk_halves,
-                            expert_groups=plan.expert_groups)
+                            expert_groups=plan.expert_groups,
+                            prefill_expert_groups=plan.prefill_expert_groups)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
@@ -121,6 +123,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "tpu_schedule": plan.tpu_schedule,
         "chunk_halves": plan.chunk_halves,
         "expert_groups": runtime.expert_groups,
+        "prefill_expert_groups": runtime.prefill_expert_groups,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh)),
         "weight_bytes_per_device": per_device_bytes(

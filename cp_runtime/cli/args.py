@@ -246,6 +246,13 @@ def add_expert_groups(p: argparse.ArgumentParser) -> None:
                         "(N must divide the shards): a prefill chunk's device runs about 1/N "
                         "of its (token, expert) pairs, a decode step may read N times the "
                         "features; 1: every shard a slice of every expert")
+    p.add_argument("--prefill-expert-groups", type=positive_int, default=1, metavar="N",
+                   help="with sharded weights and one expert group, a prefill chunk whose "
+                        "rows split over the shards exchanges each MoE layer's experts into "
+                        "N groups first (an all-to-all of their weights within blocks of N "
+                        "shards): the prefill's pairs as in --expert-groups N, a decode "
+                        "step's experts read by every shard as in one (N must divide the "
+                        "shards); 1: no exchange")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

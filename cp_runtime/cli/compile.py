@@ -133,9 +133,10 @@ def run_compile(args) -> int:
               "extra: pip install -e '.[tpu]'", file=sys.stderr)
         return EXIT_NO_LIBTPU
     devices = topology.topology(args.topology).devices
-    if devices % args.expert_groups:
-        raise ValueError(f"--expert-groups {args.expert_groups} must divide {args.topology}'s "
-                         f"{devices} devices")
+    for flag in ("expert_groups", "prefill_expert_groups"):
+        if devices % getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must divide "
+                             f"{args.topology}'s {devices} devices")
     if args.kernels:
         return _run_kernels(args)
     if args.matrix:
@@ -149,7 +150,7 @@ def run_compile(args) -> int:
         context=args.context, programs=programs, attention=args.attention,
         residual=args.residual, row_attention=args.row_attention,
         tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
-        expert_groups=args.expert_groups)
+        expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -210,6 +211,7 @@ def _run_matrix(args) -> int:
                         attention=args.attention, residual=args.residual,
                         row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
                         chunk_halves=args.chunk_halves, expert_groups=args.expert_groups,
+                        prefill_expert_groups=args.prefill_expert_groups,
                         progress=None if args.json else _progress)
     for length in (128 << 10, 1 << 20):
         for key in ("seconds", "overlapped_s", "with_unpriced_s"):
@@ -296,6 +298,8 @@ def _summary(r: dict) -> str:
         f"{r['page_size']}, {r['kv_cache_dtype']}), weights "
         f"{r['weight_bytes_per_device'] / gib:.2f} GiB {r['weights']} {r['weight_dtype']}"
         + ("" if r["expert_groups"] == 1 else f", experts in {r['expert_groups']} groups")
+        + ("" if r["prefill_expert_groups"] == 1
+           else f", experts regrouped into {r['prefill_expert_groups']} for a prefill")
         + cap_text,
         f"steps: decode {r['max_batch']} rows, prefill chunks of {r['chunk_size']} tokens, "
         f"page tables for a {r['context']:,}-token session",

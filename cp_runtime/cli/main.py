@@ -207,7 +207,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "weights": "weights", "weight_dtype": "weight_dtype", "merge": "merge",
                  "gathers": "gathers", "max_queued_tokens": "max_queued_tokens",
                  "prefix_cache_entries": "prefix_cache_entries",
-                 "expert_groups": "expert_groups"}
+                 "expert_groups": "expert_groups",
+                 "prefill_expert_groups": "prefill_expert_groups"}
 
 
 def _flag_of(field: str) -> str:

@@ -137,7 +137,8 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
     every head of its own, runs them as two halves (`resolve_chunk_halves`)."""
     sharded = runtime.weights == "sharded"
     ws = WeightShards(CP_AXIS if sharded else None, wire_dtype=wire_dtype, mlp_rows=mlp_rows,
-                      expert_groups=runtime.expert_groups if sharded else 1)
+                      expert_groups=runtime.expert_groups if sharded else 1,
+                      prefill_expert_groups=runtime.prefill_expert_groups if sharded else 1)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
@@ -229,10 +230,15 @@ def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
     With the pool sized to fill HBM, every step program sits near the latency-hiding
     scheduler's memory limit, and there XLA:TPU issued each all-gather, reduce-scatter and
     SparseCore gather or scatter only when its result was next needed, beside almost no
-    compute (docs/performance.md, "The scheduler's memory-pressure tracking")."""
+    compute (docs/performance.md, "The scheduler's memory-pressure tracking"). All-to-alls
+    (a decode step's merge, a prefill's regrouped experts) run asynchronously."""
     if tpu_schedule == "xla" or mesh.devices.flat[0].platform != "tpu":
         return None
-    return {"xla_tpu_enable_scheduler_memory_pressure_tracking": False}
+    return {"xla_tpu_enable_scheduler_memory_pressure_tracking": False,
+            # XLA:TPU runs an all-to-all synchronously unless told, with nothing beside it:
+            # a prefill regrouping its experts (RuntimeConfig.prefill_expert_groups), and a
+            # decode step's merge (docs/performance.md, "The experts regrouped for a prefill").
+            "xla_tpu_enable_async_all_to_all": True}
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
