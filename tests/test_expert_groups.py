@@ -249,17 +249,16 @@ def _prefill_regrouped(model, params, groups: int, tokens: int, halves: str) -> 
     return engine.extend(s.id, random_tokens(model, tokens, seed=3), all_logits=True)
 
 
-@pytest.mark.parametrize("model_name,halves", [("tiny", "off"), ("deepseek-mini", "off"),
-                                               ("deepseek-mini", "on")])
-def test_a_prefill_regrouping_its_experts_gives_one_groups_logits(model_name, halves):
-    """f32 weights over 16 shards, 300 tokens (the last chunk's 44 rows do not split: the
-    experts as held there): each MoE layer's experts exchanged into 2, 4 and 16 groups
-    against none, in one pass and as two halves (deepseek-mini's layer 0 is dense, so each
-    MoE layer's are exchanged in the layer before). tiny's 4 experts in 16 groups are
-    padded with 12 zero experts. Bound 1e-5, as above."""
+@pytest.mark.parametrize("model_name,halves,groups", [("tiny", "off", 16),
+                                                      ("deepseek-mini", "off", 4),
+                                                      ("deepseek-mini", "on", 2)])
+def test_a_prefill_regrouping_its_experts_gives_one_groups_logits(model_name, halves, groups):
+    """f32 weights over 16 shards, 200 tokens (the last chunk's 8 rows do not split: the
+    experts as held there): each MoE layer's experts exchanged into `groups` against none, in
+    one pass and as two halves (deepseek-mini's layer 0 is dense, so there each MoE layer's
+    are exchanged in the layer before). tiny's 4 experts in 16 groups are padded with 12
+    zero experts. Bound 1e-5, as above."""
     model = load_model_config(model_name)
     params = init_params(model, seed=0)
-    one = _prefill_regrouped(model, params, 1, 300, halves)
-    for groups in (2, 4, 16):
-        got = _prefill_regrouped(model, params, groups, 300, halves)
-        assert rel_l2(got, one) <= 1e-5, groups
+    one = _prefill_regrouped(model, params, 1, 200, halves)
+    assert rel_l2(_prefill_regrouped(model, params, groups, 200, halves), one) <= 1e-5

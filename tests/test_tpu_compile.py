@@ -231,7 +231,8 @@ def test_schedule_options_reach_tpu_programs_only():
     tracking = "xla_tpu_enable_scheduler_memory_pressure_tracking"
     tpu = Mesh(np.array(compile_only_devices("tpu7x-16")), ("cp",))
     cpu = Mesh(np.array(jax.devices("cpu")[:1]), ("cp",))
-    assert compiler_options("overlap", tpu) == {tracking: False}
+    assert compiler_options("overlap", tpu) == {tracking: False,
+                                                 "xla_tpu_enable_async_all_to_all": True}
     assert compiler_options("xla", tpu) is None
     assert compiler_options("overlap", cpu) is None
 
