@@ -312,35 +312,48 @@ def test_the_pages_gathered_ahead_move_beside_the_indexer_kernels():
     assert kv["hidden_s"] >= 0.6 * kv["collective_s"], kv
 
 
-def test_experts_in_groups_compile_and_run_fewer_rows():
-    """The 8K chunk at 0 of a GLM-5.2 prompt (5 layers, scaled to 78), its experts in one
-    group, in 8 (runtime field `expert_groups`), and held in one but regrouped into 8 for the
-    chunk (`prefill_expert_groups`): all compile and fit, with the stacks split two ways and a
-    group's extra passes in a loop. In 8 groups each device gathers, runs and sums back about
-    an eighth of the (token, expert) rows: measured, the dense phase's time with the unpriced
-    work (the rows' gathers and scatters) 91.6 -> 72.0 ms, its serial time 104.2 -> 98.7 ms.
-    Regrouped, the kernels of 8 groups and each layer's expert weights exchanged by an
-    all-to-all: the chunk's ICI bytes grow by the exchange, 132 ms a chunk at the ICI rate
-    whatever its length, which an 8K chunk's rows do not repay (the dense phase with the
-    unpriced work 91.6 -> 201.0 ms). (At 32K chunks, where XLA:TPU moves the rows on the
-    SparseCores, 360 -> 156 ms a chunk in 8 groups and 238 regrouped: docs/performance.md,
-    "The experts in groups, as the runtime runs them" and "The experts regrouped for a
-    prefill".)"""
+def _chunk_8k_dense_figures(**layouts: dict) -> dict:
+    """The 8K chunk at 0 of a GLM-5.2 prompt (5 layers, scaled to 78), compiled once per
+    layout (RuntimeConfig fields): its dense phase's figures, after checking it fits."""
     device = compile_only_devices("tpu7x-16")[0]
     case = PhaseCase("prefill_logits", 8192, 1, 0)
-    layouts = {"one": {}, "8 groups": {"expert_groups": 8},
-               "regrouped": {"prefill_expert_groups": 8}}
-    runs = {name: run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
-                           kv_cache_dtype="fp8_e4m3", topology="tpu7x-16",
-                           clock_hz=compiler_clock_hz(device), **layout)
-            for name, layout in layouts.items()}
-    for r in runs.values():
+    dense = {}
+    for name, layout in layouts.items():
+        r = run_case(case, model="glm-5.2", layers=None, chunk=8192, page_size=64,
+                     kv_cache_dtype="fp8_e4m3", topology="tpu7x-16",
+                     clock_hz=compiler_clock_hz(device), **layout)
         assert r["compiled"], r["error"]
         assert r["peak_bytes"] <= 96 * GIB, r["peak_bytes"]
-    dense = {name: r["phases"]["dense"] for name, r in runs.items()}
-    one, grouped, regrouped = dense["one"], dense["8 groups"], dense["regrouped"]
+        dense[name] = r["phases"]["dense"]
+    return dense
+
+
+def test_experts_in_groups_compile_and_run_fewer_rows():
+    """The 8K chunk at 0, its experts in one group and in 8 (runtime field `expert_groups`):
+    both compile and fit, with the stacks split two ways and a group's extra passes in a
+    loop. In 8 groups each device gathers, runs and sums back about an eighth of the (token,
+    expert) rows: measured, the dense phase's time with the unpriced work (the rows' gathers
+    and scatters) 91.6 -> 72.0 ms, its serial time 104.2 -> 98.7 ms. (At 32K chunks, where
+    XLA:TPU moves the rows on the SparseCores, 360 -> 156 ms a chunk: docs/performance.md,
+    "The experts in groups, as the runtime runs them".)"""
+    dense = _chunk_8k_dense_figures(one={}, grouped={"expert_groups": 8})
+    one, grouped = dense["one"], dense["grouped"]
     assert grouped["with_unpriced_s"] <= 0.9 * one["with_unpriced_s"], dense
     assert grouped["seconds"] < one["seconds"], dense
+
+
+@pytest.mark.slow
+def test_a_prefill_regrouping_its_experts_compiles_and_runs_eight_groups_kernels():
+    """The 8K chunk at 0, its experts held in one group and regrouped into 8 for the chunk
+    (`prefill_expert_groups`), against one group and 8 held groups: it compiles and fits,
+    runs 8 groups' kernels (kernel bytes 0.64 of one group's) and sends each layer's expert
+    weights over the ICI besides: 132 ms a chunk at the ICI rate whatever its length, which
+    an 8K chunk's rows do not repay (the dense phase with the unpriced work 91.6 -> 201.0
+    ms). (At 32K chunks, 360 -> 238 ms a chunk: docs/performance.md, "The experts regrouped
+    for a prefill".) Slow: three compiles."""
+    dense = _chunk_8k_dense_figures(one={}, grouped={"expert_groups": 8},
+                                    regrouped={"prefill_expert_groups": 8})
+    one, grouped, regrouped = dense["one"], dense["grouped"], dense["regrouped"]
     # What each device sends: 7/8 of its slice of 75 MoE layers' experts (fp8 values alone).
     exchange = 75 * 7 / 8 * (256 * 3 * 6144 * 2048) / 16
     assert regrouped["ici_bytes"] >= one["ici_bytes"] + exchange, dense
