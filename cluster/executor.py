@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cp_runtime.cache.pool import CacheRows
 from cp_runtime.config import RuntimeConfig
-from cp_runtime.engine.executor import Executor, pool_spec_for
+from cp_runtime.engine.executor import Executor, experts_for_plan, pool_spec_for
 from cp_runtime.engine.requests import Unavailable
 from cp_runtime.engine.step import Segment
 from cp_runtime.model.source import WeightsSource
@@ -84,6 +84,7 @@ class _Group:
     last_seen: list[float] = dataclasses.field(default_factory=list)
     sockets: list | None = None                 # the persistent channels, when open
     shapes: set = dataclasses.field(default_factory=set)   # plan shapes run (compiled)
+    experts_in: int = 1         # the groups its routed experts are in now (as LocalExecutor's)
 
 
 class RayExecutor(Executor):
@@ -360,8 +361,13 @@ class RayExecutor(Executor):
     def run(self, plan: tuple[Segment, ...]) -> list:
         t0 = time.perf_counter()
         group = self._group
-        shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
-                      for seg in plan)
+        # Each layout of the experts has its own step programs (LocalExecutor): a plan's
+        # shape is compiled once in each it runs in.
+        experts = experts_for_plan(plan, self.runtime.prefill_expert_groups,
+                                   self.runtime.chunk_size, 1 if group is None
+                                   else group.experts_in)
+        shape = (experts, *((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
+                            for seg in plan))
         new = group is None or shape not in group.shapes
         if new:
             # Every worker compiles first, then all run: a worker still compiling while
@@ -370,6 +376,7 @@ class RayExecutor(Executor):
         results = self._call("run", plan, timeout_s=self.setup_timeout_s if new else None)
         if group is not None:
             group.shapes.add(shape)
+            group.experts_in = experts
         outs, _ = results[0]
         self.last_worker_s = max(s for _, s in results)
         self.dispatch["steps"] += 1

@@ -351,11 +351,13 @@ class RuntimeConfig:
     # 1 / expert_groups of them (cp_runtime.model.expert_groups). Must divide num_shards.
     expert_groups: int = 1
     # Sharded weights' routed experts held in one group, and exchanged into this many groups
-    # for each MoE layer of a prefill chunk whose rows split over the shards (an all-to-all of
-    # the layer's expert weights within blocks of prefill_expert_groups shards;
-    # WeightShards.regroup_experts): a prefill chunk's shard runs about 1 / N of its (token,
-    # expert) pairs, as in expert_groups N, while a decode step reads every expert from every
-    # shard, as in one group. 1: no exchange. Must divide num_shards; needs expert_groups 1.
+    # while long prompts prefill (cp_runtime.weights.regroup): before a step with a whole
+    # chunk_size chunk every MoE layer's expert stacks go, layer by layer and in place, to
+    # prefill_expert_groups groups (an all-to-all within blocks of that many shards), and they
+    # come back to one group before the next step with no prefill. A prefill shard then runs
+    # about 1 / N of its (token, expert) pairs, as in expert_groups N, while a decode step
+    # reads every expert from every shard, as in one group. 1: never exchanged. Must divide
+    # num_shards; needs expert_groups 1.
     prefill_expert_groups: int = 1
     key_block_pages: int = 64
     query_block: int = 64

@@ -2,7 +2,8 @@
 experts, sliced by feature, and runs only its group's (token, expert) pairs, in passes of a
 fixed number of rows. Against one group (every device a slice of every expert): the layout's
 arithmetic, the passes exact however uneven the routing, the fp8 kernel path, placement from a
-checkpoint, and whole prefills' logits."""
+checkpoint, and whole prefills' logits. And the experts placed in one group and regrouped for
+long prompts (`prefill_expert_groups`): when they move, and the logits either way."""
 
 import functools
 
@@ -15,6 +16,8 @@ from conftest import make_engine, random_tokens, rel_l2
 from test_checkpoint import HF_CONFIG, write_checkpoint
 from cp_runtime.cache.pool import CP_AXIS
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
+from cp_runtime.engine.executor import LocalExecutor, experts_for_plan
+from cp_runtime.engine.step import Segment, StepInputs
 from cp_runtime.kernels import expert_matmul, fp8_rows
 from cp_runtime.model import expert_groups
 from cp_runtime.model.forward import _every_expert, _routed_experts, expert_rows
@@ -237,28 +240,112 @@ def test_a_prefill_in_expert_groups_gives_one_groups_logits(model_name):
         assert rel_l2(_prefill(model, params, groups, 300), one) <= 1e-5, groups
 
 
-def _prefill_regrouped(model, params, groups: int, tokens: int, halves: str) -> np.ndarray:
-    """A prefill whose chunks split their rows over the shards (gather_kv, 64 rows over 16),
-    the experts held in one group and regrouped into `groups` for each MoE layer; `halves`
-    "on": as two halves, each layer's experts regrouped in the layer before."""
+def _regrouped_session(model, params, groups: int, weight_dtype: str, halves: str):
+    """A 200-token prompt in chunks that split their rows over 16 shards (gather_kv, 64 rows)
+    and one decode step, the experts regrouped into `groups` for the prompt -> (the prompt's
+    logits, the step's, the groups the experts were in after the prompt and after the step,
+    the engine)."""
     engine = make_engine(model, params, kv_cache_dtype="f32", num_shards=S, pages_per_shard=4,
-                         page_size=16, chunk_size=64, weights="sharded", attention="gather_kv",
+                         page_size=16, chunk_size=64, weights="sharded",
+                         weight_dtype=weight_dtype, attention="gather_kv",
                          row_attention="weights", chunk_halves=halves,
                          prefill_expert_groups=groups)
     s = engine.create_session()
-    return engine.extend(s.id, random_tokens(model, tokens, seed=3), all_logits=True)
+    prompt = engine.extend(s.id, random_tokens(model, 200, seed=3), all_logits=True)
+    after_prompt = engine.executor.experts_in
+    step = engine.decode([s.id], [7])
+    return prompt, step, (after_prompt, engine.executor.experts_in), engine
 
 
-@pytest.mark.parametrize("model_name,halves,groups", [("tiny", "off", 16),
-                                                      ("deepseek-mini", "off", 4),
-                                                      ("deepseek-mini", "on", 2)])
-def test_a_prefill_regrouping_its_experts_gives_one_groups_logits(model_name, halves, groups):
-    """f32 weights over 16 shards, 200 tokens (the last chunk's 8 rows do not split: the
-    experts as held there): each MoE layer's experts exchanged into `groups` against none, in
-    one pass and as two halves (deepseek-mini's layer 0 is dense, so there each MoE layer's
-    are exchanged in the layer before). tiny's 4 experts in 16 groups are padded with 12
-    zero experts. Bound 1e-5, as above."""
+def _expert_stacks(engine) -> dict[str, np.ndarray]:
+    return {name: np.asarray(x) for name, x in engine.executor.params.items()
+            if ".mlp.experts." in name}
+
+
+@pytest.mark.parametrize("model_name,weight_dtype,groups,halves", [
+    ("tiny", "f32", 16, "off"), ("deepseek-mini", "fp8", 4, "off"),
+    ("deepseek-mini", "f32", 2, "on")])
+def test_a_prompt_with_its_experts_regrouped_gives_one_groups_logits(model_name, weight_dtype,
+                                                                     groups, halves):
+    """200 tokens over 16 shards: three whole chunks move the experts into `groups` groups,
+    the last 8 rows run as they are, and the decode step moves them back. The prompt's and
+    the step's logits against one group: f32 within 1e-5 (the bound of test_sharded_weights;
+    each device sums other pairs). fp8 weights (block scales moved with their values): the
+    same fp8 values as one group's, summed in another order into bf16 partials, measured
+    1.3e-4, bound 1e-3 (4 groups as placed quantize other blocks: 0.10 from one group's).
+    Back in one group the stacks are bit for bit those placed. tiny's 4 experts in 16
+    groups: 12 zero experts pad them."""
     model = load_model_config(model_name)
     params = init_params(model, seed=0)
-    one = _prefill_regrouped(model, params, 1, 200, halves)
-    assert rel_l2(_prefill_regrouped(model, params, groups, 200, halves), one) <= 1e-5
+    one_prompt, one_step, groups_one, one = _regrouped_session(model, params, 1, weight_dtype,
+                                                               halves)
+    prompt, step, groups_seen, engine = _regrouped_session(model, params, groups,
+                                                           weight_dtype, halves)
+    assert groups_one == (1, 1) and groups_seen == (groups, 1)
+    bound = 1e-5 if weight_dtype == "f32" else 1e-3
+    assert rel_l2(prompt, one_prompt) <= bound
+    assert rel_l2(step, one_step) <= bound
+    placed, back = _expert_stacks(one), _expert_stacks(engine)
+    assert placed.keys() == back.keys() and placed
+    for name in placed:
+        np.testing.assert_array_equal(back[name], placed[name], err_msg=name)
+
+
+def _plan(*queries: tuple[int, int]) -> tuple:
+    """A step plan of segments with (rows, real queries a row) each, padded to 64 queries
+    where a row is a prefill chunk."""
+    segments = []
+    for rows, real in queries:
+        width = 1 if real == 1 else 64
+        positions = np.full((rows, width), -1, np.int32)
+        positions[:, :real] = np.arange(real)
+        segments.append(Segment("fill", StepInputs(
+            tokens=np.zeros((rows, width), np.int32), positions=positions,
+            page_table=np.zeros((rows, 16), np.int32),
+            logit_index=np.zeros((rows,), np.int32))))
+    return tuple(segments)
+
+
+def test_the_experts_regroup_for_a_whole_chunk_and_come_back_for_decode_alone():
+    """experts_for_plan with chunks of 64: a whole chunk (beside decode rows or not) wants 4
+    groups; decode rows alone want one; a shorter chunk keeps what is (a prompt's last chunk
+    runs as its others did, a short prompt between decode steps moves nothing); with
+    prefill_expert_groups 1 nothing ever moves."""
+    whole, decode, short = _plan((1, 64)), _plan((8, 1)), _plan((1, 20))
+    beside = _plan((8, 1), (1, 64))
+    for now in (1, 4):
+        assert experts_for_plan(whole, 4, 64, now) == 4
+        assert experts_for_plan(beside, 4, 64, now) == 4
+        assert experts_for_plan(decode, 4, 64, now) == 1
+        assert experts_for_plan(short, 4, 64, now) == now
+        assert experts_for_plan(_plan((8, 1), (1, 20)), 4, 64, now) == now
+    assert experts_for_plan(_plan((64, 1)), 4, 64, 4) == 1      # as many decode rows as a chunk
+    assert experts_for_plan(whole, 1, 64, 1) == 1
+
+
+def test_an_exchange_that_fails_part_way_puts_back_the_layers_it_moved():
+    """deepseek-mini's MoE layers over 16 shards, the exchange into 4 groups failing at its
+    second layer: the first layer's stacks come back, so every stack is the placed one, bit
+    for bit, the executor still says one group, and the failure is raised."""
+    model = load_model_config("deepseek-mini")
+    executor = LocalExecutor(model, RuntimeConfig(model=model.name, num_shards=S,
+                                                  pages_per_shard=4, page_size=16,
+                                                  weights="sharded", weight_dtype="fp8",
+                                                  prefill_expert_groups=4),
+                             init_params(model, seed=0))
+    placed = {n: np.asarray(x) for n, x in executor.params.items() if ".mlp.experts." in n}
+    regrouping, calls = executor._regrouping, []
+    exchange = regrouping.to_groups_layer
+
+    def failing(stacks):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a device failed mid-exchange")
+        return exchange(stacks)
+
+    regrouping.to_groups_layer = failing
+    with pytest.raises(RuntimeError, match="mid-exchange"):
+        executor.run(_plan((1, 64)))
+    assert executor.experts_in == 1 and len(calls) == 2
+    for name, values in placed.items():
+        np.testing.assert_array_equal(np.asarray(executor.params[name]), values, err_msg=name)

@@ -238,14 +238,18 @@ def checkpoint(tmp_path_factory):
                 shapes, cfg, "sharded", "f32", 16, expert_groups=groups)) for groups in (1, 4)}}
 
 
-@pytest.mark.parametrize("groups", [1, 4])
-def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint, groups):
+@pytest.mark.parametrize("groups,prefill_groups", [(1, 1), (4, 1), (1, 4)])
+def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, checkpoint, groups,
+                                                   prefill_groups):
     """`cp-runtime serve --checkpoint DIR --weights sharded --executor ray`: each worker reads
     only its devices' blocks of the checkpoint, and the server's greedy tokens equal the local
     executor's with whole weights; `stats` shows both workers, each device with its part. With
-    the routed experts in 4 groups (each worker holds two groups' experts) as well."""
+    the routed experts in 4 groups (each worker holds two groups' experts) as well, and in one
+    group exchanged into 4 for the prompt's two whole chunks and back for the generation
+    (an all-to-all across the two workers' processes)."""
     server = ServerProcess(["--checkpoint", checkpoint["dir"], "--shards", "16",
                             "--expert-groups", str(groups),
+                            "--prefill-expert-groups", str(prefill_groups),
                             "--weights", "sharded", "--weight-dtype", "f32",
                             "--kv-cache-dtype", "f32", "--pages-per-shard", "24",
                             "--chunk-size", "64", "--executor", "ray", "--hosts", "2",

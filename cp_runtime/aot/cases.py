@@ -34,8 +34,8 @@ from cp_runtime.aot.roofline import TPU7X_DEVICE, DeviceRates, compiler_clock_hz
 from cp_runtime.aot.topology import compile_only_devices
 from cp_runtime.config import load_model_config
 
-__all__ = ["PREFILL_PROGRAM", "PhaseCase", "case_matrix", "run_case", "run_matrix",
-           "prefill_seconds", "size_label", "priced"]
+__all__ = ["PREFILL_PROGRAM", "PhaseCase", "case_matrix", "run_case", "run_exchanges",
+           "run_matrix", "prefill_seconds", "size_label", "priced"]
 
 
 # The chunk with its last query's logits, not the "fill" chunk most steps run: in a fill chunk
@@ -114,6 +114,30 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
         return out
     scaled = model_figures(_layer_keys(program["layer_phases"]), cut_model(full, layers), full)
     return {**out, **priced(scaled, clock_hz, rates)}
+
+
+def run_exchanges(*, model: str, topology: str, groups: int, clock_hz: float,
+                  rates: DeviceRates = TPU7X_DEVICE) -> dict:
+    """The routed experts' exchange into `groups` groups before a prompt ("experts_to_groups")
+    and back after it ("experts_to_one"; cp_runtime.weights.regroup): one MoE layer's program
+    compiled, priced as a step's phases are, and times the model's MoE layers -> {program:
+    {seconds, with_unpriced_s (the whole model's), peak_bytes (one layer's program)}}.
+    Nothing runs beside an exchange, so its overlapped time is its serial time."""
+    full = load_model_config(model)
+    moe_layers = [i for i in range(full.num_hidden_layers) if full.is_moe_layer(i)]
+    plan = CompilePlan(model=model, topology=topology, layers=moe_layers[0] + 1,
+                       prefill_expert_groups=groups,
+                       programs=("experts_to_groups", "experts_to_one"))
+    out = {}
+    for program in compile_plan(plan)["programs"]:
+        if not program["compiled"]:
+            raise RuntimeError(f"{program['name']} did not compile: {program['error']}")
+        layer = priced({name: PhaseFigures(**f) for name, f in program["phases"].items()},
+                       clock_hz, rates)
+        out[program["name"]] = {"seconds": layer["seconds"] * len(moe_layers),
+                                "with_unpriced_s": layer["with_unpriced_s"] * len(moe_layers),
+                                "peak_bytes": program["peak_bytes"]}
+    return out
 
 
 def priced(phases: dict[str, PhaseFigures], clock_hz: float,

@@ -14,8 +14,7 @@ import dataclasses
 import numpy as np
 from jax.sharding import Mesh
 
-from cp_runtime.aot.programs import (cut_model, executor_programs, param_structs, pool_structs,
-                                     weight_tensors)
+from cp_runtime.aot.programs import cut_model, executor_programs, pool_structs, weight_tensors
 from cp_runtime.aot.report import compile_program, per_device_bytes
 from cp_runtime.aot.topology import compile_only_devices, topology
 from cp_runtime.cache.capacity import GIB, deployment_report
@@ -23,6 +22,7 @@ from cp_runtime.cache.pool import CP_AXIS
 from cp_runtime.config import RuntimeConfig, load_model_config
 from cp_runtime.engine.executor import pool_spec_for
 from cp_runtime.weights.format import resolve_runtime_weights
+from cp_runtime.weights.placement import param_structs
 
 __all__ = ["CompilePlan", "compile_plan", "pool_pages_for"]
 

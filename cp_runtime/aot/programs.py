@@ -5,6 +5,10 @@ arguments placed on compile-only devices: nothing is allocated.
     prefill_fill    one "fill" segment: a chunk of chunk_size queries, no lm head
     prefill_sample  the same chunk, then sampling after its last query
     prefill_logits  the same chunk, then the logits of its last query
+    experts_to_groups  one MoE layer's routed experts from one group into
+                       runtime.prefill_expert_groups (cp_runtime.weights.regroup), when that is
+                       over 1; the prefill programs then take the experts so regrouped
+    experts_to_one     the same layer's back to one group
     row_export      read a chunk's cached rows, every layer (snapshots): latent, then indexer
     row_import      write them back into the pool (restores)
     page_copy       copy one page, every layer, on one shard (forks)
@@ -30,11 +34,12 @@ from cp_runtime.engine.step import StepInputs, make_step
 from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.storage import cdiv, storage_dtype
 from cp_runtime.model.sampler import SamplingArrays
-from cp_runtime.weights.format import STORED_DTYPES, DeviceTensor, device_tensors
+from cp_runtime.weights.format import DeviceTensor, device_tensors
 from cp_runtime.weights.params import model_shapes
-from cp_runtime.weights.placement import param_specs
+from cp_runtime.weights.placement import param_structs
+from cp_runtime.weights.regroup import ExpertRegrouping
 
-__all__ = ["Program", "cut_model", "executor_programs", "param_structs", "pool_structs",
+__all__ = ["Program", "cut_model", "executor_programs", "pool_structs",
            "weight_tensors"]
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +72,6 @@ def weight_tensors(model: ModelConfig, runtime: RuntimeConfig) -> dict[str, Devi
     experts in runtime.expert_groups."""
     return device_tensors(model_shapes(model), model, runtime.weights, runtime.weight_dtype,
                           runtime.num_shards, expert_groups=runtime.expert_groups)
-
-
-def param_structs(tensors: dict[str, DeviceTensor], mesh: Mesh
-                  ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The weight arguments, `tensors` as ShapeDtypeStructs placed on `mesh`."""
-    specs = param_specs(tensors, CP_AXIS)
-    return {name: jax.ShapeDtypeStruct(t.shape, STORED_DTYPES[t.dtype],
-                                       sharding=NamedSharding(mesh, specs[name]))
-            for name, t in tensors.items()}
 
 
 def pool_structs(spec: PoolSpec, mesh: Mesh) -> KVPool:
@@ -124,10 +120,21 @@ def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
 
 
 def _step_programs(model, runtime, mesh, spec, pool, kernels, context: int) -> list[Program]:
-    """The decode step and a prefill chunk (fill, sample, logits): weights, pool, segment."""
+    """The decode step and a prefill chunk (fill, sample, logits): weights, pool, segment;
+    with the experts regrouped for long prompts, the exchanges of one layer's experts."""
     tensors = weight_tensors(model, runtime)
     params = param_structs(tensors, mesh)
     step = make_step(model, runtime, spec, mesh, kernels, tensors)
+    prefill_step, prefill_params, exchanges = step, params, []
+    if runtime.prefill_expert_groups > 1:
+        regrouping = ExpertRegrouping(mesh, tensors, runtime.prefill_expert_groups, CP_AXIS)
+        prefill_params = param_structs(regrouping.grouped, mesh)
+        prefill_step = make_step(model, runtime, spec, mesh, kernels, regrouping.grouped,
+                                 experts_regrouped=regrouping.groups)
+        exchanges = [Program(name, fn, (regrouping.layer_arguments(p),), {}, weight_args=(0,))
+                     for name, fn, p in (("experts_to_groups", regrouping.to_groups_layer, params),
+                                         ("experts_to_one", regrouping.to_one_layer,
+                                          prefill_params))]
     width = _table_width(context, runtime.page_size, runtime.num_shards)
     s = runtime.num_shards
     decode = _segment_structs(runtime.max_batch, 1, width, True, mesh, s)
@@ -135,9 +142,9 @@ def _step_programs(model, runtime, mesh, spec, pool, kernels, context: int) -> l
                         weight_args=(0,), pool_args=(1,))]
     for kind in ("fill", "sample", "logits"):
         chunk = _segment_structs(1, runtime.chunk_size, width, kind == "sample", mesh, s)
-        programs.append(Program(f"prefill_{kind}", step, (params, pool, chunk),
+        programs.append(Program(f"prefill_{kind}", prefill_step, (prefill_params, pool, chunk),
                                 {"kind": kind}, weight_args=(0,), pool_args=(1,)))
-    return programs
+    return programs + exchanges
 
 
 def _cache_programs(runtime, mesh, spec, pool, kernels) -> list[Program]:

@@ -247,12 +247,12 @@ def add_expert_groups(p: argparse.ArgumentParser) -> None:
                         "of its (token, expert) pairs, a decode step may read N times the "
                         "features; 1: every shard a slice of every expert")
     p.add_argument("--prefill-expert-groups", type=positive_int, default=1, metavar="N",
-                   help="with sharded weights and one expert group, a prefill chunk whose "
-                        "rows split over the shards exchanges each MoE layer's experts into "
-                        "N groups first (an all-to-all of their weights within blocks of N "
-                        "shards): the prefill's pairs as in --expert-groups N, a decode "
-                        "step's experts read by every shard as in one (N must divide the "
-                        "shards); 1: no exchange")
+                   help="with sharded weights and one expert group, the experts exchanged "
+                        "into N groups while long prompts prefill (before a step with a whole "
+                        "chunk, an all-to-all of each MoE layer's experts within blocks of N "
+                        "shards) and back before the next step with no prefill: the prompt's "
+                        "pairs as in --expert-groups N, a decode step's experts read by every "
+                        "shard as in one (N must divide the shards); 1: never exchanged")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

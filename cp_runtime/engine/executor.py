@@ -24,11 +24,13 @@ from cp_runtime.kernels.storage import from_storage, storage_dtype
 from cp_runtime.weights.format import device_tensors, resolve_runtime_weights
 from cp_runtime.weights.params import Params, model_layout
 from cp_runtime.weights.placement import (ArrayBlocks, BlockSource, device_memory_bytes,
-                                          place_weights, weight_bytes_per_device)
+                                          param_structs, place_weights,
+                                          weight_bytes_per_device)
+from cp_runtime.weights.regroup import ExpertRegrouping
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Executor", "LocalExecutor", "pool_spec_for"]
+__all__ = ["Executor", "LocalExecutor", "experts_for_plan", "pool_spec_for"]
 
 
 def pool_spec_for(model: ModelConfig, runtime: RuntimeConfig) -> PoolSpec:
@@ -145,13 +147,32 @@ def make_row_io(mesh, kernels: Kernels, spec: PoolSpec):
     return jax.jit(read), jax.jit(write, donate_argnums=(0,))
 
 
+def experts_for_plan(plan: tuple[Segment, ...], regroup: int, chunk_size: int,
+                     now: int) -> int:
+    """The groups the routed experts should be in for `plan`, when they are `now` in that many
+    (1: as placed) and may be regrouped into `regroup` (RuntimeConfig.prefill_expert_groups):
+    `regroup` for a plan with a whole chunk of prefill (`chunk_size` queries), 1 for one of
+    decode rows alone, else as they are (a prompt's last, shorter chunk runs as its others
+    did; a short prompt between decode steps does not pay two exchanges)."""
+    if regroup == 1:
+        return 1
+    prefills = [seg for seg in plan if seg.inputs.tokens.shape[1] > 1]
+    if any(int(np.sum(seg.inputs.positions >= 0)) >= chunk_size for seg in prefills):
+        return regroup
+    return now if prefills else 1
+
+
 class LocalExecutor(Executor):
     """Runs steps on the first S devices of this process (or of every process, when JAX is
     distributed), with weights whole on each device or split over them (runtime.weights), in
     runtime.weight_dtype ("auto" of either is resolved here: `self.runtime` is concrete).
 
     weights: in-memory weights (HF or model layout), or a `BlockSource` that reads only the
-    blocks this process's devices hold (a checkpoint)."""
+    blocks this process's devices hold (a checkpoint).
+
+    With runtime.prefill_expert_groups g > 1 the routed experts move between one group and g
+    (cp_runtime.weights.regroup) before a plan that wants the other (`experts_for_plan`);
+    `experts_in` says which they are in, and each layout has its own step program."""
 
     def __init__(self, model: ModelConfig, runtime: RuntimeConfig,
                  weights: Params | BlockSource):
@@ -184,21 +205,50 @@ class LocalExecutor(Executor):
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
         self._copy_page = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
-        self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
-                               self.weight_tensors)
+        self.experts_in = 1
+        self._regrouping = (ExpertRegrouping(self.mesh, self.weight_tensors,
+                                             runtime.prefill_expert_groups, CP_AXIS)
+                            if runtime.prefill_expert_groups > 1 else None)
+        self._steps = {1: make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
+                                    self.weight_tensors)}
+        if self._regrouping is not None:
+            groups = self._regrouping.groups
+            self._steps[groups] = make_step(model, runtime, self.pool_spec, self.mesh,
+                                            self.kernels, self._regrouping.grouped,
+                                            experts_regrouped=groups)
+
+    def _experts_for(self, plan: tuple[Segment, ...]) -> int:
+        return experts_for_plan(plan, self.runtime.prefill_expert_groups,
+                                self.runtime.chunk_size, self.experts_in)
+
+    def _regroup(self, groups: int) -> None:
+        """The routed experts into `groups` groups (1: back as placed), in place (an exchange
+        that fails part-way puts back the layers it moved, then raises)."""
+        if groups == self.experts_in:
+            return
+        t0 = time.perf_counter()
+        if groups == 1:
+            self._regrouping.to_one(self.params)
+        else:
+            self._regrouping.to_groups(self.params)
+        self.experts_in = groups
+        log.info("experts: in %d group%s, exchanged in %.2f s", groups,
+                 "" if groups == 1 else "s", time.perf_counter() - t0)
 
     def run(self, plan: tuple[Segment, ...]) -> list:
         # One program per segment, in order: a step of decode rows plus a prefill chunk would
         # otherwise compile once per (rows, decode table width, prefill table width) and stall
         # serving for seconds at each new combination; separately their compiles add up.
         outs, host_s = [], 0.0
+        self._regroup(self._experts_for(plan))
+        step = self._steps[self.experts_in]
         for seg in plan:
             t0 = time.perf_counter()
             args = seg.to_device(self.mesh, self.runtime.num_shards)
             host_s += time.perf_counter() - t0
             shape = (seg.kind, *(a.shape for a in jax.tree.leaves(args)))
             t0 = time.perf_counter()
-            out, self.pool = self._step(self.params, self.pool, args, kind=seg.kind)
+            out, self.pool = step(self.params, self.pool, args, kind=seg.kind)
             outs.append(out)
             # Wait for each program even when it returns nothing ("fill"): two SPMD programs
             # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each
@@ -218,10 +268,19 @@ class LocalExecutor(Executor):
         """Compile (or load from the persistent cache) each segment's program without running
         it; the next `run` of the same shapes finds them compiled. A multi-process group does
         this before a new shape's first step, so no process waits in a collective's rendezvous
-        while another is still compiling (gloo gives a rendezvous 30 s)."""
+        while another is still compiling (gloo gives a rendezvous 30 s). A plan that moves the
+        experts compiles its exchange and the other layout's step."""
+        groups = self._experts_for(plan)
+        params = self.params
+        if groups != self.experts_in:
+            regrouping = self._regrouping
+            exchange = regrouping.to_one_layer if groups == 1 else regrouping.to_groups_layer
+            exchange.lower(regrouping.layer_arguments(self.params)).compile()
+            params = param_structs(regrouping.grouped if groups > 1 else self.weight_tensors,
+                                   self.mesh)
         for seg in plan:
             args = seg.to_device(self.mesh, self.runtime.num_shards)
-            self._step.lower(self.params, self.pool, args, kind=seg.kind).compile()
+            self._steps[groups].lower(params, self.pool, args, kind=seg.kind).compile()
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
@@ -234,7 +293,9 @@ class LocalExecutor(Executor):
         per_device = self.weight_bytes()
         return {"executor": type(self).__name__, "weights": self.runtime.weights,
                 "weight_dtype": self.runtime.weight_dtype,
-                "weight_bytes_per_device": max(per_device.values())}
+                "weight_bytes_per_device": max(per_device.values()),
+                "expert_groups_now": self.experts_in if self._regrouping is not None
+                else self.runtime.expert_groups}
 
     def read_rows(self, shard, slot, offset) -> CacheRows:
         where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))

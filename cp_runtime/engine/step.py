@@ -131,14 +131,17 @@ class Segment:
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
                   kernels: Kernels, kind: str, combine_fn, wire_dtype: str, mlp_rows: str,
-                  indexer_scores: str, halves: bool):
+                  indexer_scores: str, halves: bool, experts_regrouped: int):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
-    every head of its own, runs them as two halves (`resolve_chunk_halves`)."""
+    every head of its own, runs them as two halves (`resolve_chunk_halves`).
+    experts_regrouped: 1, the routed experts as placed (runtime.expert_groups); g > 1, held
+    regrouped into g groups (cp_runtime.weights.regroup)."""
     sharded = runtime.weights == "sharded"
+    groups = runtime.expert_groups if experts_regrouped == 1 else experts_regrouped
     ws = WeightShards(CP_AXIS if sharded else None, wire_dtype=wire_dtype, mlp_rows=mlp_rows,
-                      expert_groups=runtime.expert_groups if sharded else 1,
-                      prefill_expert_groups=runtime.prefill_expert_groups if sharded else 1)
+                      expert_groups=groups if sharded else 1,
+                      groups_strided=experts_regrouped > 1)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
@@ -231,25 +234,27 @@ def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
     scheduler's memory limit, and there XLA:TPU issued each all-gather, reduce-scatter and
     SparseCore gather or scatter only when its result was next needed, beside almost no
     compute (docs/performance.md, "The scheduler's memory-pressure tracking"). All-to-alls
-    (a decode step's merge, a prefill's regrouped experts) run asynchronously."""
+    (a decode step's merge) run asynchronously."""
     if tpu_schedule == "xla" or mesh.devices.flat[0].platform != "tpu":
         return None
     return {"xla_tpu_enable_scheduler_memory_pressure_tracking": False,
             # XLA:TPU runs an all-to-all synchronously unless told, with nothing beside it:
-            # a prefill regrouping its experts (RuntimeConfig.prefill_expert_groups), and a
-            # decode step's merge (docs/performance.md, "The experts regrouped for a prefill").
+            # a decode step's merge (docs/performance.md, "The experts exchanged inside each
+            # chunk").
             "xla_tpu_enable_async_all_to_all": True}
 
 
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
               kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
-              combine_fn=combine):
+              combine_fn=combine, experts_regrouped: int = 1):
     """Returns step(params, pool, segment, kind=...) -> (output, pool), jitted.
 
     weight_tensors: the arrays the weights are held in (cp_runtime.weights.format.device_tensors,
     for runtime.weights and runtime.weight_dtype, both concrete).
     combine_fn: how attention partials meet (cp_runtime.parallel.merge.combine; a benchmark may
     pass a stand-in to time the step without its merge).
+    experts_regrouped: g > 1 for the weights with their routed experts held regrouped into g
+    groups (cp_runtime.weights.regroup; weight_tensors then say so).
     segment: the argument tuple of `Segment.to_device(...)`; kind: what it returns (static).
     output: what `kind` returns (see the module docstring). The pool argument is donated.
     """
@@ -266,7 +271,8 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
                                  wire_dtype=wire_dtype, mlp_rows=mlp_rows,
-                                 indexer_scores=indexer_scores, halves=halves)
+                                 indexer_scores=indexer_scores, halves=halves,
+                                 experts_regrouped=experts_regrouped)
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

@@ -78,7 +78,6 @@ __all__ = [
     "embed",
     "EXPERTS",
     "expert_rows",
-    "experts_as_run",
     "weight",
 ]
 
@@ -833,20 +832,8 @@ def mlp(p: Params, cfg: ModelConfig, layer: int, x: jax.Array | MlpInput,
     finish = ws.join_rows if join else (lambda partial: partial)
     if not cfg.is_moe_layer(layer):
         return finish(_swiglu(p, "mlp", _swiglu_rows(rows)))
-    experts, experts_ws = experts_as_run(p, ws)
-    routed, _ = routed_experts(experts, cfg, rows, expert_matmul, ws=experts_ws)
+    routed, _ = routed_experts(p, cfg, rows, expert_matmul, ws=ws)
     return finish(plus_shared_experts(p, cfg, routed, rows))
-
-
-def experts_as_run(p: Params, ws: WeightShards) -> tuple[Params, WeightShards]:
-    """(p, ws) for `routed_experts` of a MoE layer's weights p: a step whose rows are split
-    over the devices (a prefill chunk) with `ws.prefill_expert_groups` set first exchanges the
-    layer's expert stacks into those groups (`WeightShards.regroup_experts`); any other runs
-    the experts as held."""
-    if not (ws.rows_split and ws.prefill_expert_groups > 1):
-        return p, ws
-    axes = {EXPERTS.format(proj): axis for proj, axis in (("gate", 2), ("up", 2), ("down", 1))}
-    return ws.regroup_experts(p, axes, SCALE_SUFFIX)
 
 
 def _swiglu_rows(rows: MlpInput) -> jax.Array | Fp8Rows:

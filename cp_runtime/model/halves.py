@@ -59,9 +59,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.model.forward import (EXPERTS, AttendFn, ExpertMatmulFn, MlpInput,
-                                      attention_block, attention_weights, embed,
-                                      experts_as_run, gathered_query_weights, mlp,
+from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, MlpInput, attention_block,
+                                      attention_weights, embed, gathered_query_weights, mlp,
                                       mlp_input, output_weights, plus_shared_experts,
                                       query_weights, rms_norm, routed_experts)
 from cp_runtime.model.phases import layer_scope, phase
@@ -82,9 +81,6 @@ AHEAD_QUERIES = 16384
 # exposed, docs/performance.md). Each costs its gathered buffer (656 MB a GLM-5.2 layer a
 # device at 1M tokens) for that long.
 CHAIN_DISTANCE = 2
-
-# A MoE layer's routed expert stacks (`_experts_ahead`).
-EXPERT_STACKS = tuple(EXPERTS.format(proj) for proj in ("gate", "up", "down"))
 
 
 def halves_fit(rows_shape: tuple[int, ...], num_shards: int) -> bool:
@@ -160,21 +156,6 @@ def _query_weights_ahead(params: Params, cfg: ModelConfig, layer: int, ws: Weigh
         return query_weights(layer_params(params, layer + 1), cfg, layer + 1, ws)
 
 
-def _experts_ahead(p_next: Params | None, cfg: ModelConfig, layer: int, ws: WeightShards
-                   ) -> tuple[Params, WeightShards] | None:
-    """The next layer's routed experts regrouped for this chunk (`forward.experts_as_run`,
-    from its weights p_next), to be exchanged during `layer`; None where there is nothing to
-    regroup. A layer's exchange (an all-to-all of its expert weights, 1.76 ms at the ICI rate
-    a GLM-5.2 layer in 8 groups) then runs beside the attention of the layer before, where
-    the ICI has room; in its own layer it met the MLP's all-gathers and reduce-scatters
-    (docs/performance.md, "The experts regrouped for a prefill")."""
-    if p_next is None or not cfg.is_moe_layer(layer + 1):
-        return None
-    with layer_scope(layer + 1), phase("dense"):
-        experts = experts_as_run(p_next, ws)
-    return None if experts[1] is ws else experts
-
-
 def _tie_weights(p: Params, names: tuple[str, ...], values: tuple) -> tuple[Params, tuple]:
     """(p, values), p's weights `names` and their scales tied (`lax.optimization_barrier`) to
     `values`, so that their gathers run beside the work that makes them."""
@@ -184,13 +165,11 @@ def _tie_weights(p: Params, names: tuple[str, ...], values: tuple) -> tuple[Para
 
 
 def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInput],
-          ws: WeightShards, expert_matmul: ExpertMatmulFn | None,
-          experts: tuple[Params, WeightShards] | None) -> tuple[jax.Array, jax.Array]:
+          ws: WeightShards, expert_matmul: ExpertMatmulFn | None) -> tuple[jax.Array, jax.Array]:
     """(A's MLP sums joined into this device's rows, B's partial sums): in a MoE layer, B's
     all-gathered rows tied to A's gated products (`routed_experts`' beside), A's
     reduce-scatter to B's routed sum; a dense layer's all-gather to A's MLP and the
-    reduce-scatter to B's. The routed experts are `experts` (weights, WeightShards) where
-    the layer before regrouped them (`_experts_ahead`), else `experts_as_run`'s.
+    reduce-scatter to B's.
 
     XLA:TPU starts a tied collective just before the last kernel ahead of its tie. Tied to
     whole MLPs, with the shared experts last in a kernel of their own (0.14 ms), B's
@@ -205,11 +184,9 @@ def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInpu
         a_sum = ws.join_rows(a_partial)
         b_partial = mlp(p, cfg, layer, b_in, ws, expert_matmul, join=False)
         return lax.optimization_barrier((a_sum, b_partial))
-    routed, routed_ws = experts or experts_as_run(p, ws)       # both halves' (regrouped once)
-    a_routed, b_in = routed_experts(routed, cfg, a_in, expert_matmul, beside=b_in,
-                                    ws=routed_ws)
+    a_routed, b_in = routed_experts(p, cfg, a_in, expert_matmul, beside=b_in, ws=ws)
     a_sum = ws.join_rows(plus_shared_experts(p, cfg, a_routed, a_in))
-    b_routed, _ = routed_experts(routed, cfg, b_in, expert_matmul, ws=routed_ws)
+    b_routed, _ = routed_experts(p, cfg, b_in, expert_matmul, ws=ws)
     a_sum, b_routed = lax.optimization_barrier((a_sum, b_routed))
     return a_sum, plus_shared_experts(p, cfg, b_routed, b_in)
 
@@ -236,7 +213,6 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
     selection = [None, None]
     b_partial = None                  # B's MLP sums of the layer before, not yet joined
     p_ahead = None                    # this layer's q weights, gathered in the layer before
-    experts_ahead = None              # this layer's routed experts, regrouped in the layer before
     for layer in range(cfg.num_hidden_layers):
         beside_kernels = layers_gathered_ahead(cfg, layer, ahead)
         chained = layers_gathered_in_chain(cfg, layer, ahead)
@@ -245,7 +221,6 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
             p = (attention_weights(layer_params(params, layer), cfg, layer, ws)
                  if p_ahead is None else output_weights(p_ahead, cfg, ws))
         p_ahead = _query_weights_ahead(params, cfg, layer, ws)      # in the next layer's scope
-        experts, experts_ahead = experts_ahead, _experts_ahead(p_ahead, cfg, layer, ws)
         with layer_scope(layer):
 
             def attention(i: int, state):
@@ -272,14 +247,9 @@ def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: 
                 if p_ahead is not None:
                     p_ahead, (a_in, b_out) = _tie_weights(p_ahead, gathered_query_weights(
                         cfg, layer + 1), (a_in, b_out))
-                if experts_ahead is not None:
-                    tied, (a_in, b_out) = _tie_weights(experts_ahead[0], EXPERT_STACKS,
-                                                       (a_in, b_out))
-                    experts_ahead = (tied, experts_ahead[1])
                 x[1] = x[1] + b_out
                 b_in = mlp_input(p, cfg, layer, x[1], pos_of[1], ws)
-                a_sum, b_partial = _mlps(p, cfg, layer, (a_in, b_in), ws, expert_matmul,
-                                         experts)
+                a_sum, b_partial = _mlps(p, cfg, layer, (a_in, b_in), ws, expert_matmul)
                 x[0] = x[0] + a_sum
     with phase("dense"):
         x[1] = x[1] + ws.join_rows(b_partial)

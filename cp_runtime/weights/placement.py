@@ -19,12 +19,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cp_runtime.weights.format import FP8_BLOCK, SCALE_SUFFIX, DeviceTensor, scale_runs
+from cp_runtime.weights.format import (FP8_BLOCK, SCALE_SUFFIX, STORED_DTYPES, DeviceTensor,
+                                       scale_runs)
 from cp_runtime.weights.fp8_blocks import HostBlock, to_stored
 from cp_runtime.weights.params import Params
 
-__all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "place_weights",
-           "weight_bytes_per_device"]
+__all__ = ["BlockSource", "ArrayBlocks", "device_memory_bytes", "param_specs", "param_structs",
+           "place_weights", "weight_bytes_per_device"]
 
 
 class BlockSource(Protocol):
@@ -62,6 +63,17 @@ def param_specs(tensors: dict[str, DeviceTensor], axis_name: str) -> dict[str, P
     """Each device tensor's PartitionSpec over the mesh axis `axis_name`."""
     return {name: PartitionSpec(*[axis_name if i == t.split_axis else None
                                   for i in range(len(t.shape))])
+            for name, t in tensors.items()}
+
+
+def param_structs(tensors: dict[str, DeviceTensor], mesh: Mesh
+                  ) -> dict[str, jax.ShapeDtypeStruct]:
+    """`tensors` as ShapeDtypeStructs placed on `mesh` (its one axis): the weight arguments
+    of a program lowered without the weights (to compile it ahead of them)."""
+    axis_name, = mesh.axis_names
+    specs = param_specs(tensors, axis_name)
+    return {name: jax.ShapeDtypeStruct(t.shape, STORED_DTYPES[t.dtype],
+                                       sharding=NamedSharding(mesh, specs[name]))
             for name, t in tensors.items()}
 
 

@@ -27,11 +27,9 @@ experts' kernel reads the same fp8 rows.
 
 `expert_groups` g > 1: the routed experts lie in g groups of whole experts, each group's split
 by feature over S / g devices (cp_runtime.weights.layout); `first_expert` says which experts
-this device holds (cp_runtime.model.expert_groups). `prefill_expert_groups` g > 1: the experts
-lie in one group (every device a 1/S slice of every expert's features), and a step whose rows
-are split over the devices (a prefill chunk) exchanges each MoE layer's stacks into g groups
-first (`regroup_experts`), so that a decode step reads every expert from every device and a
-prefill chunk runs about 1/g of its (token, expert) pairs on each.
+this device holds (cp_runtime.model.expert_groups): device d is in group d // (S / g), or, with
+`groups_strided` (the experts regrouped for a prompt: cp_runtime.weights.regroup), in group
+d mod g.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class WeightShards:
     whole_heads: bool = False        # split rows attend from the attention weights gathered
     mlp_rows: str = "wire"           # "wire" or "fp8": the MLP's split rows (module docstring)
     expert_groups: int = 1           # the routed experts' groups (module docstring)
-    prefill_expert_groups: int = 1   # the groups a split-row step regroups them into (same)
     groups_strided: bool = False     # device d is in group d mod expert_groups (regrouped)
 
     def __post_init__(self) -> None:
@@ -78,10 +75,6 @@ class WeightShards:
         if self.expert_groups < 1 or (self.expert_groups > 1 and self.axis is None):
             raise ValueError(f"expert_groups={self.expert_groups}: groups of experts need an "
                              "axis to split them over (and at least one group)")
-        if self.prefill_expert_groups < 1 or (self.prefill_expert_groups > 1 and (
-                self.axis is None or self.expert_groups > 1)):
-            raise ValueError(f"prefill_expert_groups={self.prefill_expert_groups}: regrouping "
-                             "needs an axis and the experts held in one group")
 
     @property
     def split(self) -> bool:
@@ -236,34 +229,6 @@ class WeightShards:
             return lax.axis_index(self.axis) % self.expert_groups * local
         per_group = lax.axis_size(self.axis) // self.expert_groups
         return lax.axis_index(self.axis) // per_group * local
-
-    def regroup_experts(self, p: dict, axes: dict[str, int], scale_suffix: str
-                        ) -> tuple[dict, "WeightShards"]:
-        """p with the expert stacks named in `axes`, held in one group (this device's
-        features of every expert: [E, ..., F / S, ...], features along axes[name]), exchanged
-        into g = prefill_expert_groups groups -> (p, the WeightShards that runs them).
-
-        The devices go in blocks of g consecutive ones; block b's devices hold feature slices
-        b g .. b g + g - 1 of S, together part b of S / g. One all-to-all within each block
-        hands device b g + i group i's experts of each of the block's slices, so it holds
-        experts i E / g .. (i + 1) E / g - 1 at g times the features ([E / g, ..., g F / S,
-        ...], and their block scales along the same axis): group d mod g (`groups_strided`).
-        Experts are zero-padded to a multiple of g first (no token chooses the padding)."""
-        g, size = self.prefill_expert_groups, lax.axis_size(self.axis)
-        blocks = [list(range(b, b + g)) for b in range(0, size, g)]
-        out = dict(p)
-        for name, axis in axes.items():
-            for key in (name, name + scale_suffix):
-                if key not in p:
-                    continue
-                x = p[key]
-                experts = -(-x.shape[0] // g) * g
-                x = jnp.pad(x, [(0, experts - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-                x = lax.all_to_all(x.reshape(g, experts // g, *x.shape[1:]), self.axis, 0,
-                                   axis + 1, axis_index_groups=blocks, tiled=True)
-                out[key] = x.reshape(x.shape[1:])
-        return out, dataclasses.replace(self, expert_groups=g, prefill_expert_groups=1,
-                                        groups_strided=True)
 
     def own(self, x: jax.Array, axis: int, local: int) -> jax.Array:
         """This device's `local` parts of an axis every device holds whole (zero-padded to a
