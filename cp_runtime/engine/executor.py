@@ -209,13 +209,15 @@ class LocalExecutor(Executor):
         self._regrouping = (ExpertRegrouping(self.mesh, self.weight_tensors,
                                              runtime.prefill_expert_groups, CP_AXIS)
                             if runtime.prefill_expert_groups > 1 else None)
-        self._steps = {1: make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
-                                    self.weight_tensors)}
-        if self._regrouping is not None:
-            groups = self._regrouping.groups
-            self._steps[groups] = make_step(model, runtime, self.pool_spec, self.mesh,
-                                            self.kernels, self._regrouping.grouped,
-                                            experts_regrouped=groups)
+        self._step = make_step(model, runtime, self.pool_spec, self.mesh, self.kernels,
+                               self.weight_tensors)
+        self._regrouped_step = None if self._regrouping is None else make_step(
+            model, runtime, self.pool_spec, self.mesh, self.kernels, self._regrouping.grouped,
+            experts_regrouped=self._regrouping.groups)
+
+    def _step_for(self, groups: int):
+        """The step program for the experts in `groups` groups (1: as placed)."""
+        return self._step if groups == 1 else self._regrouped_step
 
     def _experts_for(self, plan: tuple[Segment, ...]) -> int:
         return experts_for_plan(plan, self.runtime.prefill_expert_groups,
@@ -241,7 +243,7 @@ class LocalExecutor(Executor):
         # serving for seconds at each new combination; separately their compiles add up.
         outs, host_s = [], 0.0
         self._regroup(self._experts_for(plan))
-        step = self._steps[self.experts_in]
+        step = self._step_for(self.experts_in)
         for seg in plan:
             t0 = time.perf_counter()
             args = seg.to_device(self.mesh, self.runtime.num_shards)
@@ -280,7 +282,7 @@ class LocalExecutor(Executor):
                                    self.mesh)
         for seg in plan:
             args = seg.to_device(self.mesh, self.runtime.num_shards)
-            self._steps[groups].lower(params, self.pool, args, kind=seg.kind).compile()
+            self._step_for(groups).lower(params, self.pool, args, kind=seg.kind).compile()
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
