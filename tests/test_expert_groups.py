@@ -263,18 +263,17 @@ def _expert_stacks(engine) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("model_name,weight_dtype,groups,halves", [
-    ("tiny", "f32", 16, "off"), ("deepseek-mini", "fp8", 4, "off"),
-    ("deepseek-mini", "f32", 2, "on")])
+    ("tiny", "f32", 16, "off"), ("deepseek-mini", "fp8", 4, "on")])
 def test_a_prompt_with_its_experts_regrouped_gives_one_groups_logits(model_name, weight_dtype,
                                                                      groups, halves):
     """200 tokens over 16 shards: three whole chunks move the experts into `groups` groups,
     the last 8 rows run as they are, and the decode step moves them back. The prompt's and
     the step's logits against one group: f32 within 1e-5 (the bound of test_sharded_weights;
-    each device sums other pairs). fp8 weights (block scales moved with their values): the
-    same fp8 values as one group's, summed in another order into bf16 partials, measured
-    1.3e-4, bound 1e-3 (4 groups as placed quantize other blocks: 0.10 from one group's).
-    Back in one group the stacks are bit for bit those placed. tiny's 4 experts in 16
-    groups: 12 zero experts pad them."""
+    each device sums other pairs). fp8 weights as two halves (block scales moved with their
+    values): the same fp8 values as one group's, summed in another order into bf16
+    partials, measured 4.7e-4 (1.3e-4 in one pass), bound 2e-3 (4 groups as placed quantize
+    other blocks: 0.10 from one group's). Back in one group the stacks are bit for bit those
+    placed. tiny's 4 experts in 16 groups: 12 zero experts pad them."""
     model = load_model_config(model_name)
     params = init_params(model, seed=0)
     one_prompt, one_step, groups_one, one = _regrouped_session(model, params, 1, weight_dtype,
@@ -282,7 +281,7 @@ def test_a_prompt_with_its_experts_regrouped_gives_one_groups_logits(model_name,
     prompt, step, groups_seen, engine = _regrouped_session(model, params, groups,
                                                            weight_dtype, halves)
     assert groups_one == (1, 1) and groups_seen == (groups, 1)
-    bound = 1e-5 if weight_dtype == "f32" else 1e-3
+    bound = 1e-5 if weight_dtype == "f32" else 2e-3
     assert rel_l2(prompt, one_prompt) <= bound
     assert rel_l2(step, one_step) <= bound
     placed, back = _expert_stacks(one), _expert_stacks(engine)
