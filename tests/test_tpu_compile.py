@@ -328,6 +328,7 @@ def _chunk_dense_figures(chunk: int, **layouts: dict) -> dict:
     return dense
 
 
+@pytest.mark.slow
 def test_experts_regrouped_for_a_prompt_compile_and_run_fewer_rows():
     """The 2K chunk at 0, its experts in one group and regrouped into 8 for the prompt
     (`prefill_expert_groups`, the TPU7x configuration's prefill program): both compile and
@@ -336,7 +337,9 @@ def test_experts_regrouped_for_a_prompt_compile_and_run_fewer_rows():
     the dense phase's time with the unpriced work (the rows' gathers and scatters) 38.5 ->
     30.5 ms, its serial time 34.4 -> 29.9 ms. (At 32K chunks, where XLA:TPU moves the rows on
     the SparseCores, 360 -> 156 ms a chunk: docs/performance.md, "The experts in groups, as
-    the runtime runs them".) A 2K chunk: the 8K one compiled twice took 4 minutes of CI."""
+    the runtime runs them".) A 2K chunk: the 8K one compiled twice took 4 minutes of CI.
+    Slow (two compiles, about 2.5 minutes of CI on a 2-core machine): the default run keeps
+    the exchanges' compile, and the TPU compile set runs this one."""
     dense = _chunk_dense_figures(2048, one={}, regrouped={"prefill_expert_groups": 8})
     one, regrouped = dense["one"], dense["regrouped"]
     assert regrouped["with_unpriced_s"] <= 0.9 * one["with_unpriced_s"], dense
