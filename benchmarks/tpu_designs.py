@@ -685,7 +685,8 @@ def prefill_terms(model: ModelConfig, hw: Hardware, setup: Setup, *, length: int
 # -- the prefill designs, the compute floor and HBM use -------------------------------------
 def hbm_use(model: ModelConfig, hw: Hardware, setup: Setup, *, tokens: int) -> float:
     """Bytes per device: the weight share (all experts, embedding and lm_head) plus the cache of
-    `tokens` cached tokens in all (cp_runtime.cache.capacity's bytes per token). The routers
+    `tokens` cached tokens in all (cp_runtime.cache.capacity's bytes per token in HBM: the
+    indexer's alone where setup.latent_memory is "host"). The routers
     and the down projections are whole on every device: (S-1)/S of them more; the sequence
     design keeps the shared experts whole too. Transient buffers (a layer's gathered cache or
     attention weights) are not counted."""
@@ -696,7 +697,8 @@ def hbm_use(model: ModelConfig, hw: Hardware, setup: Setup, *, tokens: int) -> f
     replica = (hw.devices - 1) * sum(n * whole[kind] for kind, n in layer_kinds(model).items())
     weights = (matmul_weights(model, experts=model.n_routed_experts)
                + 2 * model.vocab_size * model.hidden_size + replica) * setup.weight_bytes
-    return (weights + tokens * bytes_per_token(model, setup.kv_cache_dtype)) / hw.devices
+    cache = tokens * bytes_per_token(model, setup.kv_cache_dtype, setup.latent_memory)
+    return (weights + cache) / hw.devices
 
 
 def design_sweep(model: ModelConfig, hw: Hardware, setup: Setup, *, length: int,

@@ -53,9 +53,13 @@ from cp_runtime.kernels.storage import cdiv
 from cp_runtime.weights.shards import MLP_ROWS
 
 __all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "INDEXER_SCORES", "GB", "TFLOP",
-           "tpu7x_16"]
+           "HOST_LINK_BYTES_PER_S", "tpu7x_16"]
 
 GB, TFLOP = 1e9, 1e12
+# A chip's host link, pages of a host-held latent cache staged eight at a time: measured 11.9
+# GB/s on a TPU v5e (docs/performance.md, "The latent cache in host memory"); no TPU7x figure
+# is known here, so a TPU7x chip is taken to have the same, shared by its two devices.
+HOST_LINK_BYTES_PER_S = 11.9e9
 DESIGNS = ("gather_q", "gather_kv", "sequence")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 INDEXER_SCORES = tuple(c for c in INDEXER_SCORES_CHOICES if c != "auto")   # as resolved
@@ -73,6 +77,7 @@ class Hardware:
     hbm_bytes: float
     ici_bytes_per_s: float          # one direction, what a ring collective sends at
     collective_latency_s: float
+    host_bytes_per_s: float = 0.0   # host memory <-> HBM, pages of a host-held latent cache
 
     def peak(self, precision: str) -> float:
         return {"bf16": self.bf16_flops, "fp8": self.fp8_flops}[precision]
@@ -87,7 +92,8 @@ def tpu7x_16(*, ici_fraction: float = 1.0, collective_us: float = 10.0) -> Hardw
                     hbm_bytes=c["hbm_bytes"] * per,
                     # bidirectional / 2 directions, then half per TensorCore
                     ici_bytes_per_s=c["ici_bidir_bytes_per_s"] / 2 * per * ici_fraction,
-                    collective_latency_s=collective_us * 1e-6)
+                    collective_latency_s=collective_us * 1e-6,
+                    host_bytes_per_s=HOST_LINK_BYTES_PER_S * per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +169,7 @@ class Setup:
     indexer_scores: str = "cache"              # a prefill chunk's indexer: "cache" or "fp8"
     prefill_design: str = "gather_q"
     row_attention: str = "auto"                # gather_kv's split rows: RuntimeConfig's field
+    latent_memory: str = "device"              # RuntimeConfig.latent_memory: "device", "host"
 
     def __post_init__(self):
         if self.prefill_design not in DESIGNS:

@@ -49,6 +49,8 @@ MLP_ROWS_CHOICES = ("auto", "wire", "fp8")
 INDEXER_SCORES_CHOICES = ("auto", "cache", "fp8")
 # How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
 TPU_SCHEDULES = ("overlap", "xla")
+# Where a shard's latent cache lives (RuntimeConfig.latent_memory).
+LATENT_MEMORIES = ("device", "host")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
 # Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
@@ -275,6 +277,11 @@ class RuntimeConfig:
 
     model: str = "tiny"
     kv_cache_dtype: str = "fp8_e4m3"
+    # Where each shard's latent cache lives: "device", in its HBM; "host", in its host's pinned
+    # memory, a step moving only the pages it reads or writes to HBM (cp_runtime.cache.
+    # host_pages): the cache then holds what the hosts' memory holds, at the cost of those
+    # copies. The indexer cache stays on the device either way (every step scores all of it).
+    latent_memory: str = "device"
     page_size: int = 16
     num_shards: int = 16
     pages_per_shard: int = 64
@@ -450,6 +457,9 @@ class RuntimeConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                               f"{tuple(KV_CACHE_DTYPES)}")
+        if self.latent_memory not in LATENT_MEMORIES:
+            raise ConfigError(f"latent_memory={self.latent_memory!r} is not one of "
+                              f"{LATENT_MEMORIES}")
 
 
 def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,

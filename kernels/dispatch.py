@@ -19,9 +19,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, native_indexer, reference,
                                sparse_decode, sparse_prefill, xla_sparse)
+from cp_runtime.kernels.page_words import from_words, is_words
 from cp_runtime.kernels.storage import from_storage
 
 __all__ = ["Kernels", "select_kernels", "resolve_backend"]
@@ -70,9 +72,19 @@ def _scored_in_fp8(scores_fn: Callable) -> Callable:
     return scores
 
 
+def _reads_words(attention_fn: Callable) -> Callable:
+    """`attention_fn` that also takes its cache in words (kernels/page_words.py), as values."""
+    @functools.wraps(attention_fn)
+    def attention(q, kv_cache, *args, cache_dtype=None, **kwargs):
+        if is_words(kv_cache):
+            kv_cache = from_words(kv_cache, cache_dtype)
+        return attention_fn(q, kv_cache, *args, cache_dtype=cache_dtype, **kwargs)
+    return attention
+
+
 REFERENCE = Kernels("reference", reference.write_kv,
                     _tied_after(_scored_in_fp8(reference.indexer_page_scores)),
-                    reference.sparse_attention)
+                    _reads_words(reference.sparse_attention))
 
 BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
@@ -80,13 +92,16 @@ BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 def _xla(num_shards: int) -> Kernels:
     return Kernels("xla", reference.write_kv,
                    _tied_after(_scored_in_fp8(native_indexer.indexer_page_scores)),
-                   functools.partial(xla_sparse.sparse_attention_owned, num_shards=num_shards))
+                   _reads_words(functools.partial(xla_sparse.sparse_attention_owned,
+                                                  num_shards=num_shards)))
 
 
 # The Pallas kernels take caches in their value dtype. On a TPU the pool already holds values
 # (storage.pool_dtype) and these are no-ops; a CPU pool (interpret mode) holds unsigned
 # integers and is reinterpreted around the kernels, which on CPU costs only CPU time.
 def _values(cache, cache_dtype):
+    if is_words(cache):
+        return from_words(cache, cache_dtype)
     return cache if cache_dtype is None else from_storage(cache, cache_dtype)
 
 
@@ -122,8 +137,15 @@ def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, t
 
 def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,
                       query_block: int, cache_dtype=None, interpret: bool):
-    """Decode kernel for one query per row, the query-block prefill kernel otherwise."""
-    kv_cache, q = _values(kv_cache, cache_dtype), q.astype(QUERY_DTYPE)
+    """Decode kernel for one query per row, the query-block prefill kernel otherwise. A cache
+    in words (kernels/page_words.py; `cache_dtype` the values') goes to the decode kernel as
+    it is, and to the prefill kernel as values."""
+    q = q.astype(QUERY_DTYPE)
+    if q.shape[1] == 1 and is_words(kv_cache):
+        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
+                                           value_dim=value_dim, scale=scale, interpret=interpret,
+                                           page_dtype=np.dtype(cache_dtype))
+    kv_cache = _values(kv_cache, cache_dtype)
     if q.shape[1] == 1:
         return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
                                            value_dim=value_dim, scale=scale, interpret=interpret)

@@ -10,7 +10,10 @@ are those of `sparse_prefill`: the query dtype, f32 accumulation.
 
 Grid:   (B,), parallel.
 Blocks: q [H, D] VMEM; sel_slots, sel_pages i32[B * N] and q_pos i32[B] scalar prefetch (SMEM);
-        kv cache T[P + 1, ps, D] stays in HBM (pl.ANY), pages DMA'd one at a time;
+        kv cache T[P + 1, ps, D] stays in HBM (pl.ANY), pages DMA'd one at a time; or, given
+        `page_dtype`, its pages' words u32[P + 1, ps / pk, D] (kernels/page_words.py: the staged
+        pages of a cache held in host memory), each page read as values after its DMA by a
+        bitcast, which on a TPU moves nothing;
         out o f32[H, V] and lse f32[H, 1] VMEM; live-entry list i32[N] SMEM scratch.
 VMEM:   c = cache itemsize, q = query itemsize
           ring      NB * ps * D * c                 (NB = NUM_BUFFERS)
@@ -39,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cp_runtime.kernels.costs import call_options
 from cp_runtime.kernels.packing import check_page_size, page_ring
+from cp_runtime.kernels.page_words import from_words, packing
 from cp_runtime.kernels.reference import NEG_INF, check_attention_args
 from cp_runtime.kernels.sparse_prefill import finalize_softmax, init_softmax, online_softmax_step
 from cp_runtime.kernels.vmem import tiled_bytes
@@ -59,9 +63,9 @@ def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM 
                    ring, sems,                     # [NB, ps, D] VMEM, DMA[NB]
                    live_ref,                       # [N] SMEM
                    m_ref, l_ref, acc_ref,          # [H, 1], [H, 1], [H, V] VMEM
-                   *, scale: float, value_dim: int, num_buffers: int):
+                   *, scale: float, value_dim: int, num_buffers: int, page_dtype):
     n = live_ref.shape[0]
-    ps = ring.shape[1]
+    ps = ring.shape[1] * (1 if page_dtype is None else packing(np.dtype(page_dtype).itemsize))
     b = pl.program_id(0)
     pos = pos_ref[b]
     init_softmax(m_ref, l_ref, acc_ref)
@@ -81,7 +85,10 @@ def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM 
 
     def step(j, buffer):
         start = pages_ref[live_ref[j]] * ps
-        kv = ring[buffer].astype(q_ref.dtype)        # [ps, D]
+        kv = ring[buffer]
+        if page_dtype is not None:                   # [ps / pk, D] words -> [ps, D]
+            kv = pltpu.bitcast(kv, page_dtype)
+        kv = kv.astype(q_ref.dtype)                  # [ps, D]
         row_pos = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
         kv = jnp.where(row_pos <= pos, kv, 0)                      # keys after the query
         s = lax.dot_general(q_ref[...], kv, (((1,), (1,)), ((), ())),
@@ -96,14 +103,16 @@ def _decode_kernel(slots_ref, pages_ref, pos_ref,  # [B * N], [B * N], [B] SMEM 
     lse_ref[...] = lse
 
 
-@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "interpret",
+                                             "page_dtype"))
 def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_pages: jax.Array,
                   q_pos: jax.Array, *, value_dim: int, scale: float, query_block: int = 64,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  interpret: bool = False, page_dtype=None) -> tuple[jax.Array, jax.Array]:
     """Pallas twin of `reference.sparse_attention` for one query per sequence.
 
     q:         f[B, 1, H, D]     the decode query of each sequence
-    kv_cache:  T[P + 1, ps, D]   pool layout, read a page at a time
+    kv_cache:  T[P + 1, ps, D]   pool layout, read a page at a time; with `page_dtype`, the
+                                 pages' words u32[P + 1, ps / pk, D] of values of that dtype
     sel_slots: i32[B, 1, N]      local slot per selected page, -1 = not on this shard / unused
     sel_pages: i32[B, 1, N]      logical page of each entry
     q_pos:     i32[B, 1]         positions, -1 = padding
@@ -111,16 +120,18 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
     returns:   o f32[B, 1, H, value_dim], lse f32[B, 1, H]
     """
     del query_block
-    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+    check_attention_args(q, _as_pages(kv_cache, page_dtype), sel_slots, sel_pages, q_pos,
+                         value_dim)
     b, nq, h, d = q.shape
     if nq != 1:
         raise ValueError(f"sparse_decode takes one query per sequence, got Q={nq}; "
                          "use sparse_prefill")
     n = sel_slots.shape[-1]
-    check_page_size(kv_cache.shape[1])
-    figures = cost(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim=value_dim)
+    check_page_size(_as_pages(kv_cache, page_dtype).shape[1])
+    figures = cost(q, _as_pages(kv_cache, page_dtype), sel_slots, sel_pages, q_pos,
+                   value_dim=value_dim)
     kernel = functools.partial(_decode_kernel, scale=scale, value_dim=value_dim,
-                               num_buffers=NUM_BUFFERS)
+                               num_buffers=NUM_BUFFERS, page_dtype=page_dtype)
     o, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -151,6 +162,13 @@ def sparse_decode(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array, sel_p
     )(sel_slots.astype(jnp.int32).reshape(-1), sel_pages.astype(jnp.int32).reshape(-1),
       q_pos.astype(jnp.int32).reshape(-1), q, kv_cache)
     return o, lse[..., 0]
+
+
+def _as_pages(kv_cache, page_dtype):
+    """The shape and dtype of the pages `kv_cache` holds, words or values."""
+    if page_dtype is None:
+        return kv_cache
+    return jax.eval_shape(lambda w: from_words(w, page_dtype), kv_cache)
 
 
 def cost(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float = 1.0,

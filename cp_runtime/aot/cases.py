@@ -92,7 +92,7 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              residual: str = "auto", row_attention: str = "auto",
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
              expert_groups: int = 1, prefill_expert_groups: int = 1,
-             rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             latent_memory: str = "device", rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -103,13 +103,15 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
                        residual=residual, row_attention=row_attention,
                        tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
                        expert_groups=expert_groups,
-                       prefill_expert_groups=prefill_expert_groups)
+                       prefill_expert_groups=prefill_expert_groups,
+                       latent_memory=latent_memory)
     result = compile_plan(plan)
     program = result["programs"][0]
     out = {"case": case.name, **dataclasses.asdict(case), "layers_compiled": layers,
            "layers_of_model": full.num_hidden_layers, "compiled": program["compiled"],
            "compile_s": program["compile_s"], "error": program["error"],
-           "temp_bytes": program["temp_bytes"], "peak_bytes": program["peak_bytes"]}
+           "temp_bytes": program["temp_bytes"], "peak_bytes": program["peak_bytes"],
+           "host_argument_bytes": program["host_argument_bytes"]}
     if not program["compiled"]:
         return out
     scaled = model_figures(_layer_keys(program["layer_phases"]), cut_model(full, layers), full)
@@ -161,7 +163,7 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                attention: str = "auto", residual: str = "auto", row_attention: str = "auto",
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
                expert_groups: int = 1, prefill_expert_groups: int = 1,
-               progress=None) -> dict:
+               latent_memory: str = "device", progress=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
     one capacity sizes for the slice unless `pages_per_shard` is given."""
     device = compile_only_devices(topology)[0]
@@ -177,13 +179,14 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                              residual=residual, row_attention=row_attention,
                              tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
                              expert_groups=expert_groups,
-                             prefill_expert_groups=prefill_expert_groups))
+                             prefill_expert_groups=prefill_expert_groups,
+                             latent_memory=latent_memory))
     return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
             "kv_cache_dtype": kv_cache_dtype, "attention": attention,
             "residual": residual, "row_attention": row_attention,
             "tpu_schedule": tpu_schedule, "chunk_halves": chunk_halves,
             "expert_groups": expert_groups, "prefill_expert_groups": prefill_expert_groups,
-            "clock_hz": clock,
+            "latent_memory": latent_memory, "clock_hz": clock,
             "rates": dataclasses.asdict(TPU7X_DEVICE), "cases": rows}
 
 

@@ -49,6 +49,7 @@ class CompilePlan:
     chunk_halves: str = "auto"             # RuntimeConfig.chunk_halves: auto, on, off
     expert_groups: int = 1                 # RuntimeConfig.expert_groups
     prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
+    latent_memory: str = "device"          # RuntimeConfig.latent_memory: device, host
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -81,7 +82,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             residual=plan.residual, row_attention=plan.row_attention,
                             tpu_schedule=plan.tpu_schedule, chunk_halves=plan.chunk_halves,
                             expert_groups=plan.expert_groups,
-                            prefill_expert_groups=plan.prefill_expert_groups)
+                            prefill_expert_groups=plan.prefill_expert_groups,
+                            latent_memory=plan.latent_memory)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
@@ -125,7 +127,9 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "expert_groups": runtime.expert_groups,
         "prefill_expert_groups": runtime.prefill_expert_groups,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
-        "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh)),
+        "latent_memory": runtime.latent_memory,
+        "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "device"),
+        "pool_host_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "pinned_host"),
         "weight_bytes_per_device": per_device_bytes(
             param_structs(weight_tensors(model, runtime), mesh)),
         "capacity_weight_bytes_per_device": capacity.weight_bytes_per_device,

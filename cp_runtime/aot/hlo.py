@@ -54,6 +54,7 @@ _GROUPS = re.compile(r"feature_group_count=(\d+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GROUP = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUP = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+_OFF_HBM = re.compile(r"S\((?:1|5)\)")
 _BITS = {"pred": 8, "bf16": 16, "token": 0}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -90,9 +91,10 @@ def shape_bytes(shape: str) -> int:
 
 def hbm_shape_bytes(shape: str) -> int:
     """`shape_bytes` of the arrays that live in HBM: not those whose layout places them in
-    VMEM (memory space 1, `S(1)`)."""
+    VMEM (memory space 1, `S(1)`) or in host memory (`S(5)`: a latent cache held there)."""
     return sum(array_bytes(m.group("dtype"), m.group("dims"))
-               for m in _PLACED_ARRAY.finditer(shape) if "S(1)" not in (m.group("layout") or ""))
+               for m in _PLACED_ARRAY.finditer(shape)
+               if not _OFF_HBM.search(m.group("layout") or ""))
 
 
 @dataclasses.dataclass(frozen=True)

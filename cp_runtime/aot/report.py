@@ -2,7 +2,8 @@
 
 Per program: compiled or the compiler's error (its first lines and code), compile seconds, and
 per device the argument / output / alias / temp bytes (`memory_analysis`), the peak (arguments +
-outputs - aliased + temporaries) against the device's HBM, and the compiler's flops, bytes
+outputs - aliased + temporaries) against the device's HBM, the arguments held in host memory
+(a latent cache there, `latent_memory` "host"), and the compiler's flops, bytes
 accessed and time estimate (`cost_analysis`; `optimal_seconds`, None where the compiler gives
 none or a negative placeholder), and the compiler's figures per step phase (cp_runtime.aot.phases:
 instructions, estimated cycles, XLA's HBM bytes and MXU flops, kernels, collectives and their
@@ -28,18 +29,27 @@ __all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "for
            "per_device_bytes"]
 
 FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
-          "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "flops",
+          "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "host_argument_bytes",
+          "flops",
           "bytes_accessed", "optimal_seconds", "weight_argument_bytes", "pool_argument_bytes",
           "phases", "layer_phases")
 
 
-def per_device_bytes(tree) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest share)."""
+def per_device_bytes(tree, memory_kind: str | None = None) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (the largest share);
+    with `memory_kind` ("device", "pinned_host"), of the arrays held there only."""
     total = 0
     for x in jax.tree.leaves(tree):
+        if memory_kind is not None and _memory_kind(x) != memory_kind:
+            continue
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         total += math.prod(shape) * np.dtype(x.dtype).itemsize
     return total
+
+
+def _memory_kind(x) -> str:
+    kind = getattr(x.sharding, "memory_kind", None)
+    return "device" if kind in (None, "device") else kind
 
 
 def _error_code(message: str) -> str | None:
@@ -91,6 +101,7 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
         temp_bytes=int(mem.temp_size_in_bytes),
         peak_bytes=int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                        - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        host_argument_bytes=int(mem.host_argument_size_in_bytes),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         optimal_seconds=float(seconds) if seconds is not None and seconds >= 0 else None,

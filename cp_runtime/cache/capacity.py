@@ -74,13 +74,23 @@ TOPOLOGIES = {
 DEFAULT_TOPOLOGY = "tpu7x-16"
 
 
-def bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
-    """Cache bytes one token occupies across all layers (latent + indexer), one copy."""
-    latent = model.num_hidden_layers * model.latent_dim * dtype_bytes(
-        latent_cache_dtype(kv_cache_dtype))
+def bytes_per_token(model: ModelConfig, kv_cache_dtype: str, latent_memory: str = "device"
+                    ) -> int:
+    """Cache bytes one token occupies across all layers (latent + indexer), one copy, in the
+    devices' memory: the indexer's alone where the latent cache is held in host memory
+    (`latent_memory` "host"; `host_bytes_per_token`)."""
     indexer = model.num_full_layers * model.index_head_dim * dtype_bytes(
         indexer_cache_dtype(kv_cache_dtype))
-    return latent + indexer
+    if latent_memory == "host":
+        return indexer
+    return host_bytes_per_token(model, kv_cache_dtype) + indexer
+
+
+def host_bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
+    """The latent cache's bytes of one token across all layers: what host memory holds of it
+    where the latent cache lives there (its words take the values' bytes)."""
+    return model.num_hidden_layers * model.latent_dim * dtype_bytes(
+        latent_cache_dtype(kv_cache_dtype))
 
 
 # -- weights per device ---------------------------------------------------------------------

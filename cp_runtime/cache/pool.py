@@ -2,6 +2,8 @@
 page owner over the `cp` mesh axis.
 
     latent[l]:  T_lat[S, P + 1, ps, D_lat_pad]   (fp8/bf16/f32, `[c | k_pe]`, parts padded)
+                or, held in host memory, its words u32[S, P + 1, ps / pk, D_lat_pad]
+                (`latent_memory` "host", cp_runtime.cache.host_pages)
     indexer[i]: T_idx[S, P + 1, ps, D_idx]       (bf16 unless the latent is wider)
 
 The buffers' dtype is `storage.pool_dtype` of the cache dtype on the mesh's platform: uint8 /
@@ -21,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cp_runtime.cache import host_pages
 from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
+from cp_runtime.kernels.page_words import page_words
 from cp_runtime.kernels.storage import pool_dtype
 
 __all__ = ["CacheRows", "KVPool", "PoolSpec", "CP_AXIS"]
@@ -40,6 +44,11 @@ class PoolSpec:
     num_shards: int
     pages_per_shard: int
     page_size: int
+    latent_memory: str = "device"
+
+    @property
+    def latent_on_host(self) -> bool:
+        return self.latent_memory == "host"
 
     @property
     def latent_dtype(self):
@@ -52,6 +61,15 @@ class PoolSpec:
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
         return (self.num_shards, self.pages_per_shard + 1, self.page_size, self.model.latent_dim)
+
+    @property
+    def latent_buffer_shape(self) -> tuple[int, ...]:
+        """The latent buffer's shape: `latent_shape`, or held on the host, its words'."""
+        if not self.latent_on_host:
+            return self.latent_shape
+        itemsize = np.dtype(self.latent_dtype).itemsize
+        return self.latent_shape[:2] + page_words(
+            self.page_size, self.model.latent_dim, itemsize)
 
     @property
     def indexer_shape(self) -> tuple[int, int, int, int]:
@@ -90,9 +108,14 @@ class KVPool:
         def buffer(shape, dtype):
             return jax.ShapeDtypeStruct(shape, pool_dtype(dtype, platform), sharding=sharding)
 
+        def latent():
+            if not spec.latent_on_host:
+                return buffer(spec.latent_shape, spec.latent_dtype)
+            return jax.ShapeDtypeStruct(spec.latent_buffer_shape, jnp.uint32,
+                                        sharding=host_pages.host_sharding(sharding))
+
         return KVPool(
-            latent=tuple(buffer(spec.latent_shape, spec.latent_dtype)
-                         for _ in range(spec.model.num_hidden_layers)),
+            latent=tuple(latent() for _ in range(spec.model.num_hidden_layers)),
             indexer=tuple(buffer(spec.indexer_shape, spec.indexer_dtype)
                           for _ in range(spec.model.num_full_layers)),
         )

@@ -29,8 +29,8 @@ import os
 import pathlib
 import re
 
-from cp_runtime.config import (BACKENDS, GATHER_MODES, MODEL_WEIGHT_DTYPES, WEIGHT_MODES,
-                               load_model_config, model_names)
+from cp_runtime.config import (BACKENDS, GATHER_MODES, LATENT_MEMORIES, MODEL_WEIGHT_DTYPES,
+                               WEIGHT_MODES, load_model_config, model_names)
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "add_gathers",
     "add_kv_cache_dtype",
     "add_kv_cache_dtypes",
+    "add_latent_memory",
     "add_model",
     "add_no_progress",
     "add_out",
@@ -253,6 +254,16 @@ def add_expert_groups(p: argparse.ArgumentParser) -> None:
                         "shards) and back before the next step with no prefill: the prompt's "
                         "pairs as in --expert-groups N, a decode step's experts read by every "
                         "shard as in one (N must divide the shards); 1: never exchanged")
+
+
+def add_latent_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--latent-memory", choices=LATENT_MEMORIES, default="device",
+                   help="where each shard's latent cache lives: device, in its HBM; host, in "
+                        "its host's pinned memory as 32-bit words, each step copying only "
+                        "the pages it reads (its selected pages, or its rows' tables in a "
+                        "long chunk) and writes into HBM and back: the cache holds what the "
+                        "hosts hold, at the cost of those copies (the indexer's cache stays "
+                        "in HBM)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

@@ -15,8 +15,8 @@ from cp_runtime.cache.capacity import TOPOLOGIES
 from cp_runtime.config import (ATTENTION_LAYOUTS, CHUNK_HALVES, RESIDUAL_MODES,
                                 ROW_ATTENTION_MODES, TPU_SCHEDULES)
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_expert_groups,
-                                 add_kv_cache_dtype, add_model, add_page_size, add_weight_dtype,
-                                 add_weights, length, positive_int)
+                                 add_kv_cache_dtype, add_latent_memory, add_model, add_page_size,
+                                 add_weight_dtype, add_weights, length, positive_int)
 
 __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 
@@ -46,6 +46,7 @@ def add_compile(sub) -> None:
                    help="cut the model to its first N layers at full width (faster "
                         "compiles; the figures then describe the cut model)")
     add_kv_cache_dtype(p)
+    add_latent_memory(p)
     add_page_size(p, 64, why="a slice deployment's page size (configs/runtime/"
                              "glm-5.2-tpu7x-16.toml, the cluster manifests)")
     p.add_argument("--pages-per-shard", type=positive_int, default=None,
@@ -151,7 +152,8 @@ def run_compile(args) -> int:
         context=args.context, programs=programs, attention=args.attention,
         residual=args.residual, row_attention=args.row_attention,
         tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
-        expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups)
+        expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups,
+        latent_memory=args.latent_memory)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -213,6 +215,7 @@ def _run_matrix(args) -> int:
                         row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
                         chunk_halves=args.chunk_halves, expert_groups=args.expert_groups,
                         prefill_expert_groups=args.prefill_expert_groups,
+                        latent_memory=args.latent_memory,
                         progress=None if args.json else _progress)
     exchange_in = {}
     if args.prefill_expert_groups > 1:
@@ -310,7 +313,10 @@ def _summary(r: dict) -> str:
         f"(compile-only), backend {r['backend']}",
         f"per device: HBM {r['hbm_bytes_per_device'] / gib:.0f} GiB, pool "
         f"{r['pool_bytes_per_device'] / gib:.2f} GiB ({r['pages_per_shard']:,} pages of "
-        f"{r['page_size']}, {r['kv_cache_dtype']}), weights "
+        f"{r['page_size']}, {r['kv_cache_dtype']}"
+        + ("" if not r["pool_host_bytes_per_device"]
+           else f"; its latent cache in host memory: "
+                f"{r['pool_host_bytes_per_device'] / gib:.2f} GiB") + "), weights "
         f"{r['weight_bytes_per_device'] / gib:.2f} GiB {r['weights']} {r['weight_dtype']}"
         + ("" if r["expert_groups"] == 1 else f", experts in {r['expert_groups']} groups")
         + ("" if r["prefill_expert_groups"] == 1

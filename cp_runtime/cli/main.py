@@ -28,7 +28,8 @@ from cp_runtime import __version__
 from cp_runtime.cache.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
 from cp_runtime.cli import demo
 from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
-                                 add_expert_groups, add_gathers, add_kv_cache_dtype, add_model,
+                                 add_expert_groups, add_gathers, add_kv_cache_dtype,
+                                 add_latent_memory, add_model,
                                  add_page_size, add_pages_per_shard, add_shards,
                                  add_weight_dtype, add_weights,
                                  finite_nonnegative_float, finite_positive_float,
@@ -101,6 +102,7 @@ def _add_serve_model(g) -> None:
 
 def _add_serve_cache(g) -> None:
     add_kv_cache_dtype(g)
+    add_latent_memory(g)
     add_page_size(g)
     add_pages_per_shard(g, 1024)
 
@@ -208,7 +210,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "gathers": "gathers", "max_queued_tokens": "max_queued_tokens",
                  "prefix_cache_entries": "prefix_cache_entries",
                  "expert_groups": "expert_groups",
-                 "prefill_expert_groups": "prefill_expert_groups"}
+                 "prefill_expert_groups": "prefill_expert_groups",
+                 "latent_memory": "latent_memory"}
 
 
 def _flag_of(field: str) -> str:

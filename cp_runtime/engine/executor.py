@@ -8,6 +8,7 @@ implements the same interface, running the same SPMD program on every host in lo
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import time
 
@@ -16,11 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from cp_runtime.cache import host_pages
 from cp_runtime.cache.pool import CP_AXIS, CacheRows, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.engine.step import Segment, make_step
 from cp_runtime.kernels.dispatch import Kernels, select_kernels
-from cp_runtime.kernels.storage import from_storage, storage_dtype
+from cp_runtime.kernels.page_words import is_words
+from cp_runtime.kernels.storage import from_storage, pool_dtype, storage_dtype
 from cp_runtime.weights.format import device_tensors, resolve_runtime_weights
 from cp_runtime.weights.params import Params, model_layout
 from cp_runtime.weights.placement import (ArrayBlocks, BlockSource, device_memory_bytes,
@@ -36,7 +39,7 @@ __all__ = ["Executor", "LocalExecutor", "experts_for_plan", "pool_spec_for"]
 def pool_spec_for(model: ModelConfig, runtime: RuntimeConfig) -> PoolSpec:
     return PoolSpec(model=model, kv_cache_dtype=runtime.kv_cache_dtype,
                     num_shards=runtime.num_shards, pages_per_shard=runtime.pages_per_shard,
-                    page_size=runtime.page_size)
+                    page_size=runtime.page_size, latent_memory=runtime.latent_memory)
 
 
 class Executor(abc.ABC):
@@ -93,6 +96,8 @@ def make_page_copy(mesh):
         def copy(buf):                                        # [1, P + 1, ps, D]
             sentinel = buf.shape[1] - 1
             s, d = jnp.where(mine, src, sentinel), jnp.where(mine, dst, sentinel)
+            if is_words(buf):                                 # a latent cache on the host
+                return host_pages.copy_page(buf[0], s, d)[None]
             return buf.at[0, d].set(buf[0, s])
 
         return jax.tree.map(copy, pool)
@@ -125,17 +130,34 @@ def make_row_io(mesh, kernels: Kernels, spec: PoolSpec):
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
 
+    storage = pool_dtype(spec.latent_dtype, mesh.devices.flat[0].platform)
+
+    def rows_of(buf, slot, offset):
+        if is_words(buf):                                     # a latent cache on the host
+            return host_pages.read_rows(buf, slot, offset, storage)
+        return buf[slot, offset]
+
     def read_body(bufs, shard, slot, offset):
         mine = (shard == jax.lax.axis_index(CP_AXIS))[:, None]
-        return tuple(_join_rows(b[0, slot, offset], mine) for b in bufs)
+        return tuple(_join_rows(rows_of(b[0], slot, offset), mine) for b in bufs)
 
     def write_body(kv: KVPool, shard, slot, offset, latent, indexer) -> KVPool:
         mine = shard == jax.lax.axis_index(CP_AXIS)
 
+        def write(cache, rows, slots, offsets, dtype):
+            return kernels.write_kv(cache, rows, slots, offsets, cache_dtype=dtype,
+                                    max_tiles=rows.shape[0])
+
+        def put_one(buf, rows, dtype):                        # buf: [P + 1, ps, D]
+            slots = jnp.where(mine, slot, buf.shape[0] - 1)
+            if is_words(buf):                                 # a latent cache on the host
+                return host_pages.write_rows(buf, rows, slots, offset, storage,
+                                             functools.partial(write, dtype=dtype))
+            return write(buf, rows, slots, offset, dtype)
+
         def put(bufs, rows, dtype):                           # bufs: [1, P + 1, ps, D] each
-            return tuple(kernels.write_kv(
-                b[0], from_storage(r, dtype), jnp.where(mine, slot, b.shape[1] - 1), offset,
-                cache_dtype=dtype, max_tiles=r.shape[0])[None] for b, r in zip(bufs, rows))
+            return tuple(put_one(b[0], from_storage(r, dtype), dtype)[None]
+                         for b, r in zip(bufs, rows))
 
         return KVPool(latent=put(kv.latent, latent, spec.latent_dtype),
                       indexer=put(kv.indexer, indexer, spec.indexer_dtype))

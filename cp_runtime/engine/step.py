@@ -41,6 +41,7 @@ from cp_runtime.cache.layout import local_page_table
 from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.dispatch import Kernels
+from cp_runtime.kernels.storage import pool_dtype
 from cp_runtime.model.attention import ShardAttention, ShardState
 from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, dequantised_whole, forward, logits
 from cp_runtime.model.halves import forward_in_halves, halves_fit
@@ -131,7 +132,7 @@ class Segment:
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
                   kernels: Kernels, kind: str, combine_fn, wire_dtype: str, mlp_rows: str,
-                  indexer_scores: str, halves: bool, experts_regrouped: int):
+                  indexer_scores: str, halves: bool, experts_regrouped: int, latent_storage):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
     shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
     every head of its own, runs them as two halves (`resolve_chunk_halves`).
@@ -146,7 +147,7 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
                             merge=runtime.merge, ws=ws, combine=combine_fn,
-                            indexer_scores=indexer_scores)
+                            indexer_scores=indexer_scores, latent_storage=latent_storage)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
     if attend.splits_rows(state.latent[0]):
@@ -272,7 +273,9 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
                                  wire_dtype=wire_dtype, mlp_rows=mlp_rows,
                                  indexer_scores=indexer_scores, halves=halves,
-                                 experts_regrouped=experts_regrouped)
+                                 experts_regrouped=experts_regrouped,
+                                 latent_storage=pool_dtype(pool.latent_dtype,
+                                                           mesh.devices.flat[0].platform))
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

@@ -51,6 +51,7 @@ from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import owned_tiles_bound, tiles_bound, write_tile_rows
 from cp_runtime.kernels.dispatch import QUERY_DTYPE, Kernels, select_kernels
 from cp_runtime.kernels.sparse_prefill import priced_bound
+from cp_runtime.model import host_latent
 from cp_runtime.model.forward import IndexerInputs
 from cp_runtime.model.phases import phase
 from cp_runtime.parallel.merge import combine
@@ -177,6 +178,9 @@ class ShardAttention:
                  the next half's in-place writes wait for this call's reads of the pool
     indexer_scores: RuntimeConfig.indexer_scores resolved ("cache" or "fp8"): how a step of
                  more than one query a row scores its keys
+    latent_storage: the dtype the latent pages take in HBM (the pool's storage dtype on this
+                 platform) where the pool holds them in host memory (cp_runtime.model.
+                 host_latent); unused otherwise
     """
 
     model: ModelConfig
@@ -196,6 +200,7 @@ class ShardAttention:
     layout: str | None = None        # `attention_layout`'s choice made for the whole chunk
                                      # (its halves keep it); None: this call's rows choose
     indexer_scores: str = "cache"
+    latent_storage: object = None
 
     @property
     def num_shards(self) -> int:
@@ -235,6 +240,12 @@ class ShardAttention:
             return self.kernels.write_kv(cache, rows.reshape(-1, rows.shape[-1]),
                                          slots.reshape(-1), offsets.reshape(-1),
                                          cache_dtype=cache_dtype, max_tiles=max_tiles)
+
+    def _write_latent(self, cache: jax.Array, rows: jax.Array) -> jax.Array:
+        """`_write` of the latent rows f[B, Q, D], wherever the pool holds them."""
+        if not self.pool.latent_on_host:
+            return self._write(cache, rows, self.pool.latent_dtype)
+        return host_latent.write_rows(self, cache, rows)
 
     def _select(self, icache: jax.Array, index: IndexerInputs, tie=None):
         """The selection i32[B, Q, K]; with `tie` (arrays, kernels/indexer.py), (selection,
@@ -280,7 +291,7 @@ class ShardAttention:
             with phase("attention_inputs"):
                 index = (index.rounded() if self.fp8_scores else index).gathered(self.ws)
         before = latent[layer]
-        latent[layer] = self._write(before, kv_row, self.pool.latent_dtype)
+        latent[layer] = self._write_latent(before, kv_row)
         indexer, selection = state.indexer, state.selection
         if index is not None:
             slot = self.model.indexer_slot(layer)
@@ -331,7 +342,7 @@ class ShardAttention:
             self.runtime.attention, rows=b * q, heads=self.model.num_attention_heads,
             latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
             table_pages=b * self.local_table.shape[1] * self.num_shards,
-            page_size=self.page_size, cache_itemsize=np.dtype(cache.dtype).itemsize,
+            page_size=self.page_size, cache_itemsize=np.dtype(self.pool.latent_dtype).itemsize,
             num_shards=self.num_shards, split=self.ws.split,
             wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4)
 
@@ -350,9 +361,14 @@ class ShardAttention:
     def _attend_own_pages(self, q_row, cache, pages, project) -> jax.Array:
         """gather_q: q_row f[B, Q, H, D] (every head, `_gather_queries`) over the pages this
         shard owns; the partials merged."""
+        if self.pool.latent_on_host:
+            with phase("sparse_attention"):
+                cache, slots = host_latent.selected_pages(self, cache, pages)
+        else:
+            slots = self._slots_of(pages, -1)
         with phase("sparse_attention"):
             o, lse = self.kernels.sparse_attention(
-                q_row, cache, self._slots_of(pages, -1), pages, self.pos,
+                q_row, cache, slots, pages, self.pos,
                 value_dim=self.model.kv_lora_rank, scale=self.model.softmax_scale,
                 query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype)
         with phase("merge"):
@@ -378,7 +394,9 @@ class ShardAttention:
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]
         with phase("kv_gather"):
-            return lax.all_gather(before[table], self.axis_name, tiled=True)
+            mine = (host_latent.table_pages(self, before) if self.pool.latent_on_host
+                    else before[table])
+            return lax.all_gather(mine, self.axis_name, tiled=True)
 
     def _write_every(self, every: jax.Array, kv_row: jax.Array) -> jax.Array:
         """The step's rows kv_row f[B, Q, D] (every shard holds them all) written into

@@ -1,0 +1,136 @@
+"""The latent cache held in host memory (`RuntimeConfig.latent_memory = "host"`).
+
+A shard's latent buffer then lives in its host's pinned memory as 32-bit words, a page a row,
+u32[P + 1, ps / pk, D] (kernels/page_words.py: how a TPU packs pk narrow values into a word,
+so that a kernel reads a page's words as its values for free). A step moves only the pages it needs into HBM (`read_pages`), works on them there
+with the same kernels as a device pool, and moves back the pages it wrote (`write_pages`). Each
+page is one asynchronous copy of whole (8, 128) tiles of words (ps / pk rows: 16 for fp8 pages
+of 64): XLA:TPU lowers a dynamic slice of a host buffer, or a dynamic update of one, to a DMA.
+The pool is not held in its own dtype there because XLA:TPU copies only 32-bit-tiled host
+buffers page by page: given an fp8 one, it relays out the whole buffer first (compiled here for
+TPU7x).
+
+The copies run in loops bounded by how many of the pages this shard owns (`owned_first`), not
+by the step's whole selection: a decode row's K + 1 selected pages sit on 1/S of the shards on
+average; `GROUP` of them a loop step, so that several are in flight at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cp_runtime.kernels.page_words import from_words, to_words
+
+__all__ = ["GROUP", "owned_first", "read_pages", "write_pages", "host_sharding", "copy_page",
+           "read_rows", "write_rows"]
+
+# Pages a loop step copies. One at a time, a copy waits for the last: a TPU v5e staged 40 KiB
+# pages from its host at 6.2 GB/s so, and at 11.9 GB/s eight at a time (12.7 at 16), about
+# the 11.2 GB/s of one contiguous 40 MiB slice (docs/performance.md, "The latent cache in host
+# memory").
+GROUP = 8
+
+
+def host_sharding(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """`sharding` in its devices' pinned host memory; on CPU, as it is: there the host's memory
+    is the devices' own, and JAX 0.10 cannot lower a program with host-memory outputs beside
+    the ordered callbacks of interpret-mode kernels. The buffer then keeps its words and the
+    steps stage its pages as on a TPU, each copy a copy within the same memory."""
+    if sharding.mesh.devices.flat[0].platform == "cpu":
+        return sharding
+    return sharding.with_memory_kind("pinned_host")
+
+
+def _on_host(words: jax.Array) -> bool:
+    return jax.typeof(words).memory_space == jax.memory.Space.Host
+
+
+def owned_first(slots: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
+    """slots i32[N] (`sentinel`, the pool's last page, where this shard owns nothing) ->
+    (order i32[N], count): the entries this shard owns first, by slot, then the rest; count,
+    how many it owns. By slot, so that pages staged in this order keep the pool's order: the
+    XLA attention path sums a block's pages in slot order, and gives over the staged pages
+    what it gives over the pool, bit for bit."""
+    order = jnp.argsort(slots, stable=True).astype(jnp.int32)
+    return order, jnp.sum(slots != sentinel, dtype=jnp.int32)
+
+
+def read_pages(words: jax.Array, slots: jax.Array, count: jax.Array) -> jax.Array:
+    """Copy pages into device memory: words u32[P + 1, ps / pk, D] (host), slots i32[N] ->
+    u32[N', ps / pk, D] (device; N' = N rounded up to whole `GROUP`s, plus one): entry i the
+    page at slots[i] for i < count; after that, up to a whole group, the last (sentinel) page;
+    then zeros. The last entry is never written (a place to discard writes)."""
+    n = slots.shape[0]
+    groups = -(-n // GROUP)
+    staged = jnp.zeros((groups * GROUP + 1,) + words.shape[1:], words.dtype)
+    slots = _grouped(slots, count, words.shape[0] - 1)
+
+    def group(g, staged):
+        pages = []
+        for j in range(GROUP):
+            page = lax.dynamic_slice_in_dim(words, slots[g * GROUP + j], 1, axis=0)
+            pages.append(jax.device_put(page, jax.memory.Space.Device) if _on_host(words)
+                         else page)
+        return lax.dynamic_update_slice_in_dim(staged, jnp.concatenate(pages), g * GROUP, 0)
+
+    return lax.fori_loop(0, -(-count // GROUP), group, staged)
+
+
+def write_pages(words: jax.Array, pages: jax.Array, slots: jax.Array,
+                count: jax.Array) -> jax.Array:
+    """Copy pages back to host memory: pages u32[N, ps / pk, D] (device) into words
+    u32[P + 1, ps / pk, D] (host) at slots i32[N], for i < count (the rest of a group writes
+    the last, sentinel, page); returns the updated words (in place where donated)."""
+    n = slots.shape[0]
+    groups = -(-n // GROUP)
+    slots = _grouped(slots, count, words.shape[0] - 1)
+    pages = jnp.pad(pages, ((0, groups * GROUP - n), (0, 0), (0, 0)))
+
+    def group(g, words):
+        for j in range(GROUP):
+            page = lax.dynamic_slice_in_dim(pages, g * GROUP + j, 1, axis=0)
+            if _on_host(words):
+                page = jax.device_put(page, jax.memory.Space.Host)
+            words = lax.dynamic_update_slice_in_dim(words, page, slots[g * GROUP + j], axis=0)
+        return words
+
+    return lax.fori_loop(0, -(-count // GROUP), group, words)
+
+
+def _grouped(slots: jax.Array, count: jax.Array, sentinel: int) -> jax.Array:
+    """slots i32[N] padded to whole groups, the sentinel at every entry from `count` on."""
+    n = slots.shape[0]
+    padded = jnp.pad(slots, (0, -(-n // GROUP) * GROUP - n))
+    return jnp.where(jnp.arange(padded.shape[0]) < count, padded, sentinel)
+
+
+def copy_page(words: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Page src -> dst of host-held words u32[P + 1, ps / pk, D] (i32[] each), by way of HBM."""
+    staged = read_pages(words, src[None], jnp.int32(1))
+    return write_pages(words, staged[:1], dst[None], jnp.int32(1))
+
+
+def read_rows(words: jax.Array, slot: jax.Array, offset: jax.Array, dtype) -> jax.Array:
+    """Rows T[N, D] of `dtype` (the pool's storage dtype) at (slot, offset) i32[N] each."""
+    n = slot.shape[0]
+    pages = from_words(read_pages(words, slot, jnp.int32(n))[:n], dtype)     # [N, ps, D]
+    return pages[jnp.arange(n), offset]
+
+
+def write_rows(words: jax.Array, rows: jax.Array, slot: jax.Array, offset: jax.Array, dtype,
+               write: Callable) -> jax.Array:
+    """Rows T[N, D] written at (slot, offset) i32[N] each (the last page, the sentinel, takes
+    those to discard): each page staged once however many rows land in it, written by
+    `write(pages, rows, slots, offsets)` (a cache-write kernel over pages of `dtype`), and
+    copied back."""
+    n, sentinel = slot.shape[0], words.shape[0] - 1
+    unique = jnp.unique(slot, size=n, fill_value=sentinel)           # ascending, then fill
+    at = jnp.searchsorted(unique, slot).astype(jnp.int32)
+    count = jnp.sum(unique != sentinel, dtype=jnp.int32)
+    pages = from_words(read_pages(words, unique, count)[:n + 1], dtype)   # page n: discard
+    pages = write(pages, rows, jnp.where(slot != sentinel, at, n), offset)
+    return write_pages(words, to_words(pages[:n]), unique, count)
