@@ -305,6 +305,13 @@ def test_capacity_glm_ratio_and_dtypes(capsys):
     assert fp8["topology"] == "tpu7x-16"
     assert (fp8["bytes_per_token_bf16"], fp8["bytes_per_token"]) == (105216, 55296)
     assert fp8["ratio_vs_bf16_2dp"] == "1.90"
+    # The latent cache in host memory: the devices hold 21 layers x 128 bf16 indexer keys a
+    # token, the hosts 78 layers x 640 fp8 latent bytes.
+    assert (fp8["device_bytes_per_token_host_latent"], fp8["host_bytes_per_token"]) == (
+        21 * 128 * 2, 78 * 640)
+    assert fp8["device_bytes_per_token_host_latent"] + fp8["host_bytes_per_token"] == 55296
+    cache_bytes = int(fp8["kv_gib_per_device"] * GIB) * 16
+    assert fp8["tokens_that_fit_host_latent"] == cache_bytes // 5376 > 10 * fp8["tokens_that_fit"]
     bf16 = capacity_json(capsys, "--model", "glm-5.2", "--weight-dtype", "bf16")
     assert bf16["weight_bytes_per_device"] > 1.9 * fp8["weight_bytes_per_device"]
     assert not bf16["weights_fit"] and bf16["tokens_that_fit"] == 0     # 89 GiB + reserve

@@ -132,6 +132,11 @@ class CapacityReport:
     weights_fit: bool = True          # weights + reserve <= HBM (else no KV fits at all)
     bytes_per_token_fp8: int = 0
     tokens_that_fit_fp8: int = 0
+    # With the latent cache in host memory (RuntimeConfig.latent_memory "host"): the devices
+    # hold the indexer's bytes of a token, the hosts its latent bytes.
+    device_bytes_per_token_host_latent: int = 0
+    tokens_that_fit_host_latent: int = 0
+    host_bytes_per_token: int = 0
 
 
 def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hbm_gib: float,
@@ -149,6 +154,7 @@ def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hb
     cache_bytes = int(kv_gib * GIB) * devices
     bpt, bpt_bf16 = bytes_per_token(model, kv_cache_dtype), bytes_per_token(model, "bf16")
     bpt_fp8 = bytes_per_token(model, "fp8_e4m3")
+    bpt_device = bytes_per_token(model, kv_cache_dtype, "host")
     return CapacityReport(
         model=model.name,
         kv_cache_dtype=kv_cache_dtype,
@@ -167,6 +173,9 @@ def capacity_report(model: ModelConfig, kv_cache_dtype: str, *, devices: int, hb
         weights_fit=weights_gib + reserve_gib <= hbm_gib,
         bytes_per_token_fp8=bpt_fp8,
         tokens_that_fit_fp8=cache_bytes // bpt_fp8,
+        device_bytes_per_token_host_latent=bpt_device,
+        tokens_that_fit_host_latent=cache_bytes // bpt_device,
+        host_bytes_per_token=host_bytes_per_token(model, kv_cache_dtype),
         **detail,
     )
 

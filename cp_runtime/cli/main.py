@@ -381,6 +381,12 @@ def _run_capacity(args) -> int:
     if r.kv_cache_dtype not in ("bf16", "fp8_e4m3", "fp8_e5m2"):
         print(f"{r.kv_cache_dtype:<12} {r.bytes_per_token:>12,} {r.tokens_that_fit:>16,}")
     print(f"ratio bf16 / {r.kv_cache_dtype}: {r.ratio_vs_bf16:.2f}x")
+    host_gib = r.tokens_that_fit_host_latent * r.host_bytes_per_token / r.devices / 2**30
+    print(f"with the latent cache in host memory (--latent-memory host), {r.kv_cache_dtype}: "
+          f"the devices hold {r.device_bytes_per_token_host_latent:,} bytes a token (the "
+          f"indexer's), {r.tokens_that_fit_host_latent:,} tokens; the hosts "
+          f"{r.host_bytes_per_token:,} bytes a token, {host_gib:,.1f} GiB a device at that "
+          "many (fewer tokens if the hosts hold less)")
     return 0
 
 
