@@ -76,3 +76,16 @@ def random_tokens(model, n: int, seed: int) -> list[int]:
 def rel_l2(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def require_libtpu() -> None:
+    """Skip the calling test module without libtpu (the tpu extra: compiling for a TPU needs
+    it), with the reason; under CI, which installs it, fail instead."""
+    from cp_runtime.aot.topology import has_libtpu
+    if has_libtpu():
+        return
+    if os.environ.get("CI"):
+        pytest.fail("libtpu is missing: CI must install the tpu extra to compile for TPU",
+                    pytrace=False)
+    pytest.skip("needs libtpu (pip install -e '.[tpu]') to compile for TPU",
+                allow_module_level=True)

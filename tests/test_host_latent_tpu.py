@@ -17,18 +17,11 @@ Without libtpu (the tpu extra) these skip with the reason, except under CI, wher
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from cp_runtime.aot.topology import has_libtpu
+from conftest import require_libtpu
 
-if not has_libtpu():
-    if os.environ.get("CI"):
-        pytest.fail("libtpu is missing: CI must install the tpu extra to compile for TPU",
-                    pytrace=False)
-    pytest.skip("needs libtpu (pip install -e '.[tpu]') to compile for TPU",
-                allow_module_level=True)
+require_libtpu()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
