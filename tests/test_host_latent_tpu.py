@@ -6,7 +6,8 @@ asynchronous copies of one page each, and a decode step over it compiles beside 
     `host_pages.read_pages` / `write_pages`, compiles to a dynamic-slice-start from the host
     buffer (memory space 5) and a dynamic-update-slice-start into it, a group of pages a loop
     step, with no copy of the buffer: the device's temporaries are the staged pages, and the
-    buffer stays a host argument.
+    buffer stays a host argument. The decode kernel compiles reading staged words, with the
+    cost estimate it has over fp8 pages.
   - slow (two compiles of ~1 min): GLM-5.2's decode step at 1M tokens, B = 32, cut to its
     first 5 layers, over a host-held latent cache of 32 sessions of 1M: the latent buffers
     are host arguments, and the step's priced time is within 10% of the same step over a
@@ -86,3 +87,32 @@ def test_a_decode_step_over_a_host_held_cache_compiles_and_prices_as_over_a_devi
     layers = host["layers_compiled"]
     assert host["host_argument_bytes"] == layers * (sessions + 1) * 64 * 640
     assert host["seconds"] == pytest.approx(device["seconds"], rel=0.10)
+
+
+def test_the_decode_kernel_compiles_reading_staged_words():
+    """sparse_decode over GLM-5.2's staged pages as words (u32[N, 16, 640], read as fp8
+    [64, 640] by a bitcast in VMEM) compiles for one TPU7x device at B = 32, every head, with
+    the cost estimate it compiles over fp8 pages: the same bytes move."""
+    from jax.sharding import SingleDeviceSharding
+    from cp_runtime.kernels import sparse_decode
+    device = compile_only_devices("tpu7x-16")[0]
+    on = SingleDeviceSharding(device)
+    b, n, staged = 32, 33, 32 * 33 + host_pages.GROUP + 1
+    q = jax.ShapeDtypeStruct((b, 1, 64, 640), jnp.bfloat16, sharding=on)
+    sel = jax.ShapeDtypeStruct((b, 1, n), jnp.int32, sharding=on)
+    pos = jax.ShapeDtypeStruct((b, 1), jnp.int32, sharding=on)
+    fp8 = np.dtype(jnp.float8_e4m3fn)
+
+    def kernel_cost(cache_shape, cache_dtype, **page_dtype):
+        cache = jax.ShapeDtypeStruct(cache_shape, cache_dtype, sharding=on)
+        with jax.default_device(device):
+            compiled = jax.jit(lambda *a: sparse_decode.sparse_decode(
+                *a, value_dim=512, scale=0.1, **page_dtype)).lower(
+                q, cache, sel, sel, pos).compile()
+        module = hlo.parse_module(compiled.as_text())
+        kernels = [i for body in module.computations.values() for i in body if i.is_kernel]
+        assert len(kernels) == 1, kernels
+        return kernels[0].kernel_cost
+
+    words = kernel_cost((staged, 16, 640), jnp.uint32, page_dtype=fp8)
+    assert words == kernel_cost((staged, 64, 640), fp8) and words[1] > 0
