@@ -56,10 +56,11 @@ __all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "INDEXER_SCORES
            "HOST_LINK_BYTES_PER_S", "tpu7x_16"]
 
 GB, TFLOP = 1e9, 1e12
-# A chip's host link, pages of a host-held latent cache staged eight at a time: measured 11.9
-# GB/s on a TPU v5e (docs/performance.md, "The latent cache in host memory"); no TPU7x figure
-# is known here, so a TPU7x chip is taken to have the same, shared by its two devices.
-HOST_LINK_BYTES_PER_S = 11.9e9
+# A chip's host link, pages of a host-held latent cache staged eight at a time: measured 12.0
+# GB/s on a TPU v5e (`cp-runtime bench host_pages`; docs/performance.md, "The latent cache in
+# host memory"); no TPU7x figure is known here, so a TPU7x chip is taken to have the same,
+# shared by its two devices.
+HOST_LINK_BYTES_PER_S = 12.0e9
 DESIGNS = ("gather_q", "gather_kv", "sequence")
 WIRE_BYTES = {"f32": 4, "bf16": 2}
 INDEXER_SCORES = tuple(c for c in INDEXER_SCORES_CHOICES if c != "auto")   # as resolved

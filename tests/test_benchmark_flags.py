@@ -13,9 +13,10 @@ import cp_runtime.benchmarks
 from cp_runtime.cli import args as cli_args
 from cp_runtime.config import model_names
 
-KNOWN = ("capacity", "collectives", "decode", "dispatch", "kernel_error", "kernels", "merge",
-         "million", "moe_layouts", "niah", "overload", "prefix_reuse", "profile", "recovery",
-         "report", "roofline", "selection", "serving", "throughput", "tpu_model")
+KNOWN = ("capacity", "collectives", "decode", "dispatch", "host_pages", "kernel_error",
+         "kernels", "merge", "million", "moe_layouts", "niah", "overload", "prefix_reuse",
+         "profile", "recovery", "report", "roofline", "selection", "serving", "throughput",
+         "tpu_model")
 # The command each module runs as, where it is not `cp-runtime bench MODULE`.
 COMMAND = {"report": "all"}
 # Shared flags' common defaults (cp_runtime.cli.args): a benchmark whose default differs says

@@ -17,10 +17,10 @@ import json
 import jax
 import pytest
 
-from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, kernel_error, kernels,
-                                   merge, million, moe_layouts, niah, overload, prefix_reuse,
-                                   profile, recovery, report, roofline, selection, serving,
-                                   throughput, tpu_model)
+from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, host_pages,
+                                   kernel_error, kernels, merge, million, moe_layouts, niah,
+                                   overload, prefix_reuse, profile, recovery, report, roofline,
+                                   selection, serving, throughput, tpu_model)
 from cp_runtime.cache.capacity import deployment_report
 from cp_runtime.config import load_model_config
 
@@ -48,6 +48,14 @@ def test_capacity(tmp_path):
     assert rows["glm-5.2", "fp8_e4m3"]["slice_tokens"] == want.tokens_that_fit
     assert rows["tiny", "bf16"]["group"] != rows["glm-5.2", "bf16"]["group"]
     assert (tmp_path / "capacity.png").stat().st_size > 0
+
+
+def test_host_pages(tmp_path):
+    _run(host_pages, tmp_path, "--pages", "64", "--counts", "9", "--groups", "1,8",
+         "--repeats", "1")
+    rows = _json(tmp_path, "host_pages.json")["rows"]
+    assert [(r["group"], r["pages"]) for r in rows] == [(1, 9), (8, 9)]
+    assert all(r["read_ms"] > 0 for r in rows)
 
 
 def test_collectives(tmp_path):

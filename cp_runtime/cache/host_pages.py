@@ -29,9 +29,9 @@ __all__ = ["GROUP", "owned_first", "read_pages", "write_pages", "host_sharding",
            "read_rows", "write_rows"]
 
 # Pages a loop step copies. One at a time, a copy waits for the last: a TPU v5e staged 40 KiB
-# pages from its host at 6.2 GB/s so, and at 11.9 GB/s eight at a time (12.7 at 16), about
-# the 11.2 GB/s of one contiguous 40 MiB slice (docs/performance.md, "The latent cache in host
-# memory").
+# pages from its host at 6.5 GB/s so, and at 12.0 GB/s eight at a time (12.7 at 16), about
+# the 11.4 GB/s of one contiguous 43 MB slice (`cp-runtime bench host_pages`;
+# docs/performance.md, "The latent cache in host memory").
 GROUP = 8
 
 
@@ -59,52 +59,52 @@ def owned_first(slots: jax.Array, sentinel: int) -> tuple[jax.Array, jax.Array]:
     return order, jnp.sum(slots != sentinel, dtype=jnp.int32)
 
 
-def read_pages(words: jax.Array, slots: jax.Array, count: jax.Array) -> jax.Array:
+def read_pages(words: jax.Array, slots: jax.Array, count: jax.Array,
+               group: int = GROUP) -> jax.Array:
     """Copy pages into device memory: words u32[P + 1, ps / pk, D] (host), slots i32[N] ->
-    u32[N', ps / pk, D] (device; N' = N rounded up to whole `GROUP`s, plus one): entry i the
-    page at slots[i] for i < count; after that, up to a whole group, the last (sentinel) page;
-    then zeros. The last entry is never written (a place to discard writes)."""
+    u32[N', ps / pk, D] (device; N' = N rounded up to whole groups of `group`, plus one):
+    entry i the page at slots[i] for i < count; after that, up to a whole group, the last
+    (sentinel) page; then zeros. The last entry is never written (a place to discard
+    writes)."""
     n = slots.shape[0]
-    groups = -(-n // GROUP)
-    staged = jnp.zeros((groups * GROUP + 1,) + words.shape[1:], words.dtype)
-    slots = _grouped(slots, count, words.shape[0] - 1)
+    staged = jnp.zeros((-(-n // group) * group + 1,) + words.shape[1:], words.dtype)
+    slots = _grouped(slots, count, words.shape[0] - 1, group)
 
-    def group(g, staged):
+    def one_group(g, staged):
         pages = []
-        for j in range(GROUP):
-            page = lax.dynamic_slice_in_dim(words, slots[g * GROUP + j], 1, axis=0)
+        for j in range(group):
+            page = lax.dynamic_slice_in_dim(words, slots[g * group + j], 1, axis=0)
             pages.append(jax.device_put(page, jax.memory.Space.Device) if _on_host(words)
                          else page)
-        return lax.dynamic_update_slice_in_dim(staged, jnp.concatenate(pages), g * GROUP, 0)
+        return lax.dynamic_update_slice_in_dim(staged, jnp.concatenate(pages), g * group, 0)
 
-    return lax.fori_loop(0, -(-count // GROUP), group, staged)
+    return lax.fori_loop(0, -(-count // group), one_group, staged)
 
 
-def write_pages(words: jax.Array, pages: jax.Array, slots: jax.Array,
-                count: jax.Array) -> jax.Array:
+def write_pages(words: jax.Array, pages: jax.Array, slots: jax.Array, count: jax.Array,
+                group: int = GROUP) -> jax.Array:
     """Copy pages back to host memory: pages u32[N, ps / pk, D] (device) into words
     u32[P + 1, ps / pk, D] (host) at slots i32[N], for i < count (the rest of a group writes
     the last, sentinel, page); returns the updated words (in place where donated)."""
     n = slots.shape[0]
-    groups = -(-n // GROUP)
-    slots = _grouped(slots, count, words.shape[0] - 1)
-    pages = jnp.pad(pages, ((0, groups * GROUP - n), (0, 0), (0, 0)))
+    slots = _grouped(slots, count, words.shape[0] - 1, group)
+    pages = jnp.pad(pages, ((0, slots.shape[0] - n), (0, 0), (0, 0)))
 
-    def group(g, words):
-        for j in range(GROUP):
-            page = lax.dynamic_slice_in_dim(pages, g * GROUP + j, 1, axis=0)
+    def one_group(g, words):
+        for j in range(group):
+            page = lax.dynamic_slice_in_dim(pages, g * group + j, 1, axis=0)
             if _on_host(words):
                 page = jax.device_put(page, jax.memory.Space.Host)
-            words = lax.dynamic_update_slice_in_dim(words, page, slots[g * GROUP + j], axis=0)
+            words = lax.dynamic_update_slice_in_dim(words, page, slots[g * group + j], axis=0)
         return words
 
-    return lax.fori_loop(0, -(-count // GROUP), group, words)
+    return lax.fori_loop(0, -(-count // group), one_group, words)
 
 
-def _grouped(slots: jax.Array, count: jax.Array, sentinel: int) -> jax.Array:
+def _grouped(slots: jax.Array, count: jax.Array, sentinel: int, group: int) -> jax.Array:
     """slots i32[N] padded to whole groups, the sentinel at every entry from `count` on."""
     n = slots.shape[0]
-    padded = jnp.pad(slots, (0, -(-n // GROUP) * GROUP - n))
+    padded = jnp.pad(slots, (0, -(-n // group) * group - n))
     return jnp.where(jnp.arange(padded.shape[0]) < count, padded, sentinel)
 
 

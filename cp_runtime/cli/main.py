@@ -50,7 +50,7 @@ __all__ = ["main", "build_parser"]
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
               "decode", "collectives", "overload", "prefix_reuse", "moe_layouts",
-              "all")
+              "host_pages", "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
 
