@@ -2,8 +2,9 @@
 
 A shard's latent buffer then lives in its host's pinned memory as 32-bit words, a page a row,
 u32[P + 1, ps / pk, D] (kernels/page_words.py: how a TPU packs pk narrow values into a word,
-so that a kernel reads a page's words as its values for free). A step moves only the pages it needs into HBM (`read_pages`), works on them there
-with the same kernels as a device pool, and moves back the pages it wrote (`write_pages`). Each
+so that a kernel reads a page's words as its values for free). A step moves only the pages it
+needs into HBM (`read_pages`), works on them there with the same kernels as a device pool, and
+moves back the pages it wrote (`write_pages`). Each
 page is one asynchronous copy of whole (8, 128) tiles of words (ps / pk rows: 16 for fp8 pages
 of 64): XLA:TPU lowers a dynamic slice of a host buffer, or a dynamic update of one, to a DMA.
 The pool is not held in its own dtype there because XLA:TPU copies only 32-bit-tiled host
