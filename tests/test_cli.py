@@ -115,7 +115,8 @@ def test_every_shipped_runtime_file_runs_its_model(path):
     check_runtime_for_model(load_model_config(runtime.model), runtime, path)
     args = build_parser().parse_args(["serve", "--config", str(path)])
     served = serve_runtime(args, set())
-    for field in ("model", "page_size", "num_shards", "pages_per_shard", "weights"):
+    for field in ("model", "page_size", "num_shards", "pages_per_shard", "weights",
+                  "latent_memory"):
         assert getattr(served, field) == getattr(runtime, field), field
 
 
