@@ -92,8 +92,9 @@ def write_rows(attend, words: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def selected_pages(attend, words: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """gather_q's pages: selected logical pages i32[B, Q, K + 1] -> (staged u32[N + 1, ps / pk,
-    D], slots i32[B, Q, K + 1] into them, -1 where not this shard's)."""
+    """gather_q's pages: selected logical pages i32[B, Q, K + 1] -> (staged u32[N', ps / pk,
+    D] (`host_pages.read_pages`), slots i32[B, Q, K + 1] into them, -1 where not this
+    shard's)."""
     sentinel = words.shape[0] - 1
     b, m = attend.local_table.shape
     if pages.size <= b * m:
