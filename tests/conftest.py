@@ -42,10 +42,12 @@ from cp_runtime.weights.params import init_params  # noqa: E402
 # at the end. Order only; no test depends on it.
 HEAVIEST_FIRST = ("test_ray.py", "test_tpu_compile.py", "test_benchmark_smoke.py",
                   "test_state.py", "test_paged_model.py", "test_engine.py",
-                  "test_expert_groups.py", "test_state_faults.py", "test_kernel_path.py", "test_http.py",
+                  "test_expert_groups.py", "test_state_faults.py", "test_kernel_path.py",
+                  "test_http.py",
                   "test_attention_layout.py", "test_in_place.py", "test_checkpoint.py",
                   "test_hostile_input.py", "test_narrow_weights.py", "test_sharded_weights.py",
-                  "test_recall.py", "test_prefix_cache.py", "test_moe_layouts.py")
+                  "test_recall.py", "test_prefix_cache.py", "test_moe_layouts.py",
+                  "test_host_latent.py")
 
 
 def pytest_collection_modifyitems(items):

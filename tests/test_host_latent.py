@@ -110,14 +110,15 @@ def _session(model, params, memory: str, shards: int, length: int, **runtime):
 
 
 @pytest.mark.parametrize("shards,length,runtime", [
-    (16, 200, dict(kv_cache_dtype="fp8_e4m3")),
+    pytest.param(16, 200, dict(kv_cache_dtype="fp8_e4m3"), marks=pytest.mark.slow),
     (16, 200, dict(kv_cache_dtype="bf16", weights="sharded", attention="gather_kv",
                    row_attention="weights", chunk_halves="on")),
     (4, 400, dict(kv_cache_dtype="fp8_e4m3"))],
     ids=["fp8-gather_q", "bf16-gather_kv", "fp8-selected-pages"])
 def test_a_session_over_a_host_held_cache_matches_a_device_held_one(tiny, tiny_params, shards,
                                                                     length, runtime):
-    """200 tokens over 16 shards: a decode row's K + 1 selected entries outnumber its table's
+    """(The first case is slow, for the default suite's time budget: the other two cover its
+    paths.) 200 tokens over 16 shards: a decode row's K + 1 selected entries outnumber its table's
     pages on a shard, so the step stages the tables (gather_kv's chunks as two halves, each
     gathering its pages ahead); 400 over 4 shards: a table of 7 pages a shard, so a decode step
     stages the selected pages alone."""
