@@ -42,6 +42,7 @@ import secrets
 import threading
 import time
 
+import numpy as np
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -366,8 +367,8 @@ class RayExecutor(Executor):
         experts = experts_for_plan(plan, self.runtime.prefill_expert_groups,
                                    self.runtime.chunk_size, 1 if group is None
                                    else group.experts_in)
-        shape = (experts, *((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
-                            for seg in plan))
+        shape = (experts, *((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape,
+                             seg.in_hbm) for seg in plan))
         new = group is None or shape not in group.shapes
         if new:
             # Every worker compiles first, then all run: a worker still compiling while
@@ -384,8 +385,8 @@ class RayExecutor(Executor):
         self.dispatch["worker_s"] += self.last_worker_s
         return outs
 
-    def copy_page(self, shard: int, src: int, dst: int) -> None:
-        self._call("copy_page", int(shard), int(src), int(dst))
+    def copy_pages(self, shard, src, dst) -> None:
+        self._call("copy_pages", *(np.asarray(a, np.int32) for a in (shard, src, dst)))
 
     def read_rows(self, shard, slot, offset) -> CacheRows:
         return self._call("read_rows", shard, slot, offset)[0]

@@ -179,7 +179,7 @@ class _Worker:
         if method == "read_rows":
             rows = self._timed(self.executor.read_rows, *args)
             return rows if self.rank == 0 else None
-        if method in ("copy_page", "write_rows"):
+        if method in ("copy_pages", "write_rows"):
             return self._timed(getattr(self.executor, method), *args)
         if method == "rebuild":
             return self.executor.rebuild()
@@ -208,8 +208,8 @@ class _Worker:
         self._handle("compile", plan)
 
     @ray.method(concurrency_group="step")
-    def copy_page(self, shard: int, src: int, dst: int) -> None:
-        self._handle("copy_page", shard, src, dst)
+    def copy_pages(self, shard, src, dst) -> None:
+        self._handle("copy_pages", shard, src, dst)
 
     @ray.method(concurrency_group="step")
     def read_rows(self, shard, slot, offset):

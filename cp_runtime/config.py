@@ -282,6 +282,12 @@ class RuntimeConfig:
     # host_pages): the cache then holds what the hosts' memory holds, at the cost of those
     # copies. The indexer cache stays on the device either way (every step scores all of it).
     latent_memory: str = "device"
+    # With latent_memory "host": how many of each shard's page slots are held in HBM all the
+    # same. Sessions take the lowest free slots, so these first: a prompt prefilled there is
+    # staged by a gather in HBM, not copied from the host page by page, and the engine spills
+    # finished prompts' pages to the host when a new prompt needs the room
+    # (cp_runtime.engine.spill).
+    latent_device_pages: int = 0
     page_size: int = 16
     num_shards: int = 16
     pages_per_shard: int = 64
@@ -460,6 +466,12 @@ class RuntimeConfig:
         if self.latent_memory not in LATENT_MEMORIES:
             raise ConfigError(f"latent_memory={self.latent_memory!r} is not one of "
                               f"{LATENT_MEMORIES}")
+        if self.latent_device_pages and self.latent_memory != "host":
+            raise ConfigError(f"latent_device_pages={self.latent_device_pages} needs "
+                              f"latent_memory='host' (with 'device' every page is in HBM)")
+        if not 0 <= self.latent_device_pages < self.pages_per_shard:
+            raise ConfigError(f"latent_device_pages={self.latent_device_pages} must be at least "
+                              f"0 and less than pages_per_shard={self.pages_per_shard}")
 
 
 def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,

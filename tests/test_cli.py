@@ -116,8 +116,13 @@ def test_every_shipped_runtime_file_runs_its_model(path):
     args = build_parser().parse_args(["serve", "--config", str(path)])
     served = serve_runtime(args, set())
     for field in ("model", "page_size", "num_shards", "pages_per_shard", "weights",
-                  "latent_memory"):
+                  "latent_memory", "latent_device_pages"):
         assert getattr(served, field) == getattr(runtime, field), field
+
+
+def test_hbm_pages_without_a_host_cache_are_refused_by_their_flag(capsys):
+    assert main(["serve", "--port", "0", "--latent-device-pages", "4"]) == 2
+    assert "--latent-device-pages 4 needs --latent-memory 'host'" in capsys.readouterr().err
 
 
 def test_bench_without_a_name_lists_them(capsys):

@@ -131,3 +131,99 @@ def test_a_session_over_a_host_held_cache_matches_a_device_held_one(tiny, tiny_p
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(device_rows.latent, host_rows.latent)
     np.testing.assert_array_equal(device_rows.indexer, host_rows.indexer)
+
+
+def _tiered(words: jax.Array, device_pages: int) -> host_pages.TieredPages:
+    """words u32[P + 1, 4, 128] (fp8 pages of 16 x 128) split as a shard holding its first
+    `device_pages` slots in HBM, those as fp8 pages."""
+    pages = page_words.from_words(words[:device_pages], jnp.float8_e4m3fn)
+    return host_pages.TieredPages(
+        device=jnp.concatenate([pages, jnp.zeros_like(pages[:1])]), host=words[device_pages:])
+
+
+def _joined(tiered: host_pages.TieredPages) -> np.ndarray:
+    return np.concatenate([np.asarray(page_words.to_words(tiered.device[:-1])),
+                           np.asarray(tiered.host)])
+
+
+def test_tiered_words_read_and_write_as_one_buffer():
+    """Slots in both tiers, in no order, a count short of the entries: the pages read are the
+    one buffer's, and the pages written land where the one buffer's would."""
+    rng = np.random.default_rng(4)
+    words = jnp.asarray(rng.integers(0, 2**32, (40, 4, 128), dtype=np.uint32))
+    tiered = _tiered(words, 12)
+    assert tiered.shape == words.shape and tiered.dtype == jnp.uint32
+    assert tiered[None].shape == (1,) + words.shape
+    slots = jnp.asarray([30, 3, 11, 12, 0, 25, 39, 5, 21, 33, 7], jnp.int32)
+    staged = host_pages.read_pages(tiered, slots, jnp.int32(9))
+    assert staged.shape == host_pages.read_pages(words, slots, jnp.int32(9)).shape
+    np.testing.assert_array_equal(staged[:9], words[slots[:9]])
+    pages = jnp.asarray(rng.integers(0, 2**32, (11, 4, 128), dtype=np.uint32))
+    out = host_pages.write_pages(tiered, pages, slots, jnp.int32(9))
+    expect = np.asarray(host_pages.write_pages(words, pages, slots, jnp.int32(9)))
+    np.testing.assert_array_equal(_joined(out)[:-1], expect[:-1])
+    copied = host_pages.copy_page(tiered, jnp.int32(30), jnp.int32(2))
+    np.testing.assert_array_equal(_joined(copied)[2], np.asarray(words[30]))
+
+
+def test_latent_device_pages_are_checked():
+    with pytest.raises(ConfigError, match="latent_device_pages=4 needs latent_memory='host'"):
+        RuntimeConfig(latent_device_pages=4)
+    with pytest.raises(ConfigError, match="less than pages_per_shard=64"):
+        RuntimeConfig(latent_memory="host", latent_device_pages=64)
+
+
+@pytest.mark.parametrize("shards,length,in_hbm,runtime", [
+    pytest.param(16, 200, 1, dict(kv_cache_dtype="bf16", weights="sharded",
+                                  attention="gather_kv", row_attention="weights",
+                                  chunk_halves="on"), marks=pytest.mark.slow),
+    (4, 400, 3, dict(kv_cache_dtype="fp8_e4m3"))],
+    ids=["bf16-gather_kv", "fp8-selected-pages"])
+def test_a_session_over_both_tiers_matches_a_device_held_cache(tiny, tiny_params, shards,
+                                                               length, in_hbm, runtime):
+    """`in_hbm` of each shard's 24 slots in HBM. 16 shards, one (slow, for the default suite's
+    time budget): the prompt's pages there, the fork's copy and the restored session's on the
+    host. 4 shards, three: the prompt's first three pages of each shard there, its other four
+    on the host, so its table mixes the two."""
+    device, device_rows, _ = _session(tiny, tiny_params, "device", shards, length, **runtime)
+    tiered, tiered_rows, engine = _session(tiny, tiny_params, "host", shards, length,
+                                           latent_device_pages=in_hbm, **runtime)
+    latent = engine.executor.pool.latent[0]
+    assert host_pages.is_tiered(latent) and latent.device.shape[1] == in_hbm + 1
+    for a, b in zip(device, tiered):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(device_rows.latent, tiered_rows.latent)
+    np.testing.assert_array_equal(device_rows.indexer, tiered_rows.indexer)
+
+
+def _two_prompts(model, params, **runtime):
+    """Session a's prompt and a decode step, then session b's prompt, then a decode step of
+    each. (One row a step: the XLA attention path sums a block's pages, its rows' together, in
+    slot order, and the two runs place b's pages below and above a's.)"""
+    engine = make_engine(model, params, num_shards=4, pages_per_shard=24, page_size=16,
+                         chunk_size=64, **runtime)
+    a, b = engine.create_session(), engine.create_session()
+    out = [engine.extend(a.id, random_tokens(model, 400, seed=5), all_logits=True),
+           engine.decode([a.id], [7]),
+           engine.extend(b.id, random_tokens(model, 400, seed=6), all_logits=True),
+           engine.decode([a.id], [9]), engine.decode([b.id], [11])]
+    return [np.asarray(x) for x in out], engine, a, b
+
+
+def test_a_prompt_takes_hbm_from_a_finished_session_which_moves_to_the_host(tiny, tiny_params):
+    """8 of 24 slots a shard in HBM, two prompts of 7 pages a shard: a's prompt fills HBM, so
+    b's moves a's pages to the host (copied) and is prefilled in HBM; every output is, bit for
+    bit, what a device-held cache gives."""
+    device, _, _, _ = _two_prompts(tiny, tiny_params)
+    tiered, engine, a, b = _two_prompts(tiny, tiny_params, latent_memory="host",
+                                        latent_device_pages=8)
+    for x, y in zip(device, tiered):
+        np.testing.assert_array_equal(x, y)
+    assert min(a.table.slots) >= 8 and max(b.table.slots[:25]) < 8
+    # Both prompts ran the device pool's programs over the HBM tier; a's decode after the
+    # spill, the staging program.
+    assert {shape[1] for shape in engine.executor._shapes_run} == {True, False}
+    stats = engine.stats()
+    assert stats["pages_spilled_total"] == 26
+    assert sum(stats["hbm_pages_free_per_shard"]) == 4 * 8 - 26
+    engine.allocator.check_invariants()

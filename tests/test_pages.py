@@ -143,3 +143,51 @@ def test_rotated_row_places_page_i_at_i_plus_rotation():
     assert row.tolist() == [99, 99, 7, 8, 9, 99, 99, 99]
     with pytest.raises(ValueError, match="do not fit"):
         rotated_row([1, 2, 3], rotation=6, width=8, sentinel=99)
+
+
+def test_tables_take_hbm_slots_first_and_move_to_the_host_with_copies():
+    """2 of 5 slots a shard in HBM: a table takes them first; `to_host` moves the HBM pages its
+    tables alone hold, naming each copy, and `undo_to_host` takes that back."""
+    alloc = PageAllocator(num_shards=2, pages_per_shard=5, device_pages=2)
+    a = alloc.grow(table(0), 4)                        # pages 0, 2 on shard 0; 1, 3 on shard 1
+    assert a.slots == (0, 0, 1, 1) and alloc.free_device_per_shard() == [0, 0]
+    b = alloc.grow(table(0), 2)
+    assert b.slots == (2, 2)                           # HBM full: host slots
+    (moved,), copies = alloc.to_host([a])
+    assert moved.slots == (3, 3, 4, 4)
+    assert sorted((c.shard, c.src, c.dst) for c in copies) == [
+        (0, 0, 3), (0, 1, 4), (1, 0, 3), (1, 1, 4)]
+    assert alloc.free_device_per_shard() == [2, 2] and alloc.num_free() == 4
+    alloc.check_invariants()
+    alloc.undo_to_host(copies)
+    assert alloc.free_device_per_shard() == [0, 0] and alloc.refcount(0, 3) == 0
+    alloc.check_invariants()
+    alloc.grow(table(0), 2)                            # one host slot a shard left
+    with pytest.raises(CapacityError):                 # 2 pages a shard to move
+        alloc.to_host([a])
+    assert alloc.free_device_per_shard() == [0, 0] and alloc.num_free() == 2
+    alloc.check_invariants()
+
+
+def test_shared_hbm_pages_move_only_with_all_their_tables():
+    alloc = PageAllocator(num_shards=1, pages_per_shard=8, device_pages=4)
+    parent = alloc.grow(table(0), 3)
+    child, copy = alloc.fork(parent, num_tokens=3 * 16, page_size=16)
+    assert child.slots[:2] == parent.slots[:2] and copy.dst == child.slots[2] == 3
+    (moved,), copies = alloc.to_host([parent])
+    assert moved.slots[:2] == parent.slots[:2] and len(copies) == 1   # its own last page
+    (parent2, child2), copies = alloc.to_host([moved, child])
+    assert parent2.slots[:2] == child2.slots[:2] and min(parent2.slots + child2.slots) >= 4
+    assert alloc.refcount(0, parent2.slots[0]) == 2 and len(copies) == 3
+    alloc.check_invariants()
+
+
+def test_unwritten_pages_move_into_free_hbm_slots_without_copies():
+    alloc = PageAllocator(num_shards=1, pages_per_shard=6, device_pages=2)
+    hog = alloc.grow(table(0), 2)
+    t = alloc.grow(table(0), 3)
+    assert t.slots == (2, 3, 4) and alloc.unwritten_on_host(t, first=1) == [2]
+    alloc.free(hog)
+    t = alloc.to_device(t, first=1)
+    assert t.slots == (2, 0, 1) and alloc.unwritten_on_host(t, first=1) == [0]
+    alloc.check_invariants()

@@ -50,6 +50,7 @@ class CompilePlan:
     expert_groups: int = 1                 # RuntimeConfig.expert_groups
     prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
     latent_memory: str = "device"          # RuntimeConfig.latent_memory: device, host
+    latent_device_pages: int = 0           # RuntimeConfig.latent_device_pages
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -87,7 +88,8 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
-    runtime = dataclasses.replace(runtime, pages_per_shard=pages)
+    runtime = dataclasses.replace(runtime, pages_per_shard=pages,
+                                  latent_device_pages=plan.latent_device_pages)
     devices = compile_only_devices(plan.topology)
     mesh = Mesh(np.array(devices), (CP_AXIS,))
     programs = executor_programs(model, runtime, mesh, context=plan.context)
@@ -128,6 +130,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "prefill_expert_groups": runtime.prefill_expert_groups,
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "latent_memory": runtime.latent_memory,
+        "latent_device_pages": runtime.latent_device_pages,
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "device"),
         "pool_host_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "pinned_host"),
         "weight_bytes_per_device": per_device_bytes(

@@ -5,13 +5,17 @@ arguments placed on compile-only devices: nothing is allocated.
     prefill_fill    one "fill" segment: a chunk of chunk_size queries, no lm head
     prefill_sample  the same chunk, then sampling after its last query
     prefill_logits  the same chunk, then the logits of its last query
+    *_in_hbm        each of the four above over the HBM tier alone, in a pool whose latent
+                    cache is on the hosts but for its first `latent_device_pages` pages a
+                    shard (`Segment.in_hbm`)
     experts_to_groups  one MoE layer's routed experts from one group into
                        runtime.prefill_expert_groups (cp_runtime.weights.regroup), when that is
                        over 1; the prefill programs then take the experts so regrouped
     experts_to_one     the same layer's back to one group
     row_export      read a chunk's cached rows, every layer (snapshots): latent, then indexer
     row_import      write them back into the pool (restores)
-    page_copy       copy one page, every layer, on one shard (forks)
+    page_copy       copy a batch of pages, every layer, each on its shard (forks; spills to
+                    the hosts' memory)
 
 The step programs see a page table as wide as `context` tokens need (a session that long, its
 pages spread over the shards by the layout rule) in a pool of `pages_per_shard` pages a shard.
@@ -29,7 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.engine.executor import make_page_copy, make_row_io, pool_spec_for
+from cp_runtime.engine.executor import (copy_batch, make_page_copy, make_row_io,
+                                        pool_spec_for)
 from cp_runtime.engine.step import StepInputs, make_step
 from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.storage import cdiv, storage_dtype
@@ -144,12 +149,16 @@ def _step_programs(model, runtime, mesh, spec, pool, kernels, context: int) -> l
         chunk = _segment_structs(1, runtime.chunk_size, width, kind == "sample", mesh, s)
         programs.append(Program(f"prefill_{kind}", prefill_step, (prefill_params, pool, chunk),
                                 {"kind": kind}, weight_args=(0,), pool_args=(1,)))
+    if spec.latent_tiered:       # the same steps over the HBM tier alone (`Segment.in_hbm`)
+        programs += [dataclasses.replace(p, name=f"{p.name}_in_hbm",
+                                         kwargs={**p.kwargs, "in_hbm": True})
+                     for p in programs]
     return programs + exchanges
 
 
 def _cache_programs(runtime, mesh, spec, pool, kernels) -> list[Program]:
-    """Snapshot row export (latent, indexer) and import of a chunk's rows; the fork's page
-    copy."""
+    """Snapshot row export (latent, indexer) and import of a chunk's rows; page copies (a
+    fork's, a spill's)."""
     read, write = make_row_io(mesh, kernels, spec)
     n = runtime.chunk_size
     where = tuple(_replicated(mesh, (n,), jnp.int32) for _ in range(3))
@@ -157,7 +166,8 @@ def _cache_programs(runtime, mesh, spec, pool, kernels) -> list[Program]:
     def rows(bufs, dtype):              # cached rows on the host: the unsigned form
         return tuple(_replicated(mesh, (n, b.shape[-1]), storage_dtype(dtype)) for b in bufs)
 
-    page = tuple(_replicated(mesh, (), jnp.int32) for _ in range(3))      # shard, src, dst
+    # shard, src, dst: one batch of copies (a fork's page; a spill's run through the same code)
+    page = tuple(_replicated(mesh, (copy_batch(1),), jnp.int32) for _ in range(3))
     return [
         Program("row_export_latent", read, (pool.latent, *where), {}, pool_args=(0,)),
         Program("row_export_indexer", read, (pool.indexer, *where), {}, pool_args=(0,)),

@@ -5,6 +5,10 @@ and the physical slot of each logical page; the shard of a page is implied by it
 rotation. Slot `P` of every shard (one past the last allocatable slot) is the sentinel that
 absorbs no-op writes and is never handed out.
 
+A shard may hold its first `device_pages` slots in HBM and the rest in host memory
+(`RuntimeConfig.latent_device_pages`): a table takes the lowest free slots, so HBM's first,
+and `to_host` moves a table's pages out of HBM (the caller performs the copies).
+
 Running out of pages is a normal answer: `grow` and `fork` raise `CapacityError` *before*
 changing anything, so a refused request leaves the allocator exactly as it was. Misuse (freeing
 a page twice, a table naming one slot twice, forking past the end) raises `ValueError`, also
@@ -69,14 +73,21 @@ class PageTable:
 
 
 class PageAllocator:
-    """Allocates physical page slots on S shards of `pages_per_shard` slots each."""
+    """Allocates physical page slots on S shards of `pages_per_shard` slots each, the first
+    `device_pages` of each in HBM where the rest are in host memory."""
 
-    def __init__(self, num_shards: int, pages_per_shard: int):
+    def __init__(self, num_shards: int, pages_per_shard: int, device_pages: int = 0):
         if num_shards <= 0 or pages_per_shard <= 0:
             raise ValueError(f"{num_shards=} and {pages_per_shard=} must be positive")
+        if not 0 <= device_pages <= pages_per_shard:
+            raise ValueError(f"{device_pages=} must be in [0, {pages_per_shard}]")
         self.num_shards = num_shards
         self.pages_per_shard = pages_per_shard
-        self._free = [list(range(pages_per_shard)) for _ in range(num_shards)]  # min-heaps
+        self.device_pages = device_pages
+        # Min-heaps of free slots per shard: [0, device_pages) and [device_pages, P).
+        self._free_device = [list(range(device_pages)) for _ in range(num_shards)]
+        self._free_host = [list(range(device_pages, pages_per_shard))
+                           for _ in range(num_shards)]
         self._refs = np.zeros((num_shards, pages_per_shard), np.int32)
 
     @property
@@ -90,14 +101,26 @@ class PageAllocator:
 
     def num_free(self, shard: int | None = None) -> int:
         if shard is None:
-            return sum(len(f) for f in self._free)
-        return len(self._free[shard])
+            return sum(self.free_per_shard())
+        return len(self._free_device[shard]) + len(self._free_host[shard])
 
     def free_per_shard(self) -> list[int]:
-        return [len(f) for f in self._free]
+        return [self.num_free(s) for s in range(self.num_shards)]
+
+    def free_device_per_shard(self) -> list[int]:
+        """Free slots in HBM, per shard."""
+        return [len(f) for f in self._free_device]
 
     def used_per_shard(self) -> list[int]:
-        return [self.pages_per_shard - len(f) for f in self._free]
+        return [self.pages_per_shard - f for f in self.free_per_shard()]
+
+    def _pop(self, shard: int, host: bool = False) -> int:
+        """The lowest free slot of `shard` (in host memory only, with `host`), referenced."""
+        heap = self._free_host[shard] if host or not self._free_device[shard] \
+            else self._free_device[shard]
+        slot = heapq.heappop(heap)
+        self._refs[shard, slot] = 1
+        return slot
 
     def num_used(self) -> int:
         return int(np.count_nonzero(self._refs))
@@ -123,11 +146,81 @@ class PageAllocator:
             raise CapacityError(demand, free)
         slots = list(table.slots)
         for page in range(len(table), want_pages):
-            shard = int(owner_shard(page, self.num_shards, table.rotation))
-            slot = heapq.heappop(self._free[shard])
-            self._refs[shard, slot] = 1
-            slots.append(slot)
+            slots.append(self._pop(int(owner_shard(page, self.num_shards, table.rotation))))
         return dataclasses.replace(table, slots=tuple(slots))
+
+    def device_held(self, tables: list[PageTable]) -> dict[tuple[int, int], list]:
+        """The HBM slots that `tables` alone reference, what `to_host` moves: {(shard, slot):
+        [(table index, logical page), ...]} (a slot the tables share is listed once)."""
+        refs: dict[tuple[int, int], list] = {}
+        for i, table in enumerate(tables):
+            for page, (shard, slot) in enumerate(self._pairs(table)):
+                if slot < self.device_pages:
+                    refs.setdefault((shard, slot), []).append((i, page))
+        return {key: where for key, where in refs.items() if len(where) == self._refs[key]}
+
+    def to_host(self, tables: list[PageTable]) -> tuple[list[PageTable], list[PageCopy]]:
+        """`tables` with the pages in HBM that they alone reference moved to free host slots,
+        and the copies the caller must perform before the tables are used. Atomic like `grow`:
+        raises CapacityError, changing nothing, if a shard has too few free host slots. Pages
+        other tables share stay where they are (moving them would change those tables too)."""
+        moving = self.device_held(tables)
+        demand = np.bincount([shard for shard, _ in moving],
+                             minlength=self.num_shards).tolist()
+        free = [len(f) for f in self._free_host]
+        if any(d > f for d, f in zip(demand, free)):
+            raise CapacityError(demand, free)
+        slots = [list(t.slots) for t in tables]
+        copies = []
+        for (shard, device), where in moving.items():
+            host = self._pop(shard, host=True)
+            self._refs[shard, host] = len(where)
+            for i, page in where:
+                slots[i][page] = host
+            copies.append(PageCopy(shard=shard, src=device, dst=host))
+        for (shard, device), where in moving.items():
+            self._refs[shard, device] = 1
+        self._release([(c.shard, c.src) for c in copies])
+        return [dataclasses.replace(t, slots=tuple(s)) for t, s in zip(tables, slots)], copies
+
+    def unwritten_on_host(self, table: PageTable, first: int) -> list[int]:
+        """Per shard, how many of `table`'s pages from logical page `first` on sit in host
+        slots that it alone references: what `to_device` would move, HBM permitting."""
+        need = [0] * self.num_shards
+        for page, (shard, slot) in enumerate(self._pairs(table, first), start=first):
+            if slot >= self.device_pages and self._refs[shard, slot] == 1:
+                need[shard] += 1
+        return need
+
+    def to_device(self, table: PageTable, first: int) -> PageTable:
+        """`table` with its pages from logical page `first` on (those it alone references)
+        placed again, lowest free slots first, so in HBM as far as each shard's free HBM slots
+        go and in ascending slot order, without copies: the caller promises those pages hold
+        nothing yet (a prompt's pages before it is prefilled)."""
+        pairs = self._pairs(table, first)
+        mine = [(page, shard, slot) for page, (shard, slot) in enumerate(pairs, start=first)
+                if self._refs[shard, slot] == 1]
+        self._release([(shard, slot) for _, shard, slot in mine])
+        slots = list(table.slots)
+        for page, shard, _ in mine:
+            slots[page] = self._pop(shard)
+        return dataclasses.replace(table, slots=tuple(slots))
+
+    def undo_to_host(self, copies: list[PageCopy]) -> None:
+        """Take back a `to_host` whose copies failed: its HBM slots referenced again as they
+        were, its new host slots freed; the tables given to it are then the ones to keep."""
+        for c in copies:
+            refs = int(self._refs[c.shard, c.dst])
+            self._take(c.shard, c.src, refs)
+            self._refs[c.shard, c.dst] = 1
+        self._release([(c.shard, c.dst) for c in copies])
+
+    def _take(self, shard: int, slot: int, refs: int) -> None:
+        """A free slot referenced `refs` times again (`undo_to_host`)."""
+        heap = self._free_device[shard] if slot < self.device_pages else self._free_host[shard]
+        heap.remove(slot)
+        heapq.heapify(heap)
+        self._refs[shard, slot] = refs
 
     def _pairs(self, table: PageTable, first: int = 0) -> list[tuple[int, int]]:
         """(shard, slot) of pages `first..` of `table`, checked: each allocated, none twice."""
@@ -144,7 +237,8 @@ class PageAllocator:
         for shard, slot in pairs:
             self._refs[shard, slot] -= 1
             if self._refs[shard, slot] == 0:
-                heapq.heappush(self._free[shard], slot)
+                heapq.heappush(self._free_device[shard] if slot < self.device_pages
+                               else self._free_host[shard], slot)
 
     def free(self, table: PageTable) -> None:
         """Drop one reference to every page of `table` (all checked before any is dropped)."""
@@ -180,9 +274,13 @@ class PageAllocator:
 
     def check_invariants(self) -> None:
         """free + used == capacity; free lists hold exactly the slots with refcount 0."""
-        for shard, heap in enumerate(self._free):
+        for shard in range(self.num_shards):
+            device, host = self._free_device[shard], self._free_host[shard]
             zero = set(np.flatnonzero(self._refs[shard] == 0).tolist())
-            if set(heap) != zero or len(heap) != len(zero):
+            if set(device) | set(host) != zero or len(device) + len(host) != len(zero):
                 raise AssertionError(f"shard {shard}: free list disagrees with refcounts")
+            if any(s >= self.device_pages for s in device) or any(
+                    s < self.device_pages for s in host):
+                raise AssertionError(f"shard {shard}: a free slot is in the wrong tier")
         if self.num_free() + self.num_used() != self.capacity:
             raise AssertionError("free + used != capacity")

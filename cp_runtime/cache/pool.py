@@ -3,7 +3,9 @@ page owner over the `cp` mesh axis.
 
     latent[l]:  T_lat[S, P + 1, ps, D_lat_pad]   (fp8/bf16/f32, `[c | k_pe]`, parts padded)
                 or, held in host memory, its words u32[S, P + 1, ps / pk, D_lat_pad]
-                (`latent_memory` "host", cp_runtime.cache.host_pages)
+                (`latent_memory` "host", cp_runtime.cache.host_pages), the first
+                `latent_device_pages` slots of each shard in HBM where there are any, as
+                T_lat[S, Pd + 1, ps, D_lat_pad] (`host_pages.TieredPages`)
     indexer[i]: T_idx[S, P + 1, ps, D_idx]       (bf16 unless the latent is wider)
 
 The buffers' dtype is `storage.pool_dtype` of the cache dtype on the mesh's platform: uint8 /
@@ -45,10 +47,24 @@ class PoolSpec:
     pages_per_shard: int
     page_size: int
     latent_memory: str = "device"
+    latent_device_pages: int = 0       # with latent_memory "host": slots [0, this) in HBM
 
     @property
     def latent_on_host(self) -> bool:
         return self.latent_memory == "host"
+
+    @property
+    def latent_tiered(self) -> bool:
+        """Whether each shard's latent words lie in two memories (`host_pages.TieredPages`)."""
+        return self.latent_on_host and self.latent_device_pages > 0
+
+    def hbm_view(self) -> "PoolSpec":
+        """A tiered pool's HBM tier as a device pool of its own: a step whose pages all lie
+        there runs over it (cp_runtime.engine.step, `in_hbm`)."""
+        if not self.latent_tiered:
+            raise ValueError("hbm_view: the pool holds no latent pages in HBM apart")
+        return dataclasses.replace(self, latent_memory="device", latent_device_pages=0,
+                                   pages_per_shard=self.latent_device_pages)
 
     @property
     def latent_dtype(self):
@@ -108,11 +124,21 @@ class KVPool:
         def buffer(shape, dtype):
             return jax.ShapeDtypeStruct(shape, pool_dtype(dtype, platform), sharding=sharding)
 
+        def words(pages: int, place: NamedSharding) -> jax.ShapeDtypeStruct:
+            shape = spec.latent_buffer_shape
+            return jax.ShapeDtypeStruct(shape[:1] + (pages,) + shape[2:], jnp.uint32,
+                                        sharding=place)
+
         def latent():
             if not spec.latent_on_host:
                 return buffer(spec.latent_shape, spec.latent_dtype)
-            return jax.ShapeDtypeStruct(spec.latent_buffer_shape, jnp.uint32,
-                                        sharding=host_pages.host_sharding(sharding))
+            on_host = host_pages.host_sharding(sharding)
+            if not spec.latent_tiered:
+                return words(spec.pages_per_shard + 1, on_host)
+            device = spec.latent_device_pages
+            return host_pages.TieredPages(
+                device=buffer(spec.hbm_view().latent_shape, spec.latent_dtype),
+                host=words(spec.pages_per_shard - device + 1, on_host))
 
         return KVPool(
             latent=tuple(latent() for _ in range(spec.model.num_hidden_layers)),

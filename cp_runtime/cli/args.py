@@ -264,6 +264,12 @@ def add_latent_memory(p: argparse.ArgumentParser) -> None:
                         "long chunk) and writes into HBM and back: the cache holds what the "
                         "hosts hold, at the cost of those copies (the indexer's cache stays "
                         "in HBM)")
+    p.add_argument("--latent-device-pages", type=int, default=0, metavar="N",
+                   help="with --latent-memory host: hold the first N page slots of each "
+                        "shard in HBM all the same. Prompts are prefilled there (no page "
+                        "copies from the host each chunk), and the engine moves finished "
+                        "sessions' pages to the host when a prompt needs the room "
+                        "(default: 0, every page on the host)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

@@ -153,7 +153,7 @@ def run_compile(args) -> int:
         residual=args.residual, row_attention=args.row_attention,
         tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
         expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups,
-        latent_memory=args.latent_memory)
+        latent_memory=args.latent_memory, latent_device_pages=args.latent_device_pages)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -216,6 +216,7 @@ def _run_matrix(args) -> int:
                         chunk_halves=args.chunk_halves, expert_groups=args.expert_groups,
                         prefill_expert_groups=args.prefill_expert_groups,
                         latent_memory=args.latent_memory,
+                        latent_device_pages=args.latent_device_pages,
                         progress=None if args.json else _progress)
     exchange_in = {}
     if args.prefill_expert_groups > 1:

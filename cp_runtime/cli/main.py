@@ -211,7 +211,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "prefix_cache_entries": "prefix_cache_entries",
                  "expert_groups": "expert_groups",
                  "prefill_expert_groups": "prefill_expert_groups",
-                 "latent_memory": "latent_memory"}
+                 "latent_memory": "latent_memory",
+                 "latent_device_pages": "latent_device_pages"}
 
 
 def _flag_of(field: str) -> str:

@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from cp_runtime.cache.layout import cdiv, owner_shard
-from cp_runtime.cache.pages import CapacityError, PageAllocator, PageTable
+from cp_runtime.cache.pages import CapacityError, PageAllocator, PageCopy, PageTable
 from cp_runtime.cache.pool import CacheRows
 from cp_runtime.config import ModelConfig, RuntimeConfig, check_runtime_for_model
 from cp_runtime.engine.direct import DirectPath
@@ -63,6 +63,7 @@ from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Genera
                                         Progress, StorageFailed, Token, Unavailable,
                                         check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
+from cp_runtime.engine.spill import choose_spill, spill_candidates
 from cp_runtime.engine.step import Segment
 from cp_runtime.kernels.storage import storage_dtype
 
@@ -116,7 +117,8 @@ class Engine(DirectPath, PrefixReuse):
         self.model, self.runtime, self.executor = model, runtime, executor
         self._journal = DurableOnly(journal or Journal())
         self.prefix = PrefixCache(runtime.page_size, runtime.prefix_cache_entries)
-        self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard)
+        self.allocator = PageAllocator(runtime.num_shards, runtime.pages_per_shard,
+                                       runtime.latent_device_pages)
         self.scheduler = Scheduler(chunk_size=runtime.chunk_size, max_batch=runtime.max_batch,
                                    token_budget=runtime.step_token_budget
                                    or runtime.chunk_size + runtime.max_batch,
@@ -288,7 +290,7 @@ class Engine(DirectPath, PrefixReuse):
             self.allocator.free(table)
             raise
         if copy is not None:
-            self.executor.copy_page(copy.shard, copy.src, copy.dst)
+            self.executor.copy_pages(*_copy_arrays([copy]))
         child = Session(id=child_id, table=table, tokens=parent.tokens[:length],
                         kv_len=min(parent.kv_len, length), durable=durable)
         self.sessions[child.id] = child
@@ -328,7 +330,34 @@ class Engine(DirectPath, PrefixReuse):
         tokens = check_token_ids(request.tokens, self.model.vocab_size)
         self.scheduler.check_room(len(tokens))
         self._append(session, tokens.tolist())
+        self._prompt_to_device(session)
         return ExtendWork(request=request, session=session, target=session.length)
+
+    def _prompt_to_device(self, session: Session) -> None:
+        """Put an admitted prompt's unwritten pages in HBM where the pool holds some of its
+        pages there (`latent_device_pages`), moving the pages of sessions not being prefilled
+        to the host to make room (cp_runtime.engine.spill). A spill that fails leaves every
+        page where it was, and the prompt runs from the host."""
+        if not self.allocator.device_pages:
+            return
+        first = cdiv(session.kv_len, self.runtime.page_size)   # pages holding nothing yet
+        need = self.allocator.unwritten_on_host(session.table, first)
+        prefilling = {w.session.id for w in self._work.values() if isinstance(w, ExtendWork)}
+        victims = choose_spill(self.allocator,
+                               spill_candidates(self.sessions.values(), session.id, prefilling),
+                               need)
+        if victims:
+            tables, copies = self.allocator.to_host([v.table for v in victims])
+            try:
+                self.executor.copy_pages(*_copy_arrays(copies))
+            except Exception:           # noqa: BLE001 - the request stands either way
+                log.exception("spilling %d sessions' pages to the host failed", len(victims))
+                self.allocator.undo_to_host(copies)
+            else:
+                for victim, table in zip(victims, tables):
+                    victim.table = table
+                self.totals["pages_spilled"] += len(copies)
+        session.table = self.allocator.to_device(session.table, first)
 
     def _admit_generate(self, session: Session, request: Generate) -> GenerateWork:
         if session.length == 0:
@@ -416,8 +445,8 @@ class Engine(DirectPath, PrefixReuse):
         t2 = time.perf_counter()
         events = self._apply(batch, outputs)
         t3 = time.perf_counter()
-        shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape)
-                      for seg in segments)          # what a program is compiled for
+        shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape,
+                       seg.in_hbm) for seg in segments)    # what a program is compiled for
         first = shape not in self._shapes_seen
         self._shapes_seen.add(shape)
         self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
@@ -442,7 +471,8 @@ class Engine(DirectPath, PrefixReuse):
     def _segment(self, kind: str, rows: list[Row], **kw) -> Segment:
         return build_segment(kind, rows, page_size=self.runtime.page_size,
                              num_shards=self.runtime.num_shards,
-                             sentinel=self.allocator.sentinel, **kw)
+                             sentinel=self.allocator.sentinel,
+                             hbm_pages=self.allocator.device_pages, **kw)
 
     def _apply(self, batch: Batch, outputs: list) -> list:
         events: list = []
@@ -562,6 +592,8 @@ class Engine(DirectPath, PrefixReuse):
             "max_queued_tokens": self.scheduler.max_queued_tokens,     # 0: no bound
             "pages_used_per_shard": self.allocator.used_per_shard(),
             "pages_per_shard": self.runtime.pages_per_shard,
+            **({"hbm_pages_free_per_shard": self.allocator.free_device_per_shard()}
+               if self.allocator.device_pages else {}),
             "executor": self.executor.stats(self.allocator.used_per_shard()),
             "steps_last_minute": len(recent),
             "tokens_per_s": tokens / span if span > 0 else 0.0,
@@ -571,3 +603,9 @@ class Engine(DirectPath, PrefixReuse):
             "device_s_last_minute": sum(t.device_s for t in recent),
             **{f"{name}_total": value for name, value in self.totals.items()},
         }
+
+
+def _copy_arrays(copies: list[PageCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, src, dst) i32[N] of `copies`, as `Executor.copy_pages` takes them."""
+    return tuple(np.asarray([getattr(c, f) for c in copies], np.int32).reshape(-1)
+                 for f in ("shard", "src", "dst"))

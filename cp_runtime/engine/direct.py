@@ -30,6 +30,7 @@ class DirectPath:
         session = self._idle(session_id)
         ids = check_token_ids(tokens, self.model.vocab_size).tolist()
         self._append(session, ids)
+        self._prompt_to_device(session)
         pending = session.length - session.kv_len      # includes an unwritten last token
         chunk, outs = self.runtime.chunk_size, []
         while session.kv_len < session.length:

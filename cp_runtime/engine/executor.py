@@ -39,15 +39,16 @@ __all__ = ["Executor", "LocalExecutor", "experts_for_plan", "pool_spec_for"]
 def pool_spec_for(model: ModelConfig, runtime: RuntimeConfig) -> PoolSpec:
     return PoolSpec(model=model, kv_cache_dtype=runtime.kv_cache_dtype,
                     num_shards=runtime.num_shards, pages_per_shard=runtime.pages_per_shard,
-                    page_size=runtime.page_size, latent_memory=runtime.latent_memory)
+                    page_size=runtime.page_size, latent_memory=runtime.latent_memory,
+                    latent_device_pages=runtime.latent_device_pages)
 
 
 class Executor(abc.ABC):
     """Contract: `run` executes one step plan (a tuple of `Segment`s, in order)
     and returns each segment's output as host arrays (None for "fill"; a (tokens i32[B],
-    logprobs f32[B]) pair for "sample"; f32 logits for "logits"/"all_logits"); `copy_page`
-    copies one physical page (all layers) on one shard, for forks. Calls are made in order and
-    never concurrently."""
+    logprobs f32[B]) pair for "sample"; f32 logits for "logits"/"all_logits"); `copy_pages`
+    copies physical pages (all layers), for forks and for spills to host memory. Calls are
+    made in order and never concurrently."""
 
     pool_spec: PoolSpec
     # Host seconds of the last `run` around the device program: moving the plan to the
@@ -59,7 +60,9 @@ class Executor(abc.ABC):
     def run(self, plan: tuple[Segment, ...]) -> list: ...
 
     @abc.abstractmethod
-    def copy_page(self, shard: int, src: int, dst: int) -> None: ...
+    def copy_pages(self, shard: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        """Page src[i] -> dst[i] on shard[i] (i32[N] each), every layer; all read before any is
+        written."""
 
     def read_rows(self, shard: np.ndarray, slot: np.ndarray, offset: np.ndarray) -> CacheRows:
         """The cached rows at (shard, slot, offset) i32[N] each, every layer (snapshots)."""
@@ -84,27 +87,56 @@ class Executor(abc.ABC):
         """Release devices/workers. Default: nothing to release."""
 
 
-def make_page_copy(mesh):
-    """copy(pool, shard, src, dst) -> pool: page src -> dst on one shard, every layer, in place.
+# The most copies one page-copy call takes: a host-held cache stages a call's pages in HBM,
+# [copies, ps / pk, D] a layer (42 MB for GLM-5.2's pages of 64), and a spill of a 1M session
+# is 16,384 copies over 16 shards.
+MAX_COPIES = 1024
 
-    Other shards copy their sentinel onto itself, so every shard runs the same program."""
+
+def copy_batch(n: int) -> int:
+    """The entries a page-copy program takes for n <= MAX_COPIES copies: a power of two, at
+    least `host_pages.GROUP` (a fork's page and a spill's batches: two compiled programs)."""
+    return max(host_pages.GROUP, 1 << max(n - 1, 0).bit_length())
+
+
+def make_page_copy(mesh):
+    """copy(pool, shard, src, dst) -> pool: page src[i] -> dst[i] on shard[i] (i32[N] each;
+    shard -1, nobody's), every layer, in place (donated).
+
+    Each shard copies its own entries, the others pointing at its sentinel. No entry may write
+    a page another reads (a fork's copy is one page; a spill's go from HBM slots to host
+    ones)."""
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
 
     def body(pool: KVPool, shard, src, dst) -> KVPool:
         mine = jax.lax.axis_index(CP_AXIS) == shard
 
         def copy(buf):                                        # [1, P + 1, ps, D]
-            sentinel = buf.shape[1] - 1
+            one = buf[0]
+            sentinel = one.shape[0] - 1
             s, d = jnp.where(mine, src, sentinel), jnp.where(mine, dst, sentinel)
-            if is_words(buf):                                 # a latent cache on the host
-                return host_pages.copy_page(buf[0], s, d)[None]
-            return buf.at[0, d].set(buf[0, s])
+            order, count = host_pages.owned_first(s, sentinel)
+            if is_words(one):                                 # a latent cache on the host
+                staged = host_pages.read_pages(one, s[order], count)
+                return host_pages.write_pages(one, staged[:s.shape[0]], d[order], count)[None]
+            return _copy_in_place(one, s[order], d[order], count)[None]
 
-        return jax.tree.map(copy, pool)
+        return jax.tree.map(copy, pool, is_leaf=host_pages.is_tiered)
 
     spmd = jax.shard_map(body, mesh=mesh, in_specs=(sharded, rep, rep, rep), out_specs=sharded,
                          check_vma=False)
     return jax.jit(spmd, donate_argnums=(0,))
+
+
+def _copy_in_place(buf: jax.Array, src: jax.Array, dst: jax.Array,
+                   count: jax.Array) -> jax.Array:
+    """Pages src[i] -> dst[i] of buf T[P + 1, ps, D] for i < count, one in-place update each
+    (a scatter of a batch of pages into an fp8 pool is a copy of the pool on TPU)."""
+    def one(i, buf):
+        return jax.lax.dynamic_update_slice_in_dim(
+            buf, jax.lax.dynamic_slice_in_dim(buf, src[i], 1), dst[i], axis=0)
+
+    return jax.lax.fori_loop(0, count, one, buf)
 
 
 def _join_rows(rows: jax.Array, mine: jax.Array) -> jax.Array:
@@ -225,7 +257,7 @@ class LocalExecutor(Executor):
                  runtime.weight_dtype, time.perf_counter() - t0)
         self._shapes_run: set[tuple] = set()        # programs compiled so far, for the log
         self.kernels = select_kernels(runtime.backend, runtime.num_shards)
-        self._copy_page = make_page_copy(self.mesh)
+        self._copy_pages = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
         self.experts_in = 1
         self._regrouping = (ExpertRegrouping(self.mesh, self.weight_tensors,
@@ -270,9 +302,10 @@ class LocalExecutor(Executor):
             t0 = time.perf_counter()
             args = seg.to_device(self.mesh, self.runtime.num_shards)
             host_s += time.perf_counter() - t0
-            shape = (seg.kind, *(a.shape for a in jax.tree.leaves(args)))
+            shape = (seg.kind, seg.in_hbm, *(a.shape for a in jax.tree.leaves(args)))
             t0 = time.perf_counter()
-            out, self.pool = step(self.params, self.pool, args, kind=seg.kind)
+            out, self.pool = step(self.params, self.pool, args, kind=seg.kind,
+                                  in_hbm=seg.in_hbm)
             outs.append(out)
             # Wait for each program even when it returns nothing ("fill"): two SPMD programs
             # in flight at once deadlock XLA:CPU's collectives (their 16 device threads each
@@ -304,7 +337,8 @@ class LocalExecutor(Executor):
                                    self.mesh)
         for seg in plan:
             args = seg.to_device(self.mesh, self.runtime.num_shards)
-            self._step_for(groups).lower(params, self.pool, args, kind=seg.kind).compile()
+            self._step_for(groups).lower(params, self.pool, args, kind=seg.kind,
+                                         in_hbm=seg.in_hbm).compile()
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
@@ -333,8 +367,12 @@ class LocalExecutor(Executor):
         self.pool = self._write_rows(self.pool, *where, tuple(rows.latent), tuple(rows.indexer))
         jax.block_until_ready(self.pool)
 
-    def copy_page(self, shard: int, src: int, dst: int) -> None:
-        self.pool = self._copy_page(self.pool, jnp.int32(shard), jnp.int32(src), jnp.int32(dst))
+    def copy_pages(self, shard, src, dst) -> None:
+        for first in range(0, len(shard), MAX_COPIES):
+            part = [np.asarray(a[first:first + MAX_COPIES], np.int32) for a in (shard, src, dst)]
+            n = copy_batch(len(part[0]))
+            padded = (np.pad(a, (0, n - len(a)), constant_values=-1) for a in part)
+            self.pool = self._copy_pages(self.pool, *map(jnp.asarray, padded))
         jax.block_until_ready(self.pool)
 
 

@@ -50,8 +50,10 @@ def sampling_arrays(params: list[SamplingParams], seeds: list[int]) -> SamplingA
 
 def build_segment(kind: str, rows: list[Row], *, page_size: int, num_shards: int,
                   sentinel: int, sampling: SamplingArrays | None = None,
-                  width: int | None = None) -> Segment:
-    """A segment of `rows`, each padded to `width` queries (default: the longest row)."""
+                  width: int | None = None, hbm_pages: int = 0) -> Segment:
+    """A segment of `rows`, each padded to `width` queries (default: the longest row).
+    hbm_pages: slots below it lie in a tiered pool's HBM tier (`latent_device_pages`); a
+    segment whose pages all do is `in_hbm`, its tables padded with that tier's last page."""
     num_rows = bucket(len(rows), 1)
     width = width or max(len(r.tokens) for r in rows)
     tokens = np.zeros((num_rows, width), np.int32)
@@ -59,6 +61,9 @@ def build_segment(kind: str, rows: list[Row], *, page_size: int, num_shards: int
     last = np.zeros((num_rows,), np.int32)
     rotation = np.zeros((num_rows,), np.int32)
     used = [cdiv(r.start + len(r.tokens), page_size) for r in rows]
+    in_hbm = hbm_pages > 0 and all(not n or r.table.slot_array[:n].max() < hbm_pages
+                                   for r, n in zip(rows, used))
+    sentinel = hbm_pages if in_hbm else sentinel
     table_width = bucket(max(u + r.table.rotation for u, r in zip(used, rows)), num_shards)
     table = np.full((num_rows, table_width), sentinel, np.int32)
     for i, (r, n) in enumerate(zip(rows, used)):
@@ -70,4 +75,4 @@ def build_segment(kind: str, rows: list[Row], *, page_size: int, num_shards: int
                                sentinel)
     inputs = StepInputs(tokens=tokens, positions=positions, page_table=table, logit_index=last,
                         rotation=rotation)
-    return Segment(kind=kind, inputs=inputs, sampling=sampling)
+    return Segment(kind=kind, inputs=inputs, sampling=sampling, in_hbm=in_hbm)

@@ -107,11 +107,14 @@ class StepInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """One part of a step plan: inputs, what it returns (one of KINDS), and its sampling."""
+    """One part of a step plan: inputs, what it returns (one of KINDS), its sampling, and
+    whether it runs over a tiered pool's HBM tier alone."""
 
     kind: str
     inputs: StepInputs
     sampling: SamplingArrays | None = None
+    in_hbm: bool = False      # every page in a tiered pool's HBM tier (the tables' sentinel
+                              # then that tier's last page): `make_step`'s in_hbm
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -248,7 +251,7 @@ def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
 def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: Mesh,
               kernels: Kernels, weight_tensors: dict[str, DeviceTensor], *,
               combine_fn=combine, experts_regrouped: int = 1):
-    """Returns step(params, pool, segment, kind=...) -> (output, pool), jitted.
+    """Returns step(params, pool, segment, kind=..., in_hbm=False) -> (output, pool), jitted.
 
     weight_tensors: the arrays the weights are held in (cp_runtime.weights.format.device_tensors,
     for runtime.weights and runtime.weight_dtype, both concrete).
@@ -256,7 +259,9 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     pass a stand-in to time the step without its merge).
     experts_regrouped: g > 1 for the weights with their routed experts held regrouped into g
     groups (cp_runtime.weights.regroup; weight_tensors then say so).
-    segment: the argument tuple of `Segment.to_device(...)`; kind: what it returns (static).
+    segment: the argument tuple of `Segment.to_device(...)`; kind: what it returns (static);
+    in_hbm: the segment's pages all lie in the HBM tier of a pool whose latent cache is
+    otherwise on the hosts (`Segment.in_hbm`; static): its program is a device pool's.
     output: what `kind` returns (see the module docstring). The pool argument is donated.
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
@@ -266,21 +271,27 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     indexer_scores = resolve_indexer_scores(runtime.indexer_scores, mesh)
     halves = resolve_chunk_halves(runtime.chunk_halves, mesh)
 
-    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind",),
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind", "in_hbm"),
                        compiler_options=compiler_options(runtime.tpu_schedule, mesh))
-    def step(params: Params, kv: KVPool, segment: tuple, *, kind: str):
-        body = functools.partial(_segment_body, model=model, runtime=runtime, pool=pool,
+    def step(params: Params, kv: KVPool, segment: tuple, *, kind: str, in_hbm: bool = False):
+        # in_hbm: every page the segment touches lies in a tiered pool's HBM tier, so it runs
+        # the device pool's program over that tier; the host words pass through untouched.
+        spec = pool.hbm_view() if in_hbm else pool
+        body = functools.partial(_segment_body, model=model, runtime=runtime, pool=spec,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
                                  wire_dtype=wire_dtype, mlp_rows=mlp_rows,
                                  indexer_scores=indexer_scores, halves=halves,
                                  experts_regrouped=experts_regrouped,
-                                 latent_storage=pool_dtype(pool.latent_dtype,
+                                 latent_storage=pool_dtype(spec.latent_dtype,
                                                            mesh.devices.flat[0].platform))
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),
                              out_specs=(rep, sharded, sharded), check_vma=False)
-        out, latent, indexer = spmd(params, kv.latent, kv.indexer, *segment)
+        latent = tuple(t.device for t in kv.latent) if in_hbm else kv.latent
+        out, latent, indexer = spmd(params, latent, kv.indexer, *segment)
+        if in_hbm:
+            latent = tuple(dataclasses.replace(t, device=d) for t, d in zip(kv.latent, latent))
         return out, KVPool(latent=latent, indexer=indexer)
 
     return step
