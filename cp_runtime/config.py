@@ -283,9 +283,9 @@ class RuntimeConfig:
     # copies. The indexer cache stays on the device either way (every step scores all of it).
     latent_memory: str = "device"
     # With latent_memory "host": how many of each shard's page slots are held in HBM all the
-    # same. Sessions take the lowest free slots, so these first: a prompt prefilled there is
-    # staged by a gather in HBM, not copied from the host page by page, and the engine spills
-    # finished prompts' pages to the host when a new prompt needs the room
+    # same. Sessions take the lowest free slots, so these first; a step whose pages all lie
+    # there runs the device pool's program over them (no copies from the host), and the
+    # engine moves other sessions' pages to the host when a new prompt needs the room
     # (cp_runtime.engine.spill).
     latent_device_pages: int = 0
     page_size: int = 16

@@ -113,12 +113,13 @@ def _session(model, params, memory: str, shards: int, length: int, **runtime):
     pytest.param(16, 200, dict(kv_cache_dtype="fp8_e4m3"), marks=pytest.mark.slow),
     (16, 200, dict(kv_cache_dtype="bf16", weights="sharded", attention="gather_kv",
                    row_attention="weights", chunk_halves="on")),
-    (4, 400, dict(kv_cache_dtype="fp8_e4m3"))],
+    pytest.param(4, 400, dict(kv_cache_dtype="fp8_e4m3"), marks=pytest.mark.slow)],
     ids=["fp8-gather_q", "bf16-gather_kv", "fp8-selected-pages"])
 def test_a_session_over_a_host_held_cache_matches_a_device_held_one(tiny, tiny_params, shards,
                                                                     length, runtime):
-    """(The first case is slow, for the default suite's time budget: the other two cover its
-    paths.) 200 tokens over 16 shards: a decode row's K + 1 selected entries outnumber its table's
+    """(The fp8 cases are slow, for the default suite's time budget: the bf16 case and, for
+    the selected pages over both tiers, test_a_prompt_takes_hbm_from_a_finished_session_...
+    cover their paths.) 200 tokens over 16 shards: a decode row's K + 1 selected entries outnumber its table's
     pages on a shard, so the step stages the tables (gather_kv's chunks as two halves, each
     gathering its pages ahead); 400 over 4 shards: a table of 7 pages a shard, so a decode step
     stages the selected pages alone."""
@@ -177,12 +178,13 @@ def test_latent_device_pages_are_checked():
     pytest.param(16, 200, 1, dict(kv_cache_dtype="bf16", weights="sharded",
                                   attention="gather_kv", row_attention="weights",
                                   chunk_halves="on"), marks=pytest.mark.slow),
-    (4, 400, 3, dict(kv_cache_dtype="fp8_e4m3"))],
+    pytest.param(4, 400, 3, dict(kv_cache_dtype="fp8_e4m3"), marks=pytest.mark.slow)],
     ids=["bf16-gather_kv", "fp8-selected-pages"])
 def test_a_session_over_both_tiers_matches_a_device_held_cache(tiny, tiny_params, shards,
                                                                length, in_hbm, runtime):
-    """`in_hbm` of each shard's 24 slots in HBM. 16 shards, one (slow, for the default suite's
-    time budget): the prompt's pages there, the fork's copy and the restored session's on the
+    """`in_hbm` of each shard's 24 slots in HBM (both slow, for the default suite's time
+    budget; the default run has the tiers' unit test and the spill's session test). 16
+    shards, one: the prompt's pages there, the fork's copy and the restored session's on the
     host. 4 shards, three: the prompt's first three pages of each shard there, its other four
     on the host, so its table mixes the two."""
     device, device_rows, _ = _session(tiny, tiny_params, "device", shards, length, **runtime)

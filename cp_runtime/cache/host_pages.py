@@ -17,16 +17,16 @@ average; `GROUP` of them a loop step, so that several are in flight at once.
 
 A shard may also hold its first page slots in HBM (`RuntimeConfig.latent_device_pages`):
 `TieredPages` is then its buffer, the device's pages for slots [0, Pd) and the host's words
-for [Pd, P), and every function here takes it where it takes words. The allocator hands out the
-lowest free slot first, so sessions take HBM pages while there are any: a prompt prefilled in
-them is staged by a gather in HBM instead of copies from the host.
+for [Pd, P), and every function here takes it where it takes words. The allocator hands out
+the lowest free slot first, so sessions take HBM pages while there are any, and a step whose
+pages all lie there runs the device pool's program over that tier (cp_runtime.engine.step,
+`in_hbm`); a step with any host page stages its pages from both tiers here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -62,7 +62,8 @@ class PoolSpec:
         """A tiered pool's HBM tier as a device pool of its own: a step whose pages all lie
         there runs over it (cp_runtime.engine.step, `in_hbm`)."""
         if not self.latent_tiered:
-            raise ValueError("hbm_view: the pool holds no latent pages in HBM apart")
+            raise ValueError("hbm_view: this pool has no HBM tier (it needs latent_memory "
+                             "'host' and latent_device_pages > 0)")
         return dataclasses.replace(self, latent_memory="device", latent_device_pages=0,
                                    pages_per_shard=self.latent_device_pages)
 

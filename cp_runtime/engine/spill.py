@@ -1,9 +1,9 @@
 """Which sessions' pages leave HBM so that a prompt's can be there
 (`RuntimeConfig.latent_device_pages`, a pool whose latent cache is mostly in host memory).
 
-A prompt prefilled in HBM pages is staged by a gather each chunk; in host pages, every chunk
-copies all its earlier pages in from the host again, which at a million tokens costs more than
-the prompt's compute (docs/performance.md, "Two tiers: the prompt in HBM"). A session's later
+A prompt prefilled in HBM pages runs the device pool's programs over them; in host pages,
+every chunk copies all its earlier pages in from the host again, about 9 s more for a million
+tokens (docs/performance.md, "Two tiers: the prompt in HBM"). A session's later
 decode steps read K + 1 pages a row, where the host costs little. So when an admitted prompt's
 pages do not all fit in HBM, sessions that are not being prefilled move their pages out,
 copied once: idle ones first, then those generating; the oldest first within each.
