@@ -134,7 +134,8 @@ def test_gathering_the_pages_gives_the_logits_of_gathering_q():
 
 
 @pytest.mark.parametrize("row_attention", [pytest.param("heads", marks=pytest.mark.slow),
-                                           "rows", "weights"])
+                                           pytest.param("rows", marks=pytest.mark.slow),
+                                           "weights"])
 def test_splitting_the_rows_gives_the_logits_of_every_row_on_every_device(row_attention):
     """gather_kv's chunks (64 rows, 4 a shard) with the residual stream split by row (auto),
     each shard attending its own head of every row, or every head of its rows (q and outputs
@@ -228,6 +229,7 @@ def _each_gathered_once(cfg, ahead: int) -> None:
     assert sorted(by) == list(range(cfg.num_hidden_layers))
 
 
+@pytest.mark.slow        # the default suite's time budget: one row's case runs by default
 def test_gathering_the_pages_of_two_rows_gives_the_logits_of_gathering_q():
     """Two sessions (40 and 70 tokens, both ending inside a page) decoded together, gather_kv
     against gather_q: each row finds its own table's pages among the gathered ones, and its

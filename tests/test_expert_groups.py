@@ -227,7 +227,9 @@ def _prefill(model, params, groups: int, tokens: int) -> np.ndarray:
     return engine.extend(s.id, random_tokens(model, tokens, seed=3), all_logits=True)
 
 
-@pytest.mark.parametrize("model_name,groups", [("tiny", (16,)), ("deepseek-mini", (2, 4))])
+# tiny's case is slow, for the default suite's time budget (deepseek-mini's runs the same path).
+@pytest.mark.parametrize("model_name,groups", [
+    pytest.param("tiny", (16,), marks=pytest.mark.slow), ("deepseek-mini", (2, 4))])
 def test_a_prefill_in_expert_groups_gives_one_groups_logits(model_name, groups):
     """f32 weights over 16 shards, 300 tokens (5 chunks; every pass whole): the logits in 2
     and 4 groups (deepseek-mini) and 16 (tiny) against one group. tiny's 4 experts in 16
@@ -263,7 +265,8 @@ def _expert_stacks(engine) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("model_name,weight_dtype,groups,halves", [
-    ("tiny", "f32", 16, "off"), ("deepseek-mini", "fp8", 4, "on")])
+    pytest.param("tiny", "f32", 16, "off", marks=pytest.mark.slow),
+    ("deepseek-mini", "fp8", 4, "on")])
 def test_a_prompt_with_its_experts_regrouped_gives_one_groups_logits(model_name, weight_dtype,
                                                                      groups, halves):
     """200 tokens over 16 shards: three whole chunks move the experts into `groups` groups,

@@ -139,6 +139,8 @@ def _prompt_logits(tiny, tiny_params, shards, **runtime):
     return engine.extend(s.id, random_tokens(tiny, 200, 3), all_logits=True)
 
 
+@pytest.mark.slow        # the default suite's time budget: the scores' shard invariance is
+                         # test_fp8_scores_are_the_same_at_every_shard_count's
 def test_fp8_scoring_serves_the_same_logits_at_sixteen_shards_as_at_one(tiny, tiny_params):
     """The runtime with indexer_scores "fp8" (the XLA path's rounding) selects the same pages
     at S = 16 as at S = 1, so the logits agree to f32 summation order (as the unrounded path's
