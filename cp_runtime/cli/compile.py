@@ -23,6 +23,8 @@ __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 PROGRAM_NAMES = ("decode", "prefill_fill", "prefill_sample", "prefill_logits",
                  "experts_to_groups", "experts_to_one", "row_export_latent",
                  "row_export_indexer", "row_import", "page_copy")
+# With --latent-device-pages, each step program also over the HBM tier alone.
+PROGRAM_NAMES += tuple(f"{name}_in_hbm" for name in PROGRAM_NAMES[:4])
 EXIT_NO_LIBTPU = 2
 
 
