@@ -163,7 +163,8 @@ def test_tiered_words_read_and_write_as_one_buffer():
     out = host_pages.write_pages(tiered, pages, slots, jnp.int32(9))
     expect = np.asarray(host_pages.write_pages(words, pages, slots, jnp.int32(9)))
     np.testing.assert_array_equal(_joined(out)[:-1], expect[:-1])
-    copied = host_pages.copy_page(tiered, jnp.int32(30), jnp.int32(2))
+    page = host_pages.read_pages(tiered, jnp.asarray([30], jnp.int32), jnp.int32(1))
+    copied = host_pages.write_pages(tiered, page[:1], jnp.asarray([2], jnp.int32), jnp.int32(1))
     np.testing.assert_array_equal(_joined(copied)[2], np.asarray(words[30]))
 
 

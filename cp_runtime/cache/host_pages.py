@@ -35,7 +35,7 @@ from jax import lax
 from cp_runtime.kernels.page_words import from_words, to_words
 
 __all__ = ["GROUP", "TieredPages", "is_tiered", "owned_first", "read_pages", "write_pages",
-           "host_sharding", "copy_page", "read_rows", "write_rows"]
+           "host_sharding", "read_rows", "write_rows"]
 
 # Pages a loop step copies. One at a time, a copy waits for the last: a TPU v5e staged 40 KiB
 # pages from its host at 6.5 GB/s so, and at 12.0 GB/s eight at a time (12.7 at 16), about
@@ -234,12 +234,6 @@ def _write_tiered(words: TieredPages, pages: jax.Array, slots: jax.Array, count:
                    else (lambda page: page))
         tiers.append(_move_pages(pages, buffer, order, tier_slots, tier_count, group, convert))
     return TieredPages(*tiers)
-
-
-def copy_page(words: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Page src -> dst of host-held words u32[P + 1, ps / pk, D] (i32[] each), by way of HBM."""
-    staged = read_pages(words, src[None], jnp.int32(1))
-    return write_pages(words, staged[:1], dst[None], jnp.int32(1))
 
 
 def read_rows(words: jax.Array, slot: jax.Array, offset: jax.Array, dtype) -> jax.Array:

@@ -11,6 +11,7 @@ copied once: idle ones first, then those generating; the oldest first within eac
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from cp_runtime.cache.pages import PageAllocator
@@ -35,13 +36,19 @@ def choose_spill(allocator: PageAllocator, candidates: list, need: list[int]) ->
     if not any(short):
         return []
     chosen: list = []
+    held, freed = Counter(), [0] * allocator.num_shards    # references among the chosen
     for session in candidates:
-        if not allocator.device_held([session.table]) and not chosen:
+        table = session.table
+        in_hbm = table.slot_array < allocator.device_pages
+        if not in_hbm.any():
             continue
         chosen.append(session)
-        freed = [0] * allocator.num_shards
-        for shard, _ in allocator.device_held([s.table for s in chosen]):
-            freed[shard] += 1
+        # A slot frees once the chosen hold every reference to it (linear in the pages).
+        for shard, slot in zip(table.shards(allocator.num_shards)[in_hbm].tolist(),
+                               table.slot_array[in_hbm].tolist()):
+            held[shard, slot] += 1
+            if held[shard, slot] == allocator.refcount(shard, slot):
+                freed[shard] += 1
         if all(f >= s for f, s in zip(freed, short)):
             break
     return chosen
