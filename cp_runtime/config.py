@@ -90,14 +90,18 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """YaRN rope scaling (the HF `rope_scaling` of type "yarn"; DeepSeek-V3's defaults).
+    """YaRN rope scaling (the HF `rope_scaling` of type "yarn"; DeepSeek-V3's defaults), with
+    transformers' meaning of every field (modeling_rope_utils._compute_yarn_parameters and
+    yarn_apply_mscale; docs/reference-semantics.md).
 
     Rotary dims that turn fewer than `beta_slow` times over `original_max_position_embeddings`
     tokens get their frequency divided by `factor`, dims turning more than `beta_fast` times
-    keep it, and a linear ramp blends the ones between (cp_runtime.model.forward.rope_frequencies).
-    The softmax scale gains yarn_mscale(factor, mscale_all_dim)**2; cos and sin are multiplied
-    by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim), which is 1 whenever
-    the two are equal (every public DeepSeek config).
+    keep it, and a linear ramp blends the ones between (cp_runtime.model.forward.rope_frequencies);
+    the ramp's ends are rounded out to whole dims (floor, ceil) unless `truncate` is false.
+    The softmax scale gains yarn_mscale(factor, mscale_all_dim)**2 (1 when mscale_all_dim is 0).
+    cos and sin are multiplied by `rope_mscale`: `attention_factor` where given, else
+    yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) where both are non-zero
+    (1 when they are equal, as in every public DeepSeek config), else yarn_mscale(factor, 1).
     """
 
     factor: float
@@ -106,6 +110,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.factor < 1:
@@ -124,9 +130,15 @@ class RopeScaling:
 
     @property
     def rope_mscale(self) -> float:
-        """Factor on the rotated rope part (cos and sin) of queries and keys."""
-        return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
-                                                                   self.mscale_all_dim)
+        """Factor on the rotated rope part (cos and sin) of queries and keys, as transformers
+        computes YaRN's attention_factor: the given one, else the ratio of the two mscales
+        where both are non-zero, else yarn_mscale(factor, 1)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor, 1.0)
 
 
 # ModelConfig's sizes: dimensions and counts that must be >= 1; MoE counts that may be 0 (a dense
@@ -137,7 +149,7 @@ _MODEL_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "intermediate_size", "moe_intermediate_size", "n_group", "topk_group")
 _MODEL_COUNTS = ("first_k_dense_replace", "n_routed_experts", "num_experts_per_tok",
                  "n_shared_experts")
-_MODEL_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_MODEL_FLOATS = ("rms_norm_eps", "mla_norm_eps", "rope_theta", "routed_scaling_factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +177,9 @@ class ModelConfig:
     num_experts_per_tok: int
     n_shared_experts: int
     rms_norm_eps: float = 1e-6
+    # eps of MLA's inner RMSNorms (q_a_layernorm, kv_a_layernorm): 1e-6 in DeepSeek's and
+    # transformers' code whatever rms_norm_eps is (GLM-5's 1e-5 is its other norms' only).
+    mla_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     mla_rope_interleaved: bool = True
     index_rope_first: bool = True

@@ -564,7 +564,8 @@ def test_loaded_model_paged_matches_oracle(ckpt):
     ref = oracle_logits(params, jnp.asarray(toks), cfg=cfg, page_size=16)
     assert rel_l2(out, ref) <= 1e-5     # f32 cache: accumulation order only (measured 4e-7)
     # Each feature took effect: switched off, the same weights give other logits. YaRN with
-    # mscale 0 has YaRN's frequencies and the plain softmax scale: the frequencies matter too.
+    # mscale_all_dim 0 and attention_factor 1 has YaRN's frequencies, the plain softmax scale
+    # and unscaled cos and sin: the frequencies matter too.
     def logits_of(**change):
         other = dataclasses.replace(cfg, **change)
         return oracle_logits(params, jnp.asarray(toks), cfg=other, page_size=16)
@@ -572,7 +573,7 @@ def test_loaded_model_paged_matches_oracle(ckpt):
     plain_rope = logits_of(rope_scaling=None)
     assert rel_l2(logits_of(n_group=1, topk_group=1), ref) > 1e-3
     assert rel_l2(plain_rope, ref) > 1e-3
-    freqs_only = RopeScaling(40.0, 4096, mscale=0.0, mscale_all_dim=0.0)
+    freqs_only = RopeScaling(40.0, 4096, mscale=0.0, mscale_all_dim=0.0, attention_factor=1.0)
     assert rel_l2(logits_of(rope_scaling=freqs_only), plain_rope) > 1e-3
 
 
@@ -657,13 +658,11 @@ def test_glm_explicit_indexer_types_win(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     ({"kv_lora_rank": None}, r"config\.json: lacks required field 'kv_lora_rank'"),
-    ({"index_skip_topk_offset": None}, r"index_topk_freq=2 needs index_skip_topk_offset"),
-    ({"index_topk_freq": 0}, r"index_topk_freq=0 must be an integer >= 1"),
-    ({"index_topk_pattern": [1, 0]}, r"index_topk_pattern=\[1, 0\] is not supported"),
+    ({"index_topk_freq": "2"}, r"index_topk_freq='2' must be an integer"),
+    ({"index_topk_pattern": "FSXS"}, r"index_topk_pattern='FSXS' has 'X'"),
+    ({"index_topk_pattern": ["full", "sparse", "full", "full"]}, r"indexer_types 'sparse'"),
     ({"mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, r"mlp_layer_types must be 4"),
     ({"mlp_layer_types": ["dense", "sparse"]}, r"mlp_layer_types must be 4"),
-    ({"first_k_dense_replace": 2}, r"first_k_dense_replace=2 but mlp_layer_types has 1"),
-    ({"mlp_layer_types": None}, r"lacks required field 'first_k_dense_replace'"),
     ({"topk_method": "greedy"}, r"topk_method='greedy' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_scaling type"),
     ({"indexer_types": ["shared"] * 4}, r"indexer_types\[0\] must be 'full'"),

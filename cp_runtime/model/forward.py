@@ -153,15 +153,18 @@ def _yarn_ramp(cfg: ModelConfig) -> np.ndarray:
     Pair i turns L theta^(-2i/d) / 2pi times over the original context of L tokens, so it turns
     r times at i = d ln(L / (2 pi r)) / (2 ln theta). Pairs up to the one for beta_fast turns
     (floored) keep their frequency, pairs from the one for beta_slow turns (ceiled) on are
-    divided by the factor, and a linear ramp blends those between (DeepSeek-V3's reference)."""
+    divided by the factor, and a linear ramp blends those between (DeepSeek-V3's reference).
+    With `truncate` false (transformers' YaRN option) the ends stay where they fall."""
     rs, d = cfg.rope_scaling, cfg.qk_rope_head_dim
 
     def correction_dim(turns: float) -> float:
         return (d * np.log(rs.original_max_position_embeddings / (turns * 2 * np.pi))
                 / (2 * np.log(cfg.rope_theta)))
 
-    low = max(int(np.floor(correction_dim(rs.beta_fast))), 0)
-    high = min(int(np.ceil(correction_dim(rs.beta_slow))), d - 1)
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = int(np.floor(low)), int(np.ceil(high))
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001            # a step, not a division by zero
     ramp = (np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
@@ -356,11 +359,13 @@ def row_features(p: Params, cfg: ModelConfig, h: jax.Array, pos: jax.Array, *,
     weights, scaled). Nothing here mixes rows, so a device can compute its own rows' and
     gather them (`WeightShards.gather_rows`)."""
     features = projected_features(p, cfg, h, indexer=indexer)
-    q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
+    # MLA's inner norms take their own eps (1e-6 in DeepSeek's and transformers' code), not
+    # rms_norm_eps (cp_runtime.config.ModelConfig.mla_norm_eps).
+    q_lora = rms_norm(features["q_a"], p["self_attn.q_a_layernorm.weight"], cfg.mla_norm_eps)
     freqs, mscale = rope_frequencies(cfg), _rope_mscale(cfg)
     a = features["kv_a"]                                                   # [..., kv_lora+rope]
     c = rms_norm(a[..., : cfg.kv_lora_rank], p["self_attn.kv_a_layernorm.weight"],
-                 cfg.rms_norm_eps)
+                 cfg.mla_norm_eps)
     k_pe = rope(a[..., cfg.kv_lora_rank:], pos, freqs, interleaved=cfg.mla_rope_interleaved,
                 mscale=mscale)
     kv_row = jnp.concatenate([_pad_last(c, cfg.latent_nope_pad),

@@ -2,7 +2,8 @@
 
     config.json                       -> ModelConfig           (`read_hf_config`; model_type
                                          `deepseek_v32` or `glm_moe_dsa`; rope as `rope_theta`
-                                         + `rope_scaling`, or `rope_parameters`)
+                                         + `rope_scaling`, or `rope_parameters`; every key as
+                                         transformers reads it)
     model.safetensors, or shards listed by model.safetensors.index.json (`weight_map`)
                                       -> Params, HF names      (`load_hf_params`)
     tokenizer.json (+ tokenizer_config.json for the BOS token) -> HFTokenizer (`load_tokenizer`)
@@ -59,9 +60,13 @@ INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)
 
-# ModelConfig fields read from config.json; every family names them as ModelConfig does except
-# where _RENAMED says otherwise. `first_k_dense_replace` and `indexer_types` are derived
-# (`_first_k_dense`, `_indexer_types`).
+# ModelConfig fields read from config.json, with transformers' meaning (its
+# configuration_deepseek_v32.py / configuration_glm_moe_dsa.py and modeling files; the table
+# key by key is docs/reference-semantics.md). Every family names them as ModelConfig does
+# except where _RENAMED says otherwise. `first_k_dense_replace` and `indexer_types` are derived
+# (`_first_k_dense`, `_indexer_types`), the rope from `rope_parameters` or `rope_theta` +
+# `rope_scaling` (`_rope_settings`). `n_routed_experts` may come as `num_experts`, which wins,
+# as in transformers.
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
              "index_n_heads", "index_head_dim", "index_topk", "intermediate_size",
@@ -72,17 +77,44 @@ _OPTIONAL = ("rms_norm_eps", "routed_scaling_factor", "tie_word_embeddings",
              "index_rope_interleaved")
 # The one table of names that differ: {model_type: {ModelConfig field: config.json key}}.
 # DeepSeek-V3.2 fixes both rope layouts (MLA pairs, indexer halves) and names neither.
+# transformers' GlmMoeDsa reads neither of its keys either (it always interleaves, both);
+# this reader honours them where a config states them (as vLLM and SGLang do), and takes
+# transformers' layout where it does not (_DEFAULTS).
 _RENAMED = {
     "deepseek_v32": {"mla_rope_interleaved": None, "index_rope_interleaved": None},
     "glm_moe_dsa": {"mla_rope_interleaved": "rope_interleave",
                     "index_rope_interleaved": "indexer_rope_interleave"},
 }
+# What each architecture takes for an _OPTIONAL field its config.json leaves out: transformers'
+# class defaults (DeepseekV32Config, GlmMoeDsaConfig), and for the rope layouts its modeling
+# files (MLA: interleaved pairs in both; indexer: halves in DeepSeek-V3.2, pairs in GLM-5).
+# ModelConfig's own defaults are for its TOML files, not these.
+_DEFAULTS = {
+    "deepseek_v32": {"rms_norm_eps": 1e-6, "routed_scaling_factor": 2.5,
+                     "tie_word_embeddings": False, "n_group": 8, "topk_group": 4,
+                     "norm_topk_prob": True, "mla_rope_interleaved": True,
+                     "index_rope_interleaved": False},
+    "glm_moe_dsa": {"rms_norm_eps": 1e-5, "routed_scaling_factor": 2.5,
+                    "tie_word_embeddings": False, "n_group": 1, "topk_group": 1,
+                    "norm_topk_prob": True, "mla_rope_interleaved": True,
+                    "index_rope_interleaved": True},
+}
+# transformers' defaults of the derived fields (both classes): leading dense layers, and
+# GLM-5's indexer schedule (offset, frequency).
+FIRST_K_DENSE_DEFAULT = 3
+INDEX_SKIP_TOPK_OFFSET_DEFAULT = 2
 # Settings the model implements one way only: (field, value when absent, the supported value).
+# transformers reads none of the first four (sigmoid scores, noaux_tc group-limited top-k, an
+# MoE layer wherever mlp_layer_types says "sparse"); a config that names another value
+# describes a model neither transformers' class nor this runtime computes, and is refused.
 _FIXED = (("scoring_func", "sigmoid", "sigmoid"), ("topk_method", "noaux_tc", "noaux_tc"),
           ("hidden_act", "silu", "silu"), ("moe_layer_freq", 1, 1),
           ("attention_bias", False, False))
 _FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
-_YARN_FLOATS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# YaRN's fields as transformers reads them (`x or default` for the betas; a missing mscale or
+# mscale_all_dim is 0, "not given", in RopeScaling.rope_mscale's rule).
+_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+_YARN_MSCALES = ("mscale", "mscale_all_dim")
 
 # safetensors dtype names -> numpy dtypes (JAX's for those numpy lacks); little-endian.
 _DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -97,98 +129,134 @@ MAX_HEADER_BYTES = 100 * 1000 * 1000
 
 
 # -- config -------------------------------------------------------------------------------
-def _rope_settings(hf: dict) -> tuple[float | None, dict | None]:
-    """(rope_theta, the YaRN table or None) from either config format: the classic top-level
-    `rope_theta` and `rope_scaling`, or the newer `rope_parameters` table that holds both (type
-    "default" for plain rope)."""
-    rp = hf.get("rope_parameters")
-    if not rp:
-        return hf.get("rope_theta"), hf.get("rope_scaling") or None
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    return rp.get("rope_theta", hf.get("rope_theta")), (None if kind == "default" else rp)
+def _rope_settings(hf: dict, where: str) -> tuple[float | None, dict | None]:
+    """(rope_theta, the scaling table or None) as transformers takes them: a non-empty
+    `rope_scaling` (the classic format) wins over `rope_parameters` (the newer table, which
+    transformers 5 writes; type "default" is plain rope); rope_theta from the table, else the
+    top-level `rope_theta` (else ModelConfig's 10000, transformers' default_theta)."""
+    table = hf.get("rope_scaling") or hf.get("rope_parameters") or None
+    if table is None:
+        return hf.get("rope_theta"), None
+    if not isinstance(table, dict) or any(isinstance(v, dict) for v in table.values()):
+        raise ValueError(f"{where}: rope parameters {table!r} are not one flat table (rope "
+                         "per layer type is not supported)")
+    if table.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor={table['partial_rotary_factor']!r} "
+                         "is not supported (only 1: rope on all qk_rope_head_dim dims)")
+    kind = table.get("rope_type", table.get("type", "default"))
+    theta = table.get("rope_theta", hf.get("rope_theta"))
+    return theta, (None if kind == "default" else table)
 
 
-def _rope_scaling(rs: dict | None, where: str) -> RopeScaling | None:
+def _rope_scaling(rs: dict | None, hf: dict, where: str) -> RopeScaling | None:
+    """RopeScaling of a YaRN table, each field as transformers' _compute_yarn_parameters reads
+    it: `original_max_position_embeddings` from the config's top level where it is there (that
+    wins), else the table, else max_position_embeddings; `factor` required (transformers'
+    validation refuses a YaRN table without it)."""
     if not rs:
         return None
-    kind = rs.get("type", rs.get("rope_type"))
+    kind = rs.get("rope_type", rs.get("type"))
     if kind != "yarn":
         raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (only 'yarn')")
-    if "factor" not in rs or "original_max_position_embeddings" not in rs:
-        raise ValueError(f"{where}: rope_scaling lacks 'factor' or "
-                         "'original_max_position_embeddings'")
-    values = {k: float(rs[k]) for k in _YARN_FLOATS if rs.get(k) is not None}
-    return RopeScaling(original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                       **values)
+    original = (hf.get("original_max_position_embeddings")
+                or rs.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    if original is None:
+        raise ValueError(f"{where}: rope_scaling lacks 'original_max_position_embeddings' (and "
+                         "the config has no 'max_position_embeddings')")
+    factor = rs.get("factor")
+    if factor is None:
+        raise ValueError(f"{where}: rope_scaling lacks 'factor'")
+    values = {k: float(rs.get(k) or default) for k, default in _YARN_BETAS.items()}
+    values |= {k: float(rs.get(k) or 0.0) for k in _YARN_MSCALES}
+    if rs.get("attention_factor") is not None:
+        values["attention_factor"] = float(rs["attention_factor"])
+    try:
+        return RopeScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                           truncate=bool(rs.get("truncate", True)), **values)
+    except ConfigError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _indexer_types(hf: dict, layers: int, where: str) -> tuple[str, ...]:
-    """Which layers carry an indexer. The rule, first match wins:
+def _indexer_types(hf: dict, kind: str, layers: int, where: str) -> tuple[str, ...]:
+    """Which layers carry an indexer, as transformers derives GlmMoeDsaConfig.indexer_types;
+    the first rule that applies wins:
 
-    1. an explicit `indexer_types` list ("full" / "shared" per layer);
-    2. GLM-5's schedule `index_topk_freq` f with `index_skip_topk_offset` o: layer i is full
-       iff max(i - o + 1, 0) % f == 0 (o = 3, f = 4 over 78 layers: 0, 1, 2, 6, 10, ..., 74);
-    3. neither: every layer full (DeepSeek-V3.2).
-    Without a list, an `index_topk_pattern` (a schedule this reader does not know) is refused.
+    1. DeepSeek-V3.2: every layer (its class has no shared indexers, and ignores these keys);
+    2. an explicit `indexer_types` list ("full" / "shared" per layer);
+    3. an `index_topk_pattern`: a string of F (full) and S (shared), one a layer, or a list;
+    4. GLM-5's schedule `index_topk_freq` f (default 1, at least 1) with
+       `index_skip_topk_offset` o (default 2): layer i is full iff max(i - o + 1, 0) % f == 0
+       (o = 3, f = 4 over 78 layers: 0, 1, 2, 6, 10, ..., 74); with neither, every layer.
     """
+    if kind == "deepseek_v32":
+        return ("full",) * layers
     if hf.get("indexer_types") is not None:
         return tuple(hf["indexer_types"])
-    if hf.get("index_topk_pattern") is not None:
-        raise ValueError(f"{where}: index_topk_pattern={hf['index_topk_pattern']!r} is not "
-                         "supported (give indexer_types, or index_topk_freq and "
-                         "index_skip_topk_offset)")
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            bad = sorted(set(pattern) - {"F", "S"})
+            if bad:
+                raise ValueError(f"{where}: index_topk_pattern={pattern!r} has {bad[0]!r}; "
+                                 "only F (full) and S (shared)")
+            return tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+        if isinstance(pattern, list):
+            return tuple(pattern)
+        raise ValueError(f"{where}: index_topk_pattern={pattern!r} is neither a string of F "
+                         "and S nor a list")
     freq = hf.get("index_topk_freq")
-    if freq is None:
-        return ("full",) * layers
     offset = hf.get("index_skip_topk_offset")
-    if offset is None:
-        raise ValueError(f"{where}: index_topk_freq={freq!r} needs index_skip_topk_offset")
-    if not _is_int(freq) or freq < 1:
-        raise ValueError(f"{where}: index_topk_freq={freq!r} must be an integer >= 1")
-    if not _is_int(offset) or offset < 0:
-        raise ValueError(f"{where}: index_skip_topk_offset={offset!r} must be an integer >= 0")
+    freq = 1 if freq is None else freq
+    offset = INDEX_SKIP_TOPK_OFFSET_DEFAULT if offset is None else offset
+    if not _is_int(freq):
+        raise ValueError(f"{where}: index_topk_freq={freq!r} must be an integer")
+    if not _is_int(offset):
+        raise ValueError(f"{where}: index_skip_topk_offset={offset!r} must be an integer")
+    freq = max(freq, 1)                                     # transformers' max(freq, 1)
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared"
                  for i in range(layers))
 
 
 def _first_k_dense(hf: dict, layers: int, where: str) -> int:
-    """Leading dense-MLP layers: `first_k_dense_replace`, or the "dense" prefix of GLM-5's
-    `mlp_layer_types` (which must be dense layers then sparse ones; both given must agree)."""
-    given = hf.get("first_k_dense_replace")
+    """Leading dense-MLP layers as transformers derives mlp_layer_types: an explicit
+    `mlp_layer_types` wins (it must be dense layers then sparse ones: this runtime's layout),
+    else `first_k_dense_replace` (default 3), at most num_hidden_layers."""
     types = hf.get("mlp_layer_types")
     if types is None:
-        if given is None:
-            raise ValueError(f"{where}: lacks required field 'first_k_dense_replace' "
-                             "(or 'mlp_layer_types')")
-        return given
+        given = hf.get("first_k_dense_replace")
+        given = FIRST_K_DENSE_DEFAULT if given is None else given
+        if not _is_int(given) or given < 0:
+            raise ValueError(f"{where}: first_k_dense_replace={given!r} must be an integer "
+                             ">= 0")
+        return min(given, layers)
     k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
     if len(types) != layers or any(t != "sparse" for t in types[k:]):
         raise ValueError(f"{where}: mlp_layer_types must be {layers} entries, 'dense' ones then "
                          f"'sparse' ones; got {types!r}")
-    if given is not None and given != k:
-        raise ValueError(f"{where}: first_k_dense_replace={given} but mlp_layer_types has {k} "
-                         "dense layers")
     return k
 
 
 def _weight_dtype(hf: dict) -> str:
     """The checkpoint's own weight dtype: fp8 when `quantization_config` block-quantises it,
-    else its `torch_dtype` (bf16 when absent)."""
+    else its `dtype` (transformers 5's name) or `torch_dtype` (4.x's; bf16 when neither)."""
     if hf.get("quantization_config"):
         return "fp8"
-    return "f32" if hf.get("torch_dtype") == "float32" else "bf16"
+    dtype = hf.get("dtype") or hf.get("torch_dtype")
+    return "f32" if dtype == "float32" else "bf16"
 
 
 def read_hf_config(model_dir: str | pathlib.Path) -> ModelConfig:
     """ModelConfig of a DeepSeek-V3.2 (`deepseek_v32`) or GLM-5 (`glm_moe_dsa`) checkpoint
-    directory's config.json; named after the directory. GLM-5's names that differ from
-    DeepSeek's are mapped by `_RENAMED`; its indexer schedule and dense layers are derived by
-    `_indexer_types` and `_first_k_dense`. Raises ValueError naming a missing field or an
-    unsupported setting."""
+    directory's config.json; named after the directory. Every key means what it means to
+    transformers' class for the model_type, defaults included (`_DEFAULTS`;
+    docs/reference-semantics.md). GLM-5's names that differ from DeepSeek's are mapped by
+    `_RENAMED`; its indexer schedule and dense layers are derived by `_indexer_types` and
+    `_first_k_dense`. Raises ValueError naming a missing field or an unsupported setting."""
     d = pathlib.Path(model_dir)
     path = d / "config.json"
     try:
@@ -206,6 +274,8 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
     if kind not in MODEL_TYPES:
         raise ValueError(f"{where}: model_type {kind!r} is not supported "
                          f"(expected one of {MODEL_TYPES})")
+    if hf.get("num_experts") is not None:          # transformers' BC name: it wins
+        hf = {**hf, "n_routed_experts": hf["num_experts"]}
     missing = [k for k in _REQUIRED if hf.get(k) is None]
     if missing:
         raise ValueError(f"{where}: lacks required field {missing[0]!r}"
@@ -214,19 +284,27 @@ def _model_config(hf: dict[str, Any], name: str, where: str) -> ModelConfig:
         if hf.get(field, default) != supported:
             raise ValueError(f"{where}: {field}={hf[field]!r} is not supported "
                              f"(only {supported!r})")
-    theta, scaling = _rope_settings(hf)
+    kv_heads = hf.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != hf["num_attention_heads"]:
+        # MLA expands the latent to every head: transformers' classes fail on fewer.
+        raise ValueError(f"{where}: num_key_value_heads={kv_heads!r} differs from "
+                         f"num_attention_heads={hf['num_attention_heads']!r} (MLA has one "
+                         "key and value per head)")
+    theta, scaling = _rope_settings(hf, where)
     values = {k: hf[k] for k in _REQUIRED}
     keys = {k: _RENAMED[kind].get(k, k) for k in _OPTIONAL}
-    values |= {k: hf[key] for k, key in keys.items() if key and hf.get(key) is not None}
+    values |= {k: hf[key] if key and hf.get(key) is not None else _DEFAULTS[kind][k]
+               for k, key in keys.items()}
     if theta is not None:
         values["rope_theta"] = theta
     values |= {k: float(values[k]) for k in _FLOATS if k in values}     # JSON may write 10000
     layers = hf["num_hidden_layers"]
     values["weight_dtype"] = _weight_dtype(hf)
-    values["indexer_types"] = _indexer_types(hf, layers, where)
+    values["indexer_types"] = _indexer_types(hf, kind, layers, where)
     values["first_k_dense_replace"] = _first_k_dense(hf, layers, where)
     try:
-        return ModelConfig(name=name, rope_scaling=_rope_scaling(scaling, where), **values)
+        return ModelConfig(name=name, rope_scaling=_rope_scaling(scaling, hf, where),
+                           **values)
     except ConfigError as e:                 # an inconsistent combination of fields
         raise ValueError(f"{where}: {e}") from None
 
