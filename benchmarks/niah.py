@@ -51,8 +51,8 @@ from cp_runtime.benchmarks.common import machine, print_table, write_json
 from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
                                            recall_context, shared_recall_model, text_context)
 from cp_runtime.cache.layout import cdiv
-from cp_runtime.cli.args import (check_checkpoint_dir, check_not_below_page, comma_list,
-                                 length_list, positive_int)
+from cp_runtime.cli.args import (add_selection, check_checkpoint_dir, check_not_below_page,
+                                 comma_list, length_list, positive_int)
 from cp_runtime.config import ModelConfig, RuntimeConfig, load_model_config
 from cp_runtime.engine import Engine
 from cp_runtime.engine.executor import LocalExecutor
@@ -191,7 +191,7 @@ def _runtime(args, cfg: ModelConfig, dtype: str, shards: int, max_len: int) -> R
                          num_shards=shards, pages_per_shard=per_shard,
                          chunk_size=args.chunk_size, max_batch=args.max_batch,
                          query_block=args.query_block, backend=args.backend,
-                         weight_dtype=args.weight_dtype)
+                         weight_dtype=args.weight_dtype, selection=args.selection)
 
 
 def run_sweep(args, work: Workload) -> dict:
@@ -227,6 +227,7 @@ def run_sweep(args, work: Workload) -> dict:
     return {"model": work.name, "variants": {v.name: dataclasses.asdict(v) for v in variants},
             "lengths": list(args.lengths), "depths": list(args.depths),
             "page_size": args.page_size, "index_topk": work.cfg.index_topk,
+            "selection": args.selection,
             "chunk_size": args.chunk_size, "seed": args.seed, "cells": cells,
             "summary": _summary(cells), "timings": timings}
 
@@ -347,6 +348,7 @@ def build_parser() -> BenchmarkParser:
     p.add_argument("--query-block", type=positive_int, default=16,
                    help="sparse prefill query block")
     p.add_argument("--max-batch", type=positive_int, default=8, help="questions per decode step")
+    add_selection(p)
     p.add_shared(model="recall", checkpoint=True, shard_counts="16",
                  kv_cache_dtypes=",".join(DTYPES), weight_dtype=True, page_size=16,
                  chunk_size=256, backend="auto", seed="the contexts", out="out/niah",

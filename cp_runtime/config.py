@@ -51,6 +51,7 @@ INDEXER_SCORES_CHOICES = ("auto", "cache", "fp8")
 TPU_SCHEDULES = ("overlap", "xla")
 # Where a shard's latent cache lives (RuntimeConfig.latent_memory).
 LATENT_MEMORIES = ("device", "host")
+SELECTIONS = ("token", "page")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
 WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
 # Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
@@ -292,6 +293,13 @@ class RuntimeConfig:
 
     model: str = "tiny"
     kv_cache_dtype: str = "fp8_e4m3"
+    # What the DSA indexer selects for each query (cp_runtime.parallel.selection): "token", the
+    # index_topk highest-scoring tokens at or before its position, the model as trained (what
+    # DeepSeek's and Zhipu's reference code, transformers, vLLM and SGLang compute); "page",
+    # its own page plus the index_topk / page_size earlier pages ranked by their best token, an
+    # approximation that reads fewer, whole pages but serves a different model
+    # (docs/architecture.md gives its measured distance from the reference).
+    selection: str = "token"
     # Where each shard's latent cache lives: "device", in its HBM; "host", in its host's pinned
     # memory, a step moving only the pages it reads or writes to HBM (cp_runtime.cache.
     # host_pages): the cache then holds what the hosts' memory holds, at the cost of those
@@ -478,6 +486,8 @@ class RuntimeConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
                               f"{tuple(KV_CACHE_DTYPES)}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"selection={self.selection!r} is not one of {SELECTIONS}")
         if self.latent_memory not in LATENT_MEMORIES:
             raise ConfigError(f"latent_memory={self.latent_memory!r} is not one of "
                               f"{LATENT_MEMORIES}")
@@ -491,14 +501,14 @@ class RuntimeConfig:
 
 def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,
                             path: str | pathlib.Path | None = None) -> None:
-    """Raise ConfigError unless `runtime` can run `model`: runtime.model names it, and the
-    model's index_topk is a whole number of runtime pages (selection picks index_topk /
+    """Raise ConfigError unless `runtime` can run `model`: runtime.model names it, and, in page
+    selection, the model's index_topk is a whole number of runtime pages (it picks index_topk /
     page_size pages). `path`, the runtime file if it came from one, prefixes the message."""
     where = f"{path}: " if path is not None else ""
     if runtime.model != model.name:
         raise ConfigError(f"{where}field 'model'={runtime.model!r} but the model in use is "
                           f"{model.name!r}")
-    if model.index_topk % runtime.page_size:
+    if runtime.selection == "page" and model.index_topk % runtime.page_size:
         raise ConfigError(f"{where}field 'page_size'={runtime.page_size}: model {model.name}'s "
                           f"index_topk={model.index_topk} is not a positive multiple of it")
 

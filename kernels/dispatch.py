@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, native_indexer, reference,
-                               sparse_decode, sparse_prefill, xla_sparse)
+                               sparse_decode, sparse_prefill, token_candidates, xla_sparse)
 from cp_runtime.kernels.page_words import from_words, is_words
 from cp_runtime.kernels.storage import from_storage
 
@@ -32,15 +32,19 @@ __all__ = ["Kernels", "select_kernels", "resolve_backend"]
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The per-shard operations, all with the signatures of kernels/reference.py (including the
-    `cache_dtype` keyword for caches in storage form); `expert_matmul` None where the model's
+    `cache_dtype` keyword for caches in storage form, and `sparse_attention`'s `sel_masks`, the
+    entries' token masks, None for page mode); `expert_matmul` None where the model's
     XLA path runs the experts. `indexer_page_scores` also takes `tie` (kernels/indexer.py):
     arrays tied to its scores, returned beside them; and `fp8`: score the queries and keys
-    rounded to e4m3 (`indexer.quantized_scores_inputs`), at the MXU's fp8 rate on a TPU."""
+    rounded to e4m3 (`indexer.quantized_scores_inputs`), at the MXU's fp8 rate on a TPU.
+    `indexer_token_candidates` (token selection) takes the same and `k`: one XLA function on
+    every backend (kernels/token_candidates.py)."""
 
     name: str
     write_kv: Callable
     indexer_page_scores: Callable
     sparse_attention: Callable
+    indexer_token_candidates: Callable
     expert_matmul: Callable | None = None
 
 
@@ -75,16 +79,19 @@ def _scored_in_fp8(scores_fn: Callable) -> Callable:
 def _reads_words(attention_fn: Callable) -> Callable:
     """`attention_fn` that also takes its cache in words (kernels/page_words.py), as values."""
     @functools.wraps(attention_fn)
-    def attention(q, kv_cache, *args, cache_dtype=None, **kwargs):
+    def attention(q, kv_cache, *args, cache_dtype=None, sel_masks=None, **kwargs):
         if is_words(kv_cache):
             kv_cache = from_words(kv_cache, cache_dtype)
-        return attention_fn(q, kv_cache, *args, cache_dtype=cache_dtype, **kwargs)
+        return attention_fn(q, kv_cache, *args, cache_dtype=cache_dtype, sel_masks=sel_masks,
+                            **kwargs)
     return attention
 
 
+TOKEN_CANDIDATES = _tied_after(_scored_in_fp8(token_candidates.indexer_token_candidates))
+
 REFERENCE = Kernels("reference", reference.write_kv,
                     _tied_after(_scored_in_fp8(reference.indexer_page_scores)),
-                    _reads_words(reference.sparse_attention))
+                    _reads_words(reference.sparse_attention), TOKEN_CANDIDATES)
 
 BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
 
@@ -93,7 +100,7 @@ def _xla(num_shards: int) -> Kernels:
     return Kernels("xla", reference.write_kv,
                    _tied_after(_scored_in_fp8(native_indexer.indexer_page_scores)),
                    _reads_words(functools.partial(xla_sparse.sparse_attention_owned,
-                                                  num_shards=num_shards)))
+                                                  num_shards=num_shards)), TOKEN_CANDIDATES)
 
 
 # The Pallas kernels take caches in their value dtype. On a TPU the pool already holds values
@@ -136,22 +143,21 @@ def _pallas_scores(q, w, k_cache, local_pages, q_pos, shard, rotation=None, *, t
 
 
 def _pallas_attention(q, kv_cache, sel_slots, sel_pages, q_pos, *, value_dim: int, scale: float,
-                      query_block: int, cache_dtype=None, interpret: bool):
-    """Decode kernel for one query per row, the query-block prefill kernel otherwise. A cache
-    in words (kernels/page_words.py; `cache_dtype` the values') goes to the decode kernel as
-    it is, and to the prefill kernel as values."""
+                      query_block: int, cache_dtype=None, sel_masks=None, interpret: bool):
+    """Decode kernel for one query per row, the query-block prefill kernel otherwise (token
+    masks, `sel_masks`, passed to either). A cache in words (kernels/page_words.py;
+    `cache_dtype` the values') goes to the decode kernel as it is, and to the prefill kernel
+    as values."""
     q = q.astype(QUERY_DTYPE)
+    kw = dict(value_dim=value_dim, scale=scale, interpret=interpret, sel_masks=sel_masks)
     if q.shape[1] == 1 and is_words(kv_cache):
-        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
-                                           value_dim=value_dim, scale=scale, interpret=interpret,
+        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos, **kw,
                                            page_dtype=np.dtype(cache_dtype))
     kv_cache = _values(kv_cache, cache_dtype)
     if q.shape[1] == 1:
-        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos,
-                                           value_dim=value_dim, scale=scale, interpret=interpret)
-    return sparse_prefill.sparse_prefill(q, kv_cache, sel_slots, sel_pages, q_pos,
-                                         value_dim=value_dim, scale=scale,
-                                         query_block=query_block, interpret=interpret)
+        return sparse_decode.sparse_decode(q, kv_cache, sel_slots, sel_pages, q_pos, **kw)
+    return sparse_prefill.sparse_prefill(q, kv_cache, sel_slots, sel_pages, q_pos, **kw,
+                                         query_block=query_block)
 
 
 def _pallas_experts(rows, w, scales, group_sizes, *, up=None, out_dtype=jnp.float32,
@@ -175,6 +181,7 @@ def _pallas(interpret: bool) -> Kernels:
         functools.partial(_pallas_write, interpret=interpret),
         functools.partial(_pallas_scores, interpret=interpret),
         functools.partial(_pallas_attention, interpret=interpret),
+        TOKEN_CANDIDATES,
         functools.partial(_pallas_experts, interpret=interpret))
 
 

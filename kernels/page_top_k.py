@@ -76,14 +76,22 @@ def cost(m: int, n: int, k: int, has_pages: bool) -> dict:
             "bytes": mp * np_ * 4 * inputs + 2 * k * np_ * 4, "vmem_bytes": vmem, "vpu": True}
 
 
+# The rounds are unrolled, one a selected candidate: past this many the kernel's program grows
+# with k and its O(k M) work exceeds a sort's O(M log M) (token selection's k = index_topk,
+# 2,048 for GLM-5.2, is ranked by XLA's sort; page selection's 32 pages take the kernel).
+MAX_ROUNDS = 64
+
+
 def supports(m: int, n: int, k: int, has_pages: bool) -> bool:
-    """Whether a tile's whole column of m candidates fits the VMEM budget."""
-    return cost(m, n, k, has_pages)["vmem_bytes"] <= VMEM_BUDGET_BYTES
+    """Whether a tile's whole column of m candidates fits the VMEM budget, in at most
+    MAX_ROUNDS rounds."""
+    return k <= MAX_ROUNDS and cost(m, n, k, has_pages)["vmem_bytes"] <= VMEM_BUDGET_BYTES
 
 
 def supports_pairs(g: int, n: int, k: int) -> bool:
-    """Whether `top_pages_of_pairs`' block of G lists of a query tile fits the VMEM budget."""
-    return pairs_cost(g, n, k)["vmem_bytes"] <= VMEM_BUDGET_BYTES
+    """Whether `top_pages_of_pairs`' block of G lists of a query tile fits the VMEM budget, in
+    at most MAX_ROUNDS rounds."""
+    return k <= MAX_ROUNDS and pairs_cost(g, n, k)["vmem_bytes"] <= VMEM_BUDGET_BYTES
 
 
 def _kernel(*refs, k: int, has_pages: bool):

@@ -11,6 +11,16 @@ place by XLA under jit; the Pallas kernel aliases input and output).
 `cache_dtype`: the dtype of the cached values, whatever the cache array's storage form (the
 same-width unsigned integers of a CPU pool, or the values themselves; see storage.py); None
 means the cache array's own dtype.
+
+Token masks (`sel_masks` of the sparse attention, every implementation alike). Token-level DSA
+selection gives each query its selected tokens grouped by page: an entry names a page and
+carries a bitmask of the page's tokens, `W = cdiv(ps, 32)` int32 words. Token i of entry n's
+page (the key at position `sel_pages[b, q, n] * ps + i`) is a key of query (b, q) through
+entry n only if bit i % 32 of word i // 32 is set (bit 31 is the sign bit; the words are read
+as uint32 and shifted logically), on top of slot >= 0 and position <= q_pos. A key reachable
+through two entries counts twice, as a page listed twice does without masks. An entry whose
+words are all zero names nothing (`live_slots`). `sel_masks=None` is page mode: every token of
+an entry's page.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cp_runtime.kernels.storage import from_storage, saturating_cast, to_storage
+from cp_runtime.kernels.storage import cdiv, from_storage, saturating_cast, to_storage
 
 __all__ = [
     "NEG_INF",
@@ -29,6 +39,10 @@ __all__ = [
     "indexer_page_scores",
     "sparse_attention",
     "check_attention_args",
+    "MASK_BITS",
+    "mask_words",
+    "token_bits",
+    "live_slots",
     "dequantize",
     "grouped_matmul",
     "project_output",
@@ -125,8 +139,35 @@ def indexer_page_scores(q: jax.Array, w: jax.Array, k_cache: jax.Array, local_pa
     return out[:, :, :m]
 
 
+MASK_BITS = 32     # tokens per mask word
+
+
+def mask_words(page_size: int) -> int:
+    """W: the int32 words of one entry's token mask."""
+    return cdiv(page_size, MASK_BITS)
+
+
+def token_bits(sel_masks: jax.Array, page_size: int) -> jax.Array:
+    """sel_masks i32[..., W] -> bool[..., ps]: token i's bit, bit i % 32 of word i // 32 (read
+    unsigned, so bit 31 is a token like any other)."""
+    words = lax.bitcast_convert_type(sel_masks, jnp.uint32)
+    word_of_token = jnp.repeat(words, MASK_BITS, axis=-1)[..., :page_size]   # [..., ps]
+    shift = jnp.arange(page_size, dtype=jnp.uint32) % MASK_BITS
+    return ((word_of_token >> shift) & 1) != 0
+
+
+def live_slots(sel_slots: jax.Array, sel_masks: jax.Array | None) -> jax.Array:
+    """sel_slots i32[B, Q, N] with -1 where the entry's mask i32[B, Q, N, W] is all zero (such
+    an entry names no key; dropping it keeps unions and DMA lists to pages some query reads);
+    sel_slots itself in page mode (sel_masks None)."""
+    if sel_masks is None:
+        return sel_slots
+    return jnp.where((sel_masks != 0).any(axis=-1), sel_slots, -1)
+
+
 def check_attention_args(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
-                         sel_pages: jax.Array, q_pos: jax.Array, value_dim: int) -> None:
+                         sel_pages: jax.Array, q_pos: jax.Array, value_dim: int,
+                         sel_masks: jax.Array | None = None) -> None:
     """Trace-time shape checks shared by the reference and the kernels."""
     b, nq, _, d = q.shape
     if kv_cache.ndim != 3 or kv_cache.shape[-1] != d:
@@ -138,13 +179,20 @@ def check_attention_args(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array
         raise ValueError(f"q_pos {q_pos.shape} must be [{b}, {nq}]")
     if not 0 < value_dim <= d:
         raise ValueError(f"{value_dim=} must be in (0, {d}]")
+    if sel_masks is not None:
+        want = (*sel_slots.shape, mask_words(kv_cache.shape[1]))
+        if sel_masks.shape != want or sel_masks.dtype != jnp.int32:
+            raise ValueError(f"sel_masks {sel_masks.dtype}{list(sel_masks.shape)} must be "
+                             f"int32{list(want)}")
 
 
 @functools.partial(jax.jit, static_argnames=("value_dim", "scale", "query_block", "cache_dtype"))
 def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
                      sel_pages: jax.Array, q_pos: jax.Array, *, value_dim: int, scale: float,
-                     query_block: int = 64, cache_dtype=None) -> tuple[jax.Array, jax.Array]:
-    """Absorbed MLA attention of each query over the pages selected for it on this shard.
+                     query_block: int = 64, cache_dtype=None,
+                     sel_masks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA attention of each query over the pages (or tokens) selected for it on this
+    shard.
 
     q:         f[B, Q, H, D]     queries in the cached layout `[q_lat | q_pe]` (padded)
     kv_cache:  T[P + 1, ps, D]   this shard's latent cache `[c | k_pe]`
@@ -153,13 +201,17 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     sel_pages: i32[B, Q, N]      logical page index of each entry (token s of page p sits at
                                  position p * ps + s); only read where sel_slots >= 0
     q_pos:     i32[B, Q]         query positions (-1 = padding); keys at positions <= q_pos attend
+    sel_masks: i32[B, Q, N, W]   token mask of each entry (module docstring), or None: every
+                                 token of the page
     returns:   o f32[B, Q, H, value_dim] (the softmax-weighted `c`), lse f32[B, Q, H]
                (natural log; o = 0 and lse = -inf where no key is visible)
 
     The KV block is upcast to the query dtype before the score dot; probabilities stay f32.
-    Queries are processed `query_block` at a time so memory stays bounded.
+    Queries are processed `query_block` at a time so memory stays bounded. The softmax runs
+    over every entry's keys side by side, so a key two entries reach counts twice: this is the
+    definition the kernels follow.
     """
-    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim, sel_masks)
     b, nq, h, d = q.shape
     ps = kv_cache.shape[1]
     value_dtype = kv_cache.dtype if cache_dtype is None else cache_dtype
@@ -174,11 +226,14 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
     offsets = jnp.arange(ps, dtype=jnp.int32)
 
     def block(carry, xs):
-        qq, slots, pages, pos = xs            # [B, qb, H, D], [B, qb, N] x2, [B, qb]
+        # [B, qb, H, D], [B, qb, N] x2, [B, qb] and, with masks, [B, qb, N, W]
+        qq, slots, pages, pos, *masks = xs
         kv = from_storage(kv_cache[jnp.maximum(slots, 0)], value_dtype)  # [B, qb, N, ps, D]
         kv = kv.astype(qq.dtype)
         key_pos = pages[..., None] * ps + offsets                # [B, qb, N, ps]
         visible = (slots[..., None] >= 0) & (key_pos <= pos[..., None, None])
+        if masks:
+            visible &= token_bits(masks[0], ps)
         kv = jnp.where(visible[..., None], kv, 0)               # unused slots may hold garbage
         s = jnp.einsum("bqhd,bqnsd->bqhns", qq, kv,
                        preferred_element_type=jnp.float32) * scale  # [B, qb, H, N, ps]
@@ -195,6 +250,8 @@ def sparse_attention(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
         return carry, (o, lse)
 
     xs = (blocks(q, 0), blocks(sel_slots, -1), blocks(sel_pages, 0), blocks(q_pos, -1))
+    if sel_masks is not None:
+        xs += (blocks(sel_masks, 0),)
     _, (o, lse) = lax.scan(block, None, xs)
     o = jnp.moveaxis(o, 0, 1).reshape(b, num_blocks * qb, h, value_dim)[:, :nq]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, num_blocks * qb, h)[:, :nq]

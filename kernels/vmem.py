@@ -10,7 +10,12 @@ of the call: the estimate plus HEADROOM (Mosaic's own temporaries and layout pad
 does not count), never below the compiler's usual 16 MiB default scope, never above the core's
 64 MiB. `fit_block(vmem_of, block)` is the rule by which a wrapper shrinks a default block that
 would not fit: halve it (staying a multiple of 8 sublanes) until the estimate is within
-VMEM_BUDGET_BYTES; blocking changes the grid, never the result.
+VMEM_BUDGET_BYTES (and, given `smem_of`, its SMEM within SMEM_BUDGET_BYTES); blocking changes
+the grid, never the result.
+
+SMEM: the TPU7x compiler holds a kernel to 1 MiB of it ("Ran out of memory in memory space
+smem. Used 1.01M of 1.00M smem" for a decode kernel prefetching two i32[64 * 2048] page
+tables); SMEM_BUDGET_BYTES leaves a sixteenth of it to the compiler's own scalars.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "fit_block", "largest_divisor",
-           "tiled_bytes", "vmem_limit_bytes"]
+__all__ = ["VMEM_BYTES_PER_CORE", "VMEM_BUDGET_BYTES", "SMEM_BYTES_PER_CORE",
+           "SMEM_BUDGET_BYTES", "fit_block", "largest_divisor", "tiled_bytes",
+           "vmem_limit_bytes"]
 
 VMEM_BYTES_PER_CORE = 64 * 1024 * 1024     # TPU v7x, per TensorCore
 HEADROOM = 1.25                             # x the estimate, plus HEADROOM_BYTES
@@ -27,6 +33,8 @@ HEADROOM_BYTES = 2 * 1024 * 1024
 MIN_LIMIT_BYTES = 16 * 1024 * 1024          # the default scoped-VMEM limit
 # An estimate at most this large still gets its headroom under the per-core figure.
 VMEM_BUDGET_BYTES = int((VMEM_BYTES_PER_CORE - HEADROOM_BYTES) / HEADROOM)
+SMEM_BYTES_PER_CORE = 1024 * 1024           # TPU7x, as its compiler counts it
+SMEM_BUDGET_BYTES = SMEM_BYTES_PER_CORE * 15 // 16
 
 
 LANES = 128
@@ -49,10 +57,13 @@ def vmem_limit_bytes(estimate: int) -> int:
     return max(MIN_LIMIT_BYTES, min(want, VMEM_BYTES_PER_CORE))
 
 
-def fit_block(vmem_of: Callable[[int], int], block: int) -> int:
+def fit_block(vmem_of: Callable[[int], int], block: int,
+              smem_of: Callable[[int], int] = lambda block: 0) -> int:
     """The largest of block, block / 2, ... (>= 8, or `block` itself when smaller) whose
-    vmem_of(block) is within VMEM_BUDGET_BYTES; the smallest tried if none is."""
-    while block > 8 and vmem_of(block) > VMEM_BUDGET_BYTES:
+    vmem_of(block) is within VMEM_BUDGET_BYTES and smem_of(block) within SMEM_BUDGET_BYTES;
+    the smallest tried if none is."""
+    while block > 8 and (vmem_of(block) > VMEM_BUDGET_BYTES
+                         or smem_of(block) > SMEM_BUDGET_BYTES):
         block = max(8, block // 2)
     return block
 

@@ -34,7 +34,7 @@ from jax import lax
 from cp_runtime.kernels.reference import NEG_INF
 from cp_runtime.kernels.storage import cdiv, from_storage
 
-__all__ = ["indexer_page_scores", "tile_shape"]
+__all__ = ["indexer_page_scores", "tile_shape", "tile_token_scores"]
 
 TILE_BYTES = 4 << 20      # f32 logits or keys per tile: within a server core's L2 + L3 share
 QUERY_ROWS = 1024         # indexer rows (queries x heads) per tile
@@ -52,9 +52,10 @@ def tile_shape(num_queries: int, heads: int, pages: int, page_size: int, dim: in
     return queries, cdiv(pages, cdiv(pages, block))
 
 
-def _tile_scores(q, w, keys, key_pos, q_pos):
-    """One tile. q f32[Qb, Hi, Di], w f32[Qb, Hi], keys f32[nb, ps, Di], key_pos i32[nb, ps],
-    q_pos i32[Qb] -> f32[Qb, nb] (max over each page's visible keys, -inf when none)."""
+def tile_token_scores(q, w, keys, key_pos, q_pos):
+    """One tile's token scores. q f32[Qb, Hi, Di], w f32[Qb, Hi], keys f32[nb, ps, Di],
+    key_pos i32[nb, ps], q_pos i32[Qb] -> f32[Qb, nb * ps] (-inf where a key is not visible:
+    after the query, or at a negative position)."""
     qb, h, d = q.shape
     nb, ps, _ = keys.shape
     logits = lax.dot_general(q.reshape(qb * h, d), keys.reshape(nb * ps, d),
@@ -65,7 +66,14 @@ def _tile_scores(q, w, keys, key_pos, q_pos):
     else:
         scores = jnp.einsum("qhn,qh->qn", logits, w)                       # a product over heads
     visible = (key_pos.reshape(1, -1) <= q_pos[:, None]) & (key_pos.reshape(1, -1) >= 0)
-    return jnp.where(visible, scores, NEG_INF).reshape(qb, nb, ps).max(axis=-1)
+    return jnp.where(visible, scores, NEG_INF)
+
+
+def _tile_scores(q, w, keys, key_pos, q_pos):
+    """One tile's page scores: `tile_token_scores` -> f32[Qb, nb], each page's max over its
+    visible keys (-inf when none)."""
+    qb, nb, ps = q.shape[0], *keys.shape[:2]
+    return tile_token_scores(q, w, keys, key_pos, q_pos).reshape(qb, nb, ps).max(axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("num_shards", "key_block_pages", "cache_dtype",

@@ -13,6 +13,13 @@ query rows (rows of one sequence or of several):
              causal limit), plus log(multiplicity) for a page a query selected twice
     (o, lse) = the softmax partials of each query, as the reference defines them
 
+With token masks (`sel_masks`, reference.py's module docstring) the multiplicity is per key:
+the entries of the query naming the page whose mask has the key's bit, [rows, U, ps] counts
+scattered from each entry's bits (never a [rows, N, U] match of entries against the union,
+which at N = 2,048 entries, 8 rows and S = 16 (U = 2,050) is 33M elements a block). Entries with an
+all-zero mask are dropped before the union (`live_slots`), so they neither fill the capacity
+nor send a block to the fallback.
+
 Neighbouring queries select mostly the same pages, so the union stays near N / S pages per query
 at worst and shared by the block at best. `capacity` = min(all entries, 2 * entries / S + 2), a
 static shape; a block whose union is larger (every query selecting the same shard's pages)
@@ -27,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cp_runtime.kernels.reference import NEG_INF, check_attention_args, sparse_attention
+from cp_runtime.kernels.reference import (NEG_INF, check_attention_args, live_slots,
+                                         sparse_attention, token_bits)
 from cp_runtime.kernels.storage import cdiv, from_storage
 
 __all__ = ["sparse_attention_owned", "union_capacity", "MAX_BLOCK_ROWS"]
@@ -62,16 +70,33 @@ def _union(slots: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     return union, count
 
 
-def _block_attention(q, kv_cache, slots, pages, pos, union, *, value_dim, scale, value_dtype):
+def _union_counts(slots, pages, union, bits):
+    """How the block's queries name its union. slots/pages i32[R, N], union i32[U] (ascending,
+    _NONE-padded), bits i32[R, N, K] (each entry's token bits, K = ps; or ones, K = 1, in page
+    mode) -> times i32[R, U, K]: per query, union page and token, the entries naming the page
+    with the token's bit; page i32[R, U]: the union page's logical page (-1 where the query
+    names it nowhere)."""
+    r, u = slots.shape[0], union.shape[0]
+    at = jnp.minimum(jnp.searchsorted(union, slots), u - 1)                 # [R, N]
+    at = jnp.where((slots >= 0) & (union[at] == slots), at, u)              # u: not in union
+    row = jnp.arange(r)[:, None]
+    times = jnp.zeros((r, u, bits.shape[-1]), jnp.int32).at[row, at].add(bits, mode="drop")
+    page = jnp.full((r, u), -1, jnp.int32).at[row, at].max(pages, mode="drop")
+    return times, page
+
+
+def _block_attention(q, kv_cache, slots, pages, pos, union, masks, *, value_dim, scale,
+                     value_dtype):
     """One block over its union. q f[R, H, D], slots/pages i32[R, N], pos i32[R],
-    union i32[U] -> o f32[R, H, Dv], lse f32[R, H] (reference conventions)."""
+    union i32[U], masks i32[R, N, W] or None -> o f32[R, H, Dv], lse f32[R, H] (reference
+    conventions)."""
     r, h, d = q.shape
     ps = kv_cache.shape[1]
-    match = slots[:, :, None] == union[None, None, :]                       # [R, N, U]
-    times = match.sum(axis=1)                                               # [R, U]
-    page = jnp.max(jnp.where(match, pages[:, :, None], -1), axis=1)         # [R, U]
+    bits = (jnp.ones((*slots.shape, 1), jnp.int32) if masks is None
+            else token_bits(masks, ps).astype(jnp.int32))                   # [R, N, K]
+    times, page = _union_counts(slots, pages.astype(jnp.int32), union, bits)  # [R, U, K], [R, U]
     key_pos = page[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)        # [R, U, ps]
-    visible = (times > 0)[..., None] & (key_pos <= pos[:, None, None])
+    visible = (times > 0) & (key_pos <= pos[:, None, None])                 # [R, U, ps]
     # Zero what no query of the block may see: unused union entries and rows past every
     # query's limit may hold garbage (the sentinel page, unwritten rows).
     seen = visible.any(axis=0)                                              # [U, ps]
@@ -79,8 +104,8 @@ def _block_attention(q, kv_cache, slots, pages, pos, union, *, value_dim, scale,
     kv = jnp.where(seen[..., None], kv.astype(q.dtype), 0).reshape(-1, d)   # [U * ps, D]
     s = lax.dot_general(q.reshape(r * h, d), kv, (((1,), (1,)), ((), ())),
                         preferred_element_type=jnp.float32).reshape(r, h, -1) * scale
-    bonus = jnp.log(jnp.maximum(times, 1).astype(jnp.float32))              # page chosen twice
-    s = s + jnp.repeat(bonus, ps, axis=-1)[:, None, :]
+    bonus = jnp.log(jnp.maximum(times, 1).astype(jnp.float32))              # key reached twice
+    s = s + jnp.broadcast_to(bonus, visible.shape).reshape(r, 1, -1)
     s = jnp.where(visible.reshape(r, 1, -1), s, NEG_INF)                    # [R, H, U * ps]
     m = s.max(-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -97,13 +122,15 @@ def _block_attention(q, kv_cache, slots, pages, pos, union, *, value_dim, scale,
 def sparse_attention_owned(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Array,
                            sel_pages: jax.Array, q_pos: jax.Array, *, value_dim: int,
                            scale: float, query_block: int = 64, cache_dtype=None,
-                           num_shards: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Same contract as `reference.sparse_attention` (shapes there), given that a slot holds
-    one page: every entry of a query that names a slot names the same logical page (a pool
-    page holds one page of a sequence; forks share it at the same place). `num_shards` only
-    sizes the static union capacity. The B x Q query rows go min(`query_block`,
-    MAX_BLOCK_ROWS) at a time."""
-    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim)
+                           num_shards: int = 1, sel_masks: jax.Array | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+    """Same contract as `reference.sparse_attention` (shapes there, `sel_masks` i32[B, Q, N, W]
+    included), given that a slot holds one page: every entry of a query that names a slot
+    names the same logical page (a pool page holds one page of a sequence; forks share it at
+    the same place). `num_shards` only sizes the static union capacity. The B x Q query rows go
+    min(`query_block`, MAX_BLOCK_ROWS) at a time."""
+    check_attention_args(q, kv_cache, sel_slots, sel_pages, q_pos, value_dim, sel_masks)
+    sel_slots = live_slots(sel_slots, sel_masks)
     b, nq, h, d = q.shape
     n = sel_slots.shape[-1]
     rows = b * nq
@@ -119,17 +146,19 @@ def sparse_attention_owned(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Arr
         return x.reshape(num_blocks, rb, *x.shape[1:])
 
     def one_block(xs):
-        qq, slots, pages, pos = xs
+        qq, slots, pages, pos, *masks = xs
+        masks = masks[0] if masks else None
         union, count = _union(slots, capacity)
 
         def over_union(_):
-            return _block_attention(qq, kv_cache, slots, pages, pos, union, value_dim=value_dim,
-                                    scale=scale, value_dtype=value_dtype)
+            return _block_attention(qq, kv_cache, slots, pages, pos, union, masks,
+                                    value_dim=value_dim, scale=scale, value_dtype=value_dtype)
 
         def reference(_):
             o, lse = sparse_attention(qq[None], kv_cache, slots[None], pages[None], pos[None],
                                       value_dim=value_dim, scale=scale, query_block=rb,
-                                      cache_dtype=cache_dtype)
+                                      cache_dtype=cache_dtype,
+                                      sel_masks=None if masks is None else masks[None])
             return o[0], lse[0]
 
         if capacity >= rb * n:
@@ -137,6 +166,8 @@ def sparse_attention_owned(q: jax.Array, kv_cache: jax.Array, sel_slots: jax.Arr
         return lax.cond(count <= capacity, over_union, reference, None)
 
     xs = (blocks(q, 0), blocks(sel_slots, -1), blocks(sel_pages, 0), blocks(q_pos, -1))
+    if sel_masks is not None:
+        xs += (blocks(sel_masks, 0),)
     o, lse = lax.map(one_block, xs)
     o = o.reshape(num_blocks * rb, h, value_dim)[:rows].reshape(b, nq, h, value_dim)
     return o, lse.reshape(num_blocks * rb, h)[:rows].reshape(b, nq, h)

@@ -212,9 +212,14 @@ def test_runtime_checked_against_model(tmp_path):
         check_runtime_for_model(glm, RuntimeConfig(model="tiny"))
     with pytest.raises(ConfigError, match=r"field 'page_size'=48: model glm-5.2's "
                                           r"index_topk=2048 is not a positive multiple of it"):
-        check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48))
+        check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48,
+                                                   selection="page"))
+    # Token selection picks tokens, whatever the page size.
+    check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48))
+    with pytest.raises(ConfigError, match=r"selection='pages' is not one of"):
+        RuntimeConfig(selection="pages")
     path = tmp_path / "rt.toml"
-    path.write_text('model = "glm-5.2"\npage_size = 48\n')
+    path.write_text('model = "glm-5.2"\npage_size = 48\nselection = "page"\n')
     with pytest.raises(ConfigError, match=r"rt\.toml: field 'page_size'=48"):
         load_runtime_config(path, model=glm)
     path.write_text('model = "tiny"\n')

@@ -7,22 +7,26 @@ does not mask) a row it should not see fails loudly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cp_runtime.cache.layout import cdiv
-from cp_runtime.kernels import reference
+from cp_runtime.kernels import page_words, reference
 from cp_runtime.kernels.cache_write import (owned_tiles_bound, tiles_bound, write_kv,
                                             write_tile_rows)
 from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.indexer import indexer_page_scores
 from cp_runtime.kernels.packing import check_page_size, packing, tile_rows
+from cp_runtime.kernels.sparse_decode import cost as sparse_decode_cost
 from cp_runtime.kernels.sparse_decode import sparse_decode
 from cp_runtime.aot.roofline import TPU7X_DEVICE
 from cp_runtime.kernels.sparse_prefill import MXU_FLOPS_PER_HBM_BYTE, block_union, sparse_prefill
 from cp_runtime.kernels.sparse_prefill import cost as sparse_prefill_cost
+from cp_runtime.kernels.xla_sparse import sparse_attention_owned
 
 PS, D, H, V = 16, 256, 4, 192    # page size, cached row width, heads, value width
 HI, DI = 4, 128                  # indexer heads and head width
@@ -111,24 +115,24 @@ def assert_attention_matches(out, ref, cache, cache_name: str, query_name: str) 
 
 # ---- scenario builders ------------------------------------------------------------------------
 
-def session_pool(rng, dtype, lengths, *, num_shards=1, shard=0, width=D, spare=2):
+def session_pool(rng, dtype, lengths, *, num_shards=1, shard=0, width=D, spare=2, ps=PS):
     """This shard's cache of sessions with `lengths` tokens, and where each logical page sits.
 
-    returns: cache T[P + 1, PS, width]; slot_of {(session, logical page): slot}
+    returns: cache T[P + 1, ps, width]; slot_of {(session, logical page): slot}
     """
-    owned = [(b, p) for b, n in enumerate(lengths) for p in range(cdiv(n, PS))
+    owned = [(b, p) for b, n in enumerate(lengths) for p in range(cdiv(n, ps))
              if p % num_shards == shard]
     num_pages = len(owned) + spare
     slots = rng.permutation(num_pages)[:len(owned)]
-    cache = np.full((num_pages + 1, PS, width), np.nan, np.float32)
+    cache = np.full((num_pages + 1, ps, width), np.nan, np.float32)
     for (b, p), slot in zip(owned, slots):
-        rows = min(PS, lengths[b] - p * PS)
+        rows = min(ps, lengths[b] - p * ps)
         cache[slot, :rows] = rng.standard_normal((rows, width))
     slot_of = {key: int(slot) for key, slot in zip(owned, slots)}
     return jnp.asarray(cache).astype(dtype), slot_of
 
 
-def select_pages(rng, q_pos, slot_of, n):
+def select_pages(rng, q_pos, slot_of, n, ps=PS):
     """Per query up to n distinct logical pages at or before it (its own page always among
     them), then -1 entries; entries on other shards get slot -1.
 
@@ -141,7 +145,7 @@ def select_pages(rng, q_pos, slot_of, n):
         for j in range(nq):
             if q_pos[i, j] < 0:
                 continue
-            own = q_pos[i, j] // PS
+            own = q_pos[i, j] // ps
             earlier = rng.permutation(own)[:n - 1]
             chosen = np.concatenate([[own], earlier]).astype(np.int32)
             pages[i, j, :len(chosen)] = chosen
@@ -149,10 +153,10 @@ def select_pages(rng, q_pos, slot_of, n):
     return slots, pages
 
 
-def attention_inputs(dtype, lengths, q_pos, *, n, seed=0):
+def attention_inputs(dtype, lengths, q_pos, *, n, seed=0, ps=PS):
     rng = np.random.default_rng(seed)
-    cache, slot_of = session_pool(rng, dtype, lengths)
-    slots, pages = select_pages(rng, q_pos, slot_of, n)
+    cache, slot_of = session_pool(rng, dtype, lengths, ps=ps)
+    slots, pages = select_pages(rng, q_pos, slot_of, n, ps)
     q = jnp.asarray(rng.standard_normal((*q_pos.shape, H, D)), jnp.bfloat16)
     return q, cache, slots, pages, slot_of
 
@@ -520,3 +524,212 @@ def test_shard_owning_no_selected_page_gives_empty_result(kernel):
     o, lse = kernel(q, cache, none, pages, q_pos, value_dim=V, scale=SCALE, interpret=True)
     np.testing.assert_array_equal(np.asarray(o), 0.0)
     assert np.isneginf(np.asarray(lse)).all()
+
+
+# ---- token masks ------------------------------------------------------------------------------
+# Token-level selection (reference.py's module docstring): each entry carries a mask of its
+# page's tokens. Pages of 64 tokens take two words, so token 31 and token 63 are each a word's
+# sign bit, which a kernel shifting arithmetically would smear over the tokens after it.
+
+MASK_PS = 64
+
+
+def token_masks(rng, slots, *, empty_query=None):
+    """i32[B, Q, N, 2] masks of about a quarter of the tokens; a fifth of the entries all
+    zero, every third entry with tokens 31 and 63 (the sign bits) set, and every entry of
+    `empty_query` (b, q) zero."""
+    shape = (*slots.shape, 2)
+    words = (rng.integers(0, 2 ** 32, shape, dtype=np.uint32)
+             & rng.integers(0, 2 ** 32, shape, dtype=np.uint32))
+    words[rng.random(slots.shape) < 0.2] = 0
+    words[..., ::3, :] |= np.uint32(1 << 31)
+    if empty_query is not None:
+        words[empty_query] = 0
+    return jnp.asarray(words.view(np.int32))
+
+
+def masked_prefill_case(dtype, nq=10, seed=5):
+    """Sessions of 300, 9 and 170 tokens on pages of 64, up to nq queries each (blocks of 4),
+    N = 6 entries. Query (0, 1) lists its first page twice under another mask (keys in both
+    count twice); query (2, 0), at 126, lists page 2 (from 128), hidden from it and seen by
+    its block's queries 2 and 3; query (1, 2) has no token at all."""
+    lengths = [300, 9, 170]
+    q_pos = np.stack([np.arange(290, 300), np.r_[np.arange(9), -1], np.arange(126, 136)])
+    q_pos = q_pos[:, :nq].astype(np.int32)
+    q, cache, slots, pages, slot_of = attention_inputs(dtype, lengths, q_pos, n=6, seed=seed,
+                                                       ps=MASK_PS)
+    slots[0, 1, -1], pages[0, 1, -1] = slots[0, 1, 0], pages[0, 1, 0]
+    slots[2, 0, -1], pages[2, 0, -1] = slot_of[(2, 2)], 2
+    masks = token_masks(np.random.default_rng(seed), slots,
+                        empty_query=(1, 2) if nq > 2 else None)
+    return q, cache, jnp.asarray(slots), jnp.asarray(pages), jnp.asarray(q_pos), masks
+
+
+def masked_decode_case(dtype, seed=6):
+    """Sessions of 300, 1, 170 and 65 tokens on pages of 64: a query on a partial page, one at
+    0, a padding query, one on the first row of a page; session 3 lists a page twice."""
+    lengths = [300, 1, 170, 65]
+    q_pos = np.array([[299], [0], [-1], [64]], np.int32)
+    q, cache, slots, pages, _ = attention_inputs(dtype, lengths, q_pos, n=6, seed=seed,
+                                                 ps=MASK_PS)
+    slots[3, 0, -1], pages[3, 0, -1] = slots[3, 0, 1], pages[3, 0, 1]
+    masks = token_masks(np.random.default_rng(seed), slots)
+    return q, cache, jnp.asarray(slots), jnp.asarray(pages), jnp.asarray(q_pos), masks
+
+
+def dense_attention(q, cache, slots, pages, q_pos, masks, *, value_dim, scale):
+    """The masked attention by its definition, in f64: per query, the key of every (entry,
+    token) it may see, a key reached twice listed twice, in one softmax."""
+    q = np.asarray(q, np.float64)
+    kv = np.asarray(cache.astype(jnp.float32), np.float64)
+    slots, pages, q_pos = np.asarray(slots), np.asarray(pages), np.asarray(q_pos)
+    words = np.asarray(masks).view(np.uint32)
+    b, nq, h, _ = q.shape
+    ps = kv.shape[1]
+    o, lse = np.zeros((b, nq, h, value_dim)), np.full((b, nq, h), -np.inf)
+    for i in range(b):
+        for j in range(nq):
+            keys = [kv[slots[i, j, e], t] for e in range(slots.shape[-1]) for t in range(ps)
+                    if slots[i, j, e] >= 0 and pages[i, j, e] * ps + t <= q_pos[i, j]
+                    and words[i, j, e, t // 32] >> np.uint32(t % 32) & 1]
+            if not keys:
+                continue
+            k = np.stack(keys)
+            s = q[i, j] @ k.T * scale                                   # [H, keys]
+            top = s.max(-1, keepdims=True)
+            p = np.exp(s - top)
+            o[i, j] = p @ k[:, :value_dim] / p.sum(-1, keepdims=True)
+            lse[i, j] = np.log(p.sum(-1)) + top[:, 0]
+    return o, lse
+
+
+MASK_DTYPES = ("bf16", "fp8_e4m3")
+
+
+def test_reference_with_masks_is_the_dense_definition():
+    """The reference's masked attention equals the definition computed key by key in f64; and
+    the masks matter (page mode differs), including the empty query's -inf."""
+    q, *args, masks = masked_prefill_case(jnp.bfloat16)
+    q = q.astype(jnp.float32)
+    statics = dict(value_dim=V, scale=SCALE)
+    o, lse = reference.sparse_attention(q, *args, **statics, sel_masks=masks)
+    want_o, want_lse = dense_attention(q, *args, masks, **statics)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o), want_o, rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(lse[1, 2])).all() and not np.asarray(o[1, 2]).any()
+    page_o, _ = reference.sparse_attention(q, *args, **statics)
+    assert np.abs(np.asarray(page_o) - want_o).max() > 0.1
+
+
+@pytest.mark.parametrize("query", QUERY_DTYPES)
+@pytest.mark.parametrize("name", MASK_DTYPES)
+@pytest.mark.parametrize("nq", [3, 10])
+def test_sparse_prefill_with_masks_matches_reference(nq, name, query):
+    """3 queries: one partial block; 10: two blocks and a partial third."""
+    q, *args, masks = masked_prefill_case(CACHE_DTYPES[name], nq)
+    statics = dict(value_dim=V, scale=SCALE, query_block=4)
+    out = sparse_prefill(q.astype(QUERY_DTYPES[query]), *args, **statics, interpret=True,
+                         sel_masks=masks)
+    ref = reference.sparse_attention(q, *args, **statics, sel_masks=masks)
+    assert_attention_matches(out, ref, args[0], name, query)
+
+
+@pytest.mark.parametrize("query", QUERY_DTYPES)
+@pytest.mark.parametrize("name", MASK_DTYPES)
+def test_sparse_decode_with_masks_matches_reference(name, query):
+    q, *args, masks = masked_decode_case(CACHE_DTYPES[name])
+    statics = dict(value_dim=V, scale=SCALE)
+    out = sparse_decode(q.astype(QUERY_DTYPES[query]), *args, **statics, interpret=True,
+                        sel_masks=masks)
+    ref = reference.sparse_attention(q, *args, **statics, sel_masks=masks)
+    assert_attention_matches(out, ref, args[0], name, query)
+
+
+@pytest.mark.parametrize("name", MASK_DTYPES)
+def test_sparse_decode_with_masks_reads_words_as_pages(name):
+    """The decode kernel over a cache's words (kernels/page_words.py) gives what it gives over
+    the pages, to the bit, with masks as without."""
+    q, cache, *args, masks = masked_decode_case(CACHE_DTYPES[name])
+    statics = dict(value_dim=V, scale=SCALE, interpret=True, sel_masks=masks)
+    pages = sparse_decode(q, cache, *args, **statics)
+    words = sparse_decode(q, page_words.to_words(cache), *args, **statics,
+                          page_dtype=np.dtype(CACHE_DTYPES[name]))
+    for a, b in zip(pages, words):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _every_implementation(nq: int):
+    """(name, attention fn) of each implementation of the op for nq queries a row."""
+    kernel = sparse_decode if nq == 1 else sparse_prefill
+    return [("reference", reference.sparse_attention),
+            ("xla", functools.partial(sparse_attention_owned, num_shards=2)),
+            (kernel.__name__, functools.partial(kernel, interpret=True))]
+
+
+@pytest.mark.parametrize("nq", [1, 10])
+def test_masks_with_every_bit_set_are_page_mode(nq):
+    """Every token of every entry selected: each implementation gives its no-mask result
+    exactly."""
+    q, cache, slots, pages, q_pos, _ = masked_prefill_case(jnp.float8_e4m3fn)
+    args = (q[:, :nq], cache, slots[:, :nq], pages[:, :nq], q_pos[:, :nq])
+    every = jnp.full((*args[2].shape, 2), -1, jnp.int32)
+    statics = dict(value_dim=V, scale=SCALE, query_block=4)
+    for name, fn in _every_implementation(nq):
+        pages_out = fn(*args, **statics)
+        masked_out = fn(*args, **statics, sel_masks=every)
+        for a, b in zip(pages_out, masked_out):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+@pytest.mark.parametrize("backend, nq", [("pallas_interpret", 1), ("pallas_interpret", 10),
+                                         ("xla", 10), ("reference", 10)])
+def test_kernel_sets_pass_masks_through(backend, nq):
+    """The kernel sets hand `sel_masks` to their implementation: the masked result is the
+    reference's within the bf16 path's bounds, never the page mode's."""
+    q, cache, slots, pages, q_pos, masks = masked_prefill_case(jnp.bfloat16)
+    args = (cache, slots[:, :nq], pages[:, :nq], q_pos[:, :nq])
+    statics = dict(value_dim=V, scale=SCALE, query_block=4)
+    got = select_kernels(backend, 2).sparse_attention(q[:, :nq], *args, **statics,
+                                                     sel_masks=masks[:, :nq])
+    ref = reference.sparse_attention(q[:, :nq], *args, **statics, sel_masks=masks[:, :nq])
+    assert_attention_matches(got, ref, cache, "bf16", "bf16")
+    page_o, _ = reference.sparse_attention(q[:, :nq], *args, **statics)
+    assert np.abs(np.asarray(got[0]) - np.asarray(page_o)).max() > 0.1
+
+
+def test_block_union_drops_entries_without_tokens():
+    """An entry whose mask is all zero is not visible: its page joins a block's union only
+    through another entry."""
+    slots = jnp.asarray([[[3, 5], [5, 7]]], jnp.int32)              # [B=1, Q=2, N=2]
+    pages = jnp.asarray([[[0, 1], [1, 2]]], jnp.int32)
+    q_pos = jnp.asarray([[1000, 1000]], jnp.int32)
+    masks = jnp.asarray([[[[1, 0], [0, 0]], [[0, 0], [0, -2 ** 31]]]], jnp.int32)
+    us, up, count = block_union(slots, pages, q_pos, page_size=MASK_PS, query_block=2,
+                                sel_masks=masks)
+    assert int(count[0, 0]) == 2
+    assert np.asarray(us[0, 0, :2]).tolist() == [3, 7]
+    assert np.asarray(up[0, 0, :2]).tolist() == [0, 2]
+
+
+def test_masks_are_checked():
+    q, cache, slots, pages, q_pos, masks = masked_decode_case(jnp.bfloat16)
+    statics = dict(value_dim=V, scale=SCALE)
+    with pytest.raises(ValueError, match=r"int32\[4, 1, 6, 2\]"):
+        reference.sparse_attention(q, cache, slots, pages, q_pos, **statics,
+                                   sel_masks=masks[..., :1])
+    with pytest.raises(ValueError, match="sel_masks uint32"):
+        sparse_decode(q, cache, slots, pages, q_pos, **statics, interpret=True,
+                      sel_masks=masks.astype(jnp.uint32))
+
+
+def test_costs_count_the_mask_bytes():
+    """4 W bytes an entry in each kernel's HBM bytes (the same query block either way)."""
+    q, cache, slots, pages, q_pos, masks = masked_prefill_case(jnp.bfloat16)
+    for cost, nq in ((sparse_decode_cost, 1), (sparse_prefill_cost, 10)):
+        args = (q[:, :nq], cache, slots[:, :nq], pages[:, :nq], q_pos[:, :nq])
+        plain = cost(*args, value_dim=V, query_block=4)
+        masked = cost(*args, value_dim=V, query_block=4, sel_masks=masks[:, :nq])
+        assert masked["grid"] == plain["grid"]
+        assert masked["bytes"] - plain["bytes"] == 4 * 2 * slots[:, :nq].size

@@ -1,5 +1,6 @@
 """Every Pallas kernel's VMEM estimate (`cost()`), with the default blocks, fits one TPU v7x
-TensorCore (64 MiB) for every model config, and the scoped-VMEM limit follows the estimate."""
+TensorCore (64 MiB) for every model config, and the scoped-VMEM limit follows the estimate; the
+attention kernels' SMEM, with token masks too, fits TPU7x's 1 MiB."""
 
 import jax.numpy as jnp
 import pytest
@@ -7,8 +8,9 @@ from jax import ShapeDtypeStruct as S
 
 from cp_runtime.config import RuntimeConfig, load_model_config, model_names
 from cp_runtime.kernels import cache_write, indexer, sparse_decode, sparse_prefill
-from cp_runtime.kernels.vmem import (VMEM_BUDGET_BYTES, VMEM_BYTES_PER_CORE, fit_block,
-                                     vmem_limit_bytes)
+from cp_runtime.kernels.reference import mask_words
+from cp_runtime.kernels.vmem import (SMEM_BUDGET_BYTES, VMEM_BUDGET_BYTES, VMEM_BYTES_PER_CORE,
+                                     fit_block, vmem_limit_bytes)
 
 RT = RuntimeConfig()
 CONTEXT = 1 << 20          # tokens of one sequence, spread over RT.num_shards shards
@@ -17,15 +19,29 @@ PREFILL = 2048             # queries of one prefill call: more than any query bl
 
 def kernel_costs(name: str) -> dict[str, dict]:
     """cost() of each kernel at the model's real shapes: bf16 queries, fp8 latent cache, bf16
-    indexer cache, a 1M-token context, the runtime's default page size and blocks."""
+    indexer cache, a 1M-token context, the runtime's default page size and blocks; the
+    attention kernels also in token mode (index_topk entries a query, with their masks)."""
     m = load_model_config(name)
     ps = RT.page_size
     pages = CONTEXT // (ps * RT.num_shards)                     # local pages per shard
     n = m.index_topk // ps + 1                                  # selected pages + own page
     latent = S((pages + 1, ps, m.latent_dim), jnp.float8_e4m3fn)
+    tokens = m.index_topk                                       # token mode's entries
+
     def q(nq):
         return S((1, nq, m.num_attention_heads, m.latent_dim), jnp.bfloat16)
+
+    def masks(b, nq):
+        return S((b, nq, tokens, mask_words(ps)), jnp.int32)
     return {
+        "sparse_prefill masked": sparse_prefill.cost(
+            q(PREFILL), latent, S((1, PREFILL, tokens), jnp.int32), None, None,
+            value_dim=m.kv_lora_rank, query_block=RT.query_block,
+            sel_masks=masks(1, PREFILL)),
+        "sparse_decode masked": sparse_decode.cost(
+            S((RT.max_batch, 1, m.num_attention_heads, m.latent_dim), jnp.bfloat16), latent,
+            S((RT.max_batch, 1, tokens), jnp.int32), None, None, value_dim=m.kv_lora_rank,
+            sel_masks=masks(RT.max_batch, 1)),
         "indexer": indexer.cost(
             S((1, PREFILL, m.index_n_heads, m.index_head_dim), jnp.bfloat16), None,
             S((pages + 1, ps, m.index_head_dim), jnp.bfloat16), S((1, pages), jnp.int32),
@@ -45,6 +61,7 @@ def test_default_blocks_fit_v7x_vmem(name):
     for kernel, c in kernel_costs(name).items():
         vmem = c["vmem_bytes"]
         assert vmem <= VMEM_BUDGET_BYTES < VMEM_BYTES_PER_CORE, (kernel, vmem)
+        assert c.get("smem_bytes", 0) <= SMEM_BUDGET_BYTES, (kernel, c["smem_bytes"])
         limit = vmem_limit_bytes(vmem)
         assert vmem < limit <= VMEM_BYTES_PER_CORE, (kernel, limit)
 
@@ -74,3 +91,17 @@ def test_limit_and_fit_rules():
     assert fit_block(lambda b: b * mib // 2, 64) == 64
     assert fit_block(lambda b: b * 2 * mib, 64) == 16
     assert fit_block(lambda b: 10**12, 64) == 8 and fit_block(lambda b: 10**12, 4) == 4
+
+
+def test_masked_prefill_block_fits_smem():
+    """In token mode a block's union lists hold qb * N entries (4 * qb * N * 4 bytes of SMEM):
+    at N = 2,048, qb = 32 needs 1 MiB, which the TPU7x compiler refused ("Used 1.00M of 1.00M
+    smem. Exceeded smem capacity by 1.6K"), so over a small cache, where the bound prices
+    larger blocks lower, GLM-5.2's block stops at 16 (compiled: tests/test_tpu_compile.py)."""
+    m = load_model_config("glm-5.2")
+    c = sparse_prefill.cost(
+        S((1, PREFILL, m.num_attention_heads, m.latent_dim), jnp.bfloat16),
+        S((33, 64, m.latent_dim), jnp.float8_e4m3fn), S((1, PREFILL, m.index_topk), jnp.int32),
+        None, None, value_dim=m.kv_lora_rank, query_block=RT.query_block,
+        sel_masks=S((1, PREFILL, m.index_topk, 2), jnp.int32))
+    assert c["blocks"]["q"][0] == 16 and c["smem_bytes"] == 512 << 10

@@ -98,6 +98,9 @@ def test_glm_shapes_fit_vmem_and_a_long_column_does_not():
     assert page_top_k.supports(512, 16384, 32, has_pages=True)
     assert page_top_k.cost(1025, 16384, 32, False)["vmem_bytes"] <= VMEM_BUDGET_BYTES
     assert not page_top_k.supports(65536, 16384, 32, has_pages=False)
+    # Token selection's 2,048 rounds would be unrolled: a sort ranks them.
+    assert not page_top_k.supports(4096, 8, 2048, has_pages=True)
+    assert not page_top_k.supports_pairs(16, 8, 2048)
     figures = page_top_k.cost(1025, 16384, 32, has_pages=False)
     assert figures["flops"] == 32 * page_top_k.VPU_OPS_PER_ROUND * 1032 * 16384
     assert figures["bytes"] == 1032 * 16384 * 4 + 2 * 32 * 16384 * 4

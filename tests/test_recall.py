@@ -85,9 +85,10 @@ def test_multi_token_probes_score_like_decode(recall):
     assert engine.allocator.num_used() == 0
 
 
-def _needle_trials(recall, n: int, *, hubs: int = 0, seed: int = 0):
-    """n contexts of 512 tokens: one needle on page 20, `hubs` hub tokens on pages 2, 4, ...
-    (before the needle), the question at the end. Returns (tokens i32[512], answer id)."""
+def _needle_trials(recall, n: int, *, hubs: int = 0, seed: int = 0, hub_stride: int = 2 * PAGE):
+    """n contexts of 512 tokens: one needle on page 20, `hubs` hub tokens `hub_stride` apart
+    (on pages 2, 4, ... by default; before the needle), the question at the end. Returns
+    (tokens i32[512], answer id)."""
     lay = recall.layout
     rng = np.random.default_rng(seed)
     out = []
@@ -95,16 +96,16 @@ def _needle_trials(recall, n: int, *, hubs: int = 0, seed: int = 0):
         value = int(rng.integers(lay.n_values))
         tokens = lay.filler(rng, 511)
         tokens[20 * PAGE + 5] = lay.fact(int(key), value)
-        tokens[[2 * (i + 1) * PAGE + 3 for i in range(hubs)]] = lay.hub
+        tokens[[hub_stride * (i + 1) + 3 for i in range(hubs)]] = lay.hub
         out.append((np.append(tokens, lay.query(int(key))), lay.answer(value)))
     return out
 
 
-def _recalled(params, cfg, trials) -> int:
+def _recalled(params, cfg, trials, selection: str = "token") -> int:
     hits = 0
     for tokens, answer in trials:
         logits = oracle_logits(params, jnp.asarray(tokens), cfg=cfg, page_size=PAGE,
-                               kv_cache_dtype="bf16")
+                               kv_cache_dtype="bf16", selection=selection)
         hits += int(np.argmax(logits[-1])) == answer
     return hits
 
@@ -119,14 +120,19 @@ def test_collapses_when_the_indexer_is_blind(recall):
     assert _recalled(blind, recall.cfg, trials) == 0
 
 
-def test_collapses_when_hubs_fill_the_top_k(recall):
-    k = recall.cfg.index_topk // PAGE
-    assert _recalled(recall.params, recall.cfg, _needle_trials(recall, 4, hubs=k - 1)) == 4
-    crowded = _needle_trials(recall, 4, hubs=k)
-    assert _recalled(recall.params, recall.cfg, crowded) == 0
-    # One more page of budget and the needle is back.
+@pytest.mark.parametrize("selection", ["token", "page"])
+def test_collapses_when_hubs_fill_the_top_k(recall, selection):
+    """index_topk hub tokens (token selection; one a page, index_topk / ps pages, in page
+    selection) crowd the needle out of the top-k; one fewer, or one more of budget, and it is
+    back."""
+    k, stride = ((recall.cfg.index_topk, 1) if selection == "token"
+                 else (recall.cfg.index_topk // PAGE, 2 * PAGE))
+    fewer = _needle_trials(recall, 4, hubs=k - 1, hub_stride=stride)
+    assert _recalled(recall.params, recall.cfg, fewer, selection) == 4
+    crowded = _needle_trials(recall, 4, hubs=k, hub_stride=stride)
+    assert _recalled(recall.params, recall.cfg, crowded, selection) == 0
     wider = dataclasses.replace(recall.cfg, index_topk=recall.cfg.index_topk + PAGE)
-    assert _recalled(recall.params, wider, crowded) == 4
+    assert _recalled(recall.params, wider, crowded, selection) == 4
 
 
 def test_selection_change_counts_sets():

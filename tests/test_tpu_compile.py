@@ -8,6 +8,9 @@ devices), from shapes alone (cp_runtime.aot).
     most the model gives it), at the model's per-shard shapes; multi-block prefill (200 and
     8192 queries); within the VMEM budget; the kernel's cost() inside the compiler's figures
     (its CostEstimate reached XLA).
+  - token masks: sparse_decode and sparse_prefill with `sel_masks` at index_topk entries a
+    query (GLM-5.2 by default, DeepSeek-V3.2 in the slow run), fp8 pages of 64: decode rows
+    of 1 and 64, an 8192-query chunk, within the VMEM and SMEM budgets.
   - programs: glm-5.2 and deepseek-v3.2 cut to their first 3 layers at full width (the MoE
     layers come later: `cp-runtime compile --layers 4` and the slow whole-model test compile
     them), sharded fp8 weights with their block scales (the models' own): the decode step
@@ -60,7 +63,7 @@ from cp_runtime.cache.capacity import GIB  # noqa: E402
 from cp_runtime.config import RuntimeConfig, load_model_config  # noqa: E402
 from cp_runtime.engine.step import compiler_options  # noqa: E402
 from cp_runtime.kernels import sparse_decode  # noqa: E402
-from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES  # noqa: E402
+from cp_runtime.kernels.vmem import SMEM_BUDGET_BYTES, VMEM_BUDGET_BYTES  # noqa: E402
 
 MODELS = ("glm-5.2", "deepseek-v3.2")
 CACHE_DTYPES = ("bf16", "fp8_e4m3", "fp8_e5m2")
@@ -114,6 +117,29 @@ def test_kernels_compile_for_tpu7x(model_name, kv_dtype, page_size, device):
         # a custom call otherwise); the grouping and padding around a kernel only add to them.
         assert r["flops"] >= case.cost["flops"], (case.name, r["flops"], case.cost["flops"])
         assert r["bytes_accessed"] >= case.cost["bytes"], (case.name, r, case.cost)
+
+
+@pytest.mark.parametrize("model_name, prefill_block", [
+    ("glm-5.2", 16), pytest.param("deepseek-v3.2", 2, marks=pytest.mark.slow)])
+def test_token_masked_attention_compiles_for_tpu7x(model_name, prefill_block, device):
+    """Token mode: index_topk = 2,048 entries a query, each with its two mask words. Decode at
+    1 and 64 rows: the row's tables and masks in SMEM blocks (72 KiB at N = 2,048; prefetched
+    whole, the page tables alone of 64 rows were 1.01 MiB of TPU7x's 1.00 MiB and refused).
+    The 8192-query chunk: its union lists take 4 * qb * N * 4 bytes of SMEM, so GLM-5.2's
+    block is 16 queries (512 KiB; 32 was refused at 1 MiB), DeepSeek-V3.2's 128 heads price
+    2 lowest. (The chunk takes 15-40 s to compile here, most of it XLA's sort of the blocks'
+    unions, 16 x 2,048 entries each: that sort alone took 12 s.)"""
+    model = load_model_config(model_name)
+    cases = (decode_cases(model, "fp8_e4m3", 64, (1, 64), device, masked=True)
+             + prefill_cases(model, "fp8_e4m3", 64, (8192,), device, masked=True))
+    for case in cases:
+        r = compile_figures(case.name, case.jitted(), case.args, {}, device)
+        assert r["compiled"], (case.name, r["error"])
+        assert case.cost["vmem_bytes"] <= VMEM_BUDGET_BYTES, (case.name, case.cost)
+        assert case.cost["smem_bytes"] <= SMEM_BUDGET_BYTES, (case.name, case.cost)
+        assert r["flops"] >= case.cost["flops"], (case.name, r["flops"], case.cost["flops"])
+        assert r["bytes_accessed"] >= case.cost["bytes"], (case.name, r, case.cost)
+    assert cases[-1].cost["blocks"]["sel_masks"] == (2, prefill_block, model.index_topk)
 
 
 @pytest.fixture(scope="module")

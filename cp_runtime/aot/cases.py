@@ -94,7 +94,7 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
              expert_groups: int = 1, prefill_expert_groups: int = 1,
              latent_memory: str = "device", latent_device_pages: int = 0,
-             rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             selection: str = "token", rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -106,7 +106,8 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
                        tpu_schedule=tpu_schedule, chunk_halves=chunk_halves,
                        expert_groups=expert_groups,
                        prefill_expert_groups=prefill_expert_groups,
-                       latent_memory=latent_memory, latent_device_pages=latent_device_pages)
+                       latent_memory=latent_memory, latent_device_pages=latent_device_pages,
+                       selection=selection)
     result = compile_plan(plan)
     program = result["programs"][0]
     out = {"case": case.name, **dataclasses.asdict(case), "layers_compiled": layers,
@@ -166,7 +167,7 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
                expert_groups: int = 1, prefill_expert_groups: int = 1,
                latent_memory: str = "device", latent_device_pages: int = 0,
-               progress=None) -> dict:
+               selection: str = "token", progress=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
     one capacity sizes for the slice unless `pages_per_shard` is given."""
     device = compile_only_devices(topology)[0]
@@ -184,14 +185,15 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                              expert_groups=expert_groups,
                              prefill_expert_groups=prefill_expert_groups,
                              latent_memory=latent_memory,
-                             latent_device_pages=latent_device_pages))
+                             latent_device_pages=latent_device_pages,
+                             selection=selection))
     return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
             "kv_cache_dtype": kv_cache_dtype, "attention": attention,
             "residual": residual, "row_attention": row_attention,
             "tpu_schedule": tpu_schedule, "chunk_halves": chunk_halves,
             "expert_groups": expert_groups, "prefill_expert_groups": prefill_expert_groups,
             "latent_memory": latent_memory, "latent_device_pages": latent_device_pages,
-            "clock_hz": clock,
+            "selection": selection, "clock_hz": clock,
             "rates": dataclasses.asdict(TPU7X_DEVICE), "cases": rows}
 
 

@@ -51,6 +51,7 @@ class CompilePlan:
     prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
     latent_memory: str = "device"          # RuntimeConfig.latent_memory: device, host
     latent_device_pages: int = 0           # RuntimeConfig.latent_device_pages
+    selection: str = "token"               # RuntimeConfig.selection: token, page
     programs: tuple[str, ...] | None = None   # None: all of them
 
 
@@ -84,7 +85,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
                             tpu_schedule=plan.tpu_schedule, chunk_halves=plan.chunk_halves,
                             expert_groups=plan.expert_groups,
                             prefill_expert_groups=plan.prefill_expert_groups,
-                            latent_memory=plan.latent_memory)
+                            latent_memory=plan.latent_memory, selection=plan.selection)
     runtime = resolve_runtime_weights(runtime, full, int(topo.hbm_gib * GIB))
     pages = plan.pages_per_shard or pool_pages_for(model, plan, runtime.weights,
                                                    runtime.weight_dtype)
@@ -131,6 +132,7 @@ def compile_plan(plan: CompilePlan, progress=None) -> dict:
         "hbm_bytes_per_device": int(topo.hbm_gib * GIB),
         "latent_memory": runtime.latent_memory,
         "latent_device_pages": runtime.latent_device_pages,
+        "selection": runtime.selection,
         "pool_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "device"),
         "pool_host_bytes_per_device": per_device_bytes(pool_structs(spec, mesh), "pinned_host"),
         "weight_bytes_per_device": per_device_bytes(

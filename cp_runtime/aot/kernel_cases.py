@@ -8,6 +8,8 @@ VMEM (POOL_BYTES), as a real one is, so XLA never stages it whole in VMEM.
     write    decode rows (N = batch) and a prefill chunk (with the step's tile bound)
     decode   batches of one query per row
     prefill  chunks of 1 .. many query blocks (partial last blocks too)
+    masked   decode and prefill with token masks (token-level selection): N = index_topk
+             entries a query, each with its W = cdiv(ps, 32) mask words
     indexer  the decode query and a prefill chunk against the bf16 key cache
     experts  the routed experts' grouped matmul from fp8 blocks, gate and down projections of
              one device's slice of every expert (inner / S features), at decode steps' and a
@@ -44,6 +46,7 @@ from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_heads, page_top_k,
                                 router, scaled_linear, shared_expert, sparse_decode,
                                 sparse_prefill, whole_heads)
+from cp_runtime.kernels.reference import mask_words
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model.forward import routing
@@ -107,38 +110,43 @@ def write_cases(model: ModelConfig, kv_dtype: str, page_size: int, rows: tuple[i
 
 def _attention_cases(model: ModelConfig, kv_dtype: str, page_size: int,
                      shapes: tuple[tuple[int, int], ...], module, name: str,
-                     device) -> list[KernelCase]:
+                     device, masked: bool = False) -> list[KernelCase]:
     """Cases of the attention kernel `module.<name>` (with `module.cost`), one per (rows B,
-    queries Q) in `shapes`."""
+    queries Q) in `shapes`; `masked`: token mode, index_topk entries a query with their masks
+    i32[B, Q, N, W], in place of page mode's index_topk / ps + 1 pages."""
     call = getattr(module, name)
     dtype = latent_cache_dtype(kv_dtype)
-    h, d, n = model.num_attention_heads, model.latent_dim, model.index_topk // page_size + 1
+    h, d = model.num_attention_heads, model.latent_dim
+    n = model.index_topk if masked else model.index_topk // page_size + 1
     pages = _pages(page_size, d * jnp.dtype(dtype).itemsize)
     statics = dict(value_dim=model.kv_lora_rank, scale=model.softmax_scale)
     out = []
     for b, q in shapes:
         args = _structs(device, ((b, q, h, d), jnp.bfloat16), ((pages + 1, page_size, d), dtype),
-                        ((b, q, n), jnp.int32), ((b, q, n), jnp.int32), ((b, q), jnp.int32))
+                        ((b, q, n), jnp.int32), ((b, q, n), jnp.int32), ((b, q), jnp.int32),
+                        *([((b, q, n, mask_words(page_size)), jnp.int32)] if masked else []))
 
         def fn(*a):
-            return call(*a, **statics)
+            return call(*a[:5], **statics, sel_masks=a[5] if masked else None)
 
-        label = f"decode B={b}" if module is sparse_decode else f"prefill Q={q}"
+        label = (f"decode B={b}" if module is sparse_decode else f"prefill Q={q}"
+                 ) + (" masked" if masked else "")
         out.append(KernelCase(label, name, fn, args,
-                              module.cost(*args, value_dim=model.kv_lora_rank)))
+                              module.cost(*args[:5], value_dim=model.kv_lora_rank,
+                                          sel_masks=args[5] if masked else None)))
     return out
 
 
 def decode_cases(model: ModelConfig, kv_dtype: str, page_size: int, batches: tuple[int, ...],
-                 device) -> list[KernelCase]:
+                 device, masked: bool = False) -> list[KernelCase]:
     return _attention_cases(model, kv_dtype, page_size, tuple((b, 1) for b in batches),
-                            sparse_decode, "sparse_decode", device)
+                            sparse_decode, "sparse_decode", device, masked)
 
 
 def prefill_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
-                  device) -> list[KernelCase]:
+                  device, masked: bool = False) -> list[KernelCase]:
     return _attention_cases(model, kv_dtype, page_size, tuple((1, q) for q in chunks),
-                            sparse_prefill, "sparse_prefill", device)
+                            sparse_prefill, "sparse_prefill", device, masked)
 
 
 def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tuple[int, ...],
@@ -348,6 +356,7 @@ def top_k_cases(model: ModelConfig, page_size: int, queries: tuple[int, ...], de
 
 def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
                  decode_batches=(1, 5, 64), prefill_chunks=(1, 200, 8192),
+                 masked_decode_batches=(1, 64), masked_prefill_chunks=(200, 8192),
                  write_rows=((64, 1), (8192, 8192)), indexer_chunks=(1, 8192),
                  expert_tokens=(1, 32, 8192), linear_tokens=(1, 32, 256, 8192),
                  router_tokens=(1, 64), latent_rows=(1, 64), whole_head_rows=(512, 1024),
@@ -358,6 +367,10 @@ def kernel_cases(model: ModelConfig, kv_dtype: str, page_size: int, device, *,
     return (write_cases(model, kv_dtype, page_size, write_rows, device)
             + decode_cases(model, kv_dtype, page_size, decode_batches, device)
             + prefill_cases(model, kv_dtype, page_size, prefill_chunks, device)
+            + decode_cases(model, kv_dtype, page_size, masked_decode_batches, device,
+                           masked=True)
+            + prefill_cases(model, kv_dtype, page_size, masked_prefill_chunks, device,
+                            masked=True)
             + indexer_cases(model, kv_dtype, page_size, indexer_chunks, key_block_pages,
                             device)
             + expert_cases(model, expert_tokens, device)

@@ -5,6 +5,7 @@ so one flag means one thing everywhere:
     --checkpoint DIR        a Hugging Face checkpoint directory instead of a config's random
                             (or hand-built) weights
     --kv-cache-dtype D      one latent cache dtype;  --kv-cache-dtypes D,D  a list of them
+    --selection token|page  what the DSA indexer selects (token: the model as trained)
     --weight-dtype D        the weights' dtype on the device (auto: the model's own)
     --weights MODE          weights whole on every device, split over them, or auto
     --shards N              context-parallel shard count (a list `1,16` where a benchmark sweeps)
@@ -30,7 +31,7 @@ import pathlib
 import re
 
 from cp_runtime.config import (BACKENDS, GATHER_MODES, LATENT_MEMORIES, MODEL_WEIGHT_DTYPES,
-                               WEIGHT_MODES, load_model_config, model_names)
+                               SELECTIONS, WEIGHT_MODES, load_model_config, model_names)
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "add_kv_cache_dtype",
     "add_kv_cache_dtypes",
     "add_latent_memory",
+    "add_selection",
     "add_model",
     "add_no_progress",
     "add_out",
@@ -270,6 +272,15 @@ def add_latent_memory(p: argparse.ArgumentParser) -> None:
                         "copies from the host each chunk), and the engine moves finished "
                         "sessions' pages to the host when a prompt needs the room "
                         "(default: 0, every page on the host)")
+
+
+def add_selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--selection", choices=SELECTIONS, default="token",
+                   help="what each query attends: token, its index_topk highest-scoring "
+                        "earlier tokens, the model as trained (as transformers, vLLM and "
+                        "SGLang compute it); page, its own page and the index_topk / "
+                        "page-size earlier pages ranked by their best token, an "
+                        "approximation that reads whole pages (default: token)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

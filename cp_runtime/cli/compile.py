@@ -16,7 +16,8 @@ from cp_runtime.config import (ATTENTION_LAYOUTS, CHUNK_HALVES, RESIDUAL_MODES,
                                 ROW_ATTENTION_MODES, TPU_SCHEDULES)
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_expert_groups,
                                  add_kv_cache_dtype, add_latent_memory, add_model, add_page_size,
-                                 add_weight_dtype, add_weights, length, positive_int)
+                                 add_selection, add_weight_dtype, add_weights, length,
+                                 positive_int)
 
 __all__ = ["add_compile", "run_compile", "PROGRAM_NAMES"]
 
@@ -48,6 +49,7 @@ def add_compile(sub) -> None:
                    help="cut the model to its first N layers at full width (faster "
                         "compiles; the figures then describe the cut model)")
     add_kv_cache_dtype(p)
+    add_selection(p)
     add_latent_memory(p)
     add_page_size(p, 64, why="a slice deployment's page size (configs/runtime/"
                              "glm-5.2-tpu7x-16.toml, the cluster manifests)")
@@ -155,7 +157,8 @@ def run_compile(args) -> int:
         residual=args.residual, row_attention=args.row_attention,
         tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
         expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups,
-        latent_memory=args.latent_memory, latent_device_pages=args.latent_device_pages)
+        latent_memory=args.latent_memory, latent_device_pages=args.latent_device_pages,
+        selection=args.selection)
     try:
         result = deploy.compile_plan(plan, progress=None if args.json else _progress)
     except topology.TPUCompilerMissing as e:
@@ -219,6 +222,7 @@ def _run_matrix(args) -> int:
                         prefill_expert_groups=args.prefill_expert_groups,
                         latent_memory=args.latent_memory,
                         latent_device_pages=args.latent_device_pages,
+                        selection=args.selection,
                         progress=None if args.json else _progress)
     exchange_in = {}
     if args.prefill_expert_groups > 1:

@@ -27,7 +27,8 @@ import numpy as np
 from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.cli.args import (HelpFormatter, add_chunk_size, add_kv_cache_dtype, add_no_progress,
-                                 add_page_size, add_shards, format_length, length)
+                                 add_page_size, add_selection, add_shards, format_length,
+                                 length)
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.model.recall import RecallLayout
 from cp_runtime.model.source import RECALL_MODEL, WeightsSource
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the fact sits, as a fraction of the document (0 = start)")
     add_shards(p)
     add_kv_cache_dtype(p)
+    add_selection(p)
     add_page_size(p)
     add_chunk_size(p, 2048, why="the one-layer recall model writes its cache fastest in "
                                "larger chunks")
@@ -87,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _runtime(args, model_name: str) -> RuntimeConfig:
     pages = cdiv(cdiv(args.tokens + 1, args.page_size), args.shards) + 1
     return RuntimeConfig(model=model_name, kv_cache_dtype=args.kv_cache_dtype,
-                         page_size=args.page_size, num_shards=args.shards,
+                         selection=args.selection, page_size=args.page_size, num_shards=args.shards,
                          pages_per_shard=pages, chunk_size=args.chunk_size)
 
 

@@ -30,7 +30,7 @@ from cp_runtime.cli import demo
 from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_expert_groups, add_gathers, add_kv_cache_dtype,
                                  add_latent_memory, add_model,
-                                 add_page_size, add_pages_per_shard, add_shards,
+                                 add_page_size, add_pages_per_shard, add_selection, add_shards,
                                  add_weight_dtype, add_weights,
                                  finite_nonnegative_float, finite_positive_float,
                                  nonnegative_length, positive_int)
@@ -102,6 +102,7 @@ def _add_serve_model(g) -> None:
 
 def _add_serve_cache(g) -> None:
     add_kv_cache_dtype(g)
+    add_selection(g)
     add_latent_memory(g)
     add_page_size(g)
     add_pages_per_shard(g, 1024)
@@ -212,7 +213,7 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "expert_groups": "expert_groups",
                  "prefill_expert_groups": "prefill_expert_groups",
                  "latent_memory": "latent_memory",
-                 "latent_device_pages": "latent_device_pages"}
+                 "latent_device_pages": "latent_device_pages", "selection": "selection"}
 
 
 def _flag_of(field: str) -> str:

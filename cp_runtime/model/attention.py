@@ -50,12 +50,14 @@ from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import owned_tiles_bound, tiles_bound, write_tile_rows
 from cp_runtime.kernels.dispatch import QUERY_DTYPE, Kernels, select_kernels
+from cp_runtime.kernels.reference import mask_words
 from cp_runtime.kernels.sparse_prefill import priced_bound
 from cp_runtime.model import host_latent
 from cp_runtime.model.forward import IndexerInputs
 from cp_runtime.model.phases import phase
 from cp_runtime.parallel.merge import combine
-from cp_runtime.parallel.selection import attended_pages, global_top_pages, local_candidates
+from cp_runtime.parallel.selection import (attended_pages, entries_per_query, global_top_pages,
+                                           local_candidates, token_entries)
 from cp_runtime.weights.shards import WeightShards
 
 __all__ = ["ShardState", "ShardAttention", "attention_layout", "row_attention_mode"]
@@ -96,7 +98,7 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
                        value_dim: int, hidden: int, q_lora_rank: int, entries: int,
                        every_pages: int, page_size: int, cache_dtype, num_shards: int,
                        wire_itemsize: int, query_block: int, head_weight_bytes: int,
-                       dequantised_elements: int) -> str:
+                       dequantised_elements: int, mask_words: int = 0) -> str:
     """How a step whose rows are split attends (runtime field `row_attention` = `choice`):
     "heads", each shard its own heads of every row, their projections reduce-scattered into
     the rows' shards; "rows", every head of its own rows, the q heads and outputs traded by
@@ -117,7 +119,8 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
     rows: R, the step's rows; heads: H, every shard's heads together (padded to S h);
     head_weight_bytes: this shard's part of the head-split weights, with their scales;
     dequantised_elements: how many of their values, gathered whole, XLA dequantises (fp8
-    weights no kernel reads: `forward.dequantised_whole`)."""
+    weights no kernel reads: `forward.dequantised_whole`); mask_words: the words of each
+    entry's token mask in token selection (0: whole pages)."""
     if choice != "auto":
         return choice
     s, h = num_shards, heads // num_shards
@@ -125,7 +128,7 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
 
     def kernel(queries: int, q_heads: int) -> float:
         q = jax.ShapeDtypeStruct((1, queries, q_heads, latent_dim), QUERY_DTYPE)
-        return priced_bound(q, cache, entries, value_dim, query_block)
+        return priced_bound(q, cache, entries, value_dim, query_block, mask_words)
 
     one_way = (s - 1) / s
     sums = one_way * rows * hidden * wire_itemsize               # the heads' reduce-scatter
@@ -143,7 +146,8 @@ def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
 
 @dataclasses.dataclass(frozen=True)
 class ShardState:
-    """This shard's pool blocks and the current selection i32[B, Q, K] (None before layer 0).
+    """This shard's pool blocks and the current selection i32[B, Q, K] (None before layer 0):
+    logical token positions in token selection, pages in page selection, NO_PAGE where none.
 
     every: gather_kv's gathered pages T[S * (B * M/S + 1), ps, D_lat] of the layer just run,
     with its rows written, where a second half of the chunk's rows attends them next in the
@@ -247,9 +251,15 @@ class ShardAttention:
             return self._write(cache, rows, self.pool.latent_dtype)
         return host_latent.write_rows(self, cache, rows)
 
+    @property
+    def token_selection(self) -> bool:
+        return self.runtime.selection == "token"
+
     def _select(self, icache: jax.Array, index: IndexerInputs, tie=None):
         """The selection i32[B, Q, K]; with `tie` (arrays, kernels/indexer.py), (selection,
         tie) where tie waited on the indexer kernel."""
+        if self.token_selection:
+            return self._select_tokens(icache, index, tie)
         k = self.model.index_topk // self.page_size
         with phase("indexer"):
             scores = self.kernels.indexer_page_scores(
@@ -266,6 +276,40 @@ class ShardAttention:
             selection = global_top_pages(cand_scores, cand_pages, k=k,
                                          axis_name=self.axis_name, gathers=self.runtime.gathers)
         return selection if tie is None else (selection, tie)
+
+    def _select_tokens(self, icache: jax.Array, index: IndexerInputs, tie=None):
+        """`_select` in token selection: each shard's best index_topk tokens, ranked over the
+        shards as pages are (kernels/token_candidates.py says why that is exact)."""
+        k = self.model.index_topk
+        with phase("indexer"):
+            found = self.kernels.indexer_token_candidates(
+                index.q, index.scoring_weights(), icache, self.local_table, self.pos,
+                self.shard, self.rotation, num_shards=self.num_shards, k=k,
+                key_block_pages=self.runtime.key_block_pages,
+                cache_dtype=self.pool.indexer_dtype, tie=tie, fp8=self.fp8_scores)
+        if tie is not None:
+            found, tie = found
+        scores, tokens = found
+        if self.num_shards > 1:
+            with phase("selection"):
+                tokens = global_top_pages(scores, tokens, k=k, axis_name=self.axis_name,
+                                          gathers=self.runtime.gathers)
+        return tokens if tie is None else (tokens, tie)
+
+    @property
+    def entries(self) -> int:
+        """N, the attention entries of each query (`entries_per_query`)."""
+        return entries_per_query(self.model.index_topk, self.page_size,
+                                 self.local_table.shape[1] * self.num_shards,
+                                 self.runtime.selection)
+
+    def _entries(self, selection: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """What each query attends: pages i32[B, Q, N] and, in token selection, the mask of
+        their selected tokens i32[B, Q, N, W] (None: whole pages up to the query)."""
+        if not self.token_selection:
+            return attended_pages(selection, self.pos, self.page_size), None
+        with phase("selection"):
+            return token_entries(selection, self.page_size, self.entries)
 
     def _select_beside_gathers(self, icache: jax.Array, index: IndexerInputs,
                                state: ShardState) -> tuple[jax.Array, ShardState]:
@@ -302,14 +346,14 @@ class ShardAttention:
                 # else XLA copies the whole block first (207 MB a GLM-5.2 layer on tpu7x-16)
                 indexer[slot], selection = lax.optimization_barrier((indexer[slot], selection))
             indexer = tuple(indexer)
-        pages = attended_pages(selection, self.pos, self.page_size)          # [B, Q, K + 1]
+        pages, masks = self._entries(selection)                              # [B, Q, N]
         state = dataclasses.replace(state, latent=tuple(latent), indexer=indexer,
                                     selection=selection, every=None)
         if gather_q:
-            return self._attend_own_pages(q_row, latent[layer], pages, project), state
+            return self._attend_own_pages(q_row, latent[layer], pages, masks, project), state
         every = self._gathered_pages(layer, before, state) if every_in is None else every_in
         every = self._write_every(every, kv_row)
-        out = self._attend_every_page(q_row, every, pages, project)
+        out = self._attend_every_page(q_row, every, pages, masks, project)
         if not self.hands_over:
             return out, state
         # Without the tie XLA cannot order the next half's in-place write after this half's
@@ -358,9 +402,9 @@ class ShardAttention:
             q_row, index_q = self.ws.gather_heads(q_row, heads, index.q, index.heads)
             return q_row, dataclasses.replace(index, q=index_q, heads=None)
 
-    def _attend_own_pages(self, q_row, cache, pages, project) -> jax.Array:
+    def _attend_own_pages(self, q_row, cache, pages, masks, project) -> jax.Array:
         """gather_q: q_row f[B, Q, H, D] (every head, `_gather_queries`) over the pages this
-        shard owns; the partials merged."""
+        shard owns (their tokens in `masks`, `_entries`); the partials merged."""
         if self.pool.latent_on_host:
             with phase("sparse_attention"):
                 cache, slots = host_latent.selected_pages(self, cache, pages)
@@ -370,7 +414,8 @@ class ShardAttention:
             o, lse = self.kernels.sparse_attention(
                 q_row, cache, slots, pages, self.pos,
                 value_dim=self.model.kv_lora_rank, scale=self.model.softmax_scale,
-                query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype)
+                query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype,
+                sel_masks=masks)
         with phase("merge"):
             return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
                                 self.runtime.gathers)
@@ -422,28 +467,30 @@ class ShardAttention:
         return jnp.where(pages >= 0, owner * (b * m_local + 1) + row * m_local + local,
                          every_pages - 1)
 
-    def _attend_every_page(self, q_row, every, pages, project) -> jax.Array:
+    def _attend_every_page(self, q_row, every, pages, masks, project) -> jax.Array:
         """gather_kv: this shard's heads q_row f[B, Q, H', D] over every selected page of
         `every_page`'s pages; the heads' projections joined by a psum (into each row's
         device where the rows are split, which may attend them there: `_attend_own_rows`).
         With the weights gathered whole (`rows_attend` "weights"), q_row is every head of
-        this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole."""
+        this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole.
+        masks: the entries' token masks (`_entries`), or None."""
         with phase("sparse_attention"):
             slots = jnp.where(pages >= 0, self._every_slot(pages, every.shape[0]), -1)
         if self.rows_attend == "weights":
             own = self.ws.own_rows
             o = self._every_page_attention(q_row[None], every, own(slots)[None],
-                                           own(pages)[None], own(self.pos)[None])
+                                           own(pages)[None], own(self.pos)[None],
+                                           None if masks is None else own(masks)[None])
             with phase("merge"):
                 return project(o[0])              # every head: this row's whole output
         if self.rows_attend == "rows":
-            o = self._attend_own_rows(q_row, every, slots, pages)
+            o = self._attend_own_rows(q_row, every, slots, pages, masks)
         else:
-            o = self._every_page_attention(q_row, every, slots, pages, self.pos)
+            o = self._every_page_attention(q_row, every, slots, pages, self.pos, masks)
         with phase("merge"):
             return self.ws.join_rows(project(o))
 
-    def _attend_own_rows(self, q_row, every, slots, pages) -> jax.Array:
+    def _attend_own_rows(self, q_row, every, slots, pages, masks) -> jax.Array:
         """gather_kv with the rows split: every head of this device's R / S rows attends, so
         each selected page a block of queries reads serves all H heads, not H / S: S times
         fewer page reads than attending its heads of every row, for two all-to-alls of the
@@ -452,7 +499,7 @@ class ShardAttention:
         with phase("q_gather"):
             q_own = self.ws.heads_to_rows(q_row)                        # [R / S, S H', D]
         o = self._every_page_attention(q_own[None], every, own(slots)[None], own(pages)[None],
-                                       own(self.pos)[None])
+                                       own(self.pos)[None], None if masks is None else own(masks)[None])
         with phase("merge"):
             return self.ws.rows_to_heads(o[0], self.pos.shape)
 
@@ -468,20 +515,21 @@ class ShardAttention:
             self.runtime.row_attention, rows=b * q, heads=heads,
             latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
             hidden=self.model.hidden_size, q_lora_rank=self.model.q_lora_rank,
-            entries=self.model.index_topk // self.page_size + 1, every_pages=every_pages,
+            entries=self.entries, every_pages=every_pages,
             page_size=self.page_size, cache_dtype=self.pool.latent_dtype,
             num_shards=self.num_shards, wire_itemsize=2 if self.ws.wire_dtype == "bf16" else 4,
             query_block=self.runtime.query_block, head_weight_bytes=head_weight_bytes,
-            dequantised_elements=dequantised_elements)
+            dequantised_elements=dequantised_elements,
+            mask_words=mask_words(self.page_size) if self.token_selection else 0)
 
-    def _every_page_attention(self, q, every, slots, pages, pos) -> jax.Array:
+    def _every_page_attention(self, q, every, slots, pages, pos, masks) -> jax.Array:
         """The sparse kernel over `every_page`'s pages: q f[B', Q', h, D], slots and pages
-        i32[B', Q', K + 1], pos i32[B', Q'] -> o f32[B', Q', h, V]."""
+        i32[B', Q', N], pos i32[B', Q'], masks i32[B', Q', N, W] or None -> o f32[B', Q', h, V]."""
         with phase("sparse_attention"):
             o, _ = self._every_page_kernels.sparse_attention(
                 q, every, slots, pages, pos, value_dim=self.model.kv_lora_rank,
                 scale=self.model.softmax_scale, query_block=self.runtime.query_block,
-                cache_dtype=self.pool.latent_dtype)
+                cache_dtype=self.pool.latent_dtype, sel_masks=masks)
         return o
 
     @property

@@ -20,7 +20,8 @@ from cp_runtime.model.forward import IndexerInputs, forward, logits
 from cp_runtime.parallel.selection import earlier_pages_mask, rank_pages
 from cp_runtime.weights.params import Params, model_layout
 
-__all__ = ["token_scores", "page_scores", "selection_mask", "dense_sparse_attention",
+__all__ = ["token_scores", "page_scores", "selection_mask", "token_selection_mask",
+           "dense_sparse_attention",
            "make_oracle_attend", "oracle_logits"]
 
 
@@ -55,6 +56,16 @@ def selection_mask(scores: jax.Array, page_size: int, k: int) -> jax.Array:
     return chosen[:, key_page] & (jnp.arange(t)[None, :] <= pos[:, None])
 
 
+def token_selection_mask(scores: jax.Array, k: int) -> jax.Array:
+    """Which tokens each query attends in token mode: its k highest-scoring tokens at or before
+    it under (score desc, position asc), all of them where there are at most k. bool[T, T]."""
+    t = scores.shape[0]
+    ranked = jnp.where(scores == 0, 0.0, scores)        # -0.0 and 0.0 are one score
+    top, index = jax.lax.top_k(ranked, min(k, t))       # equal scores: lower position first
+    chosen = jnp.zeros((t, t), bool).at[jnp.arange(t)[:, None], index].set(top > -jnp.inf)
+    return chosen
+
+
 def dense_sparse_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, *, value_dim: int,
                            scale: float) -> jax.Array:
     """q f[T, H, D], kv f[T, D], mask bool[T, T] -> o f32[T, H, value_dim]."""
@@ -68,8 +79,10 @@ def _round_trip(x: jax.Array, dtype) -> jax.Array:
     return x if dtype is None else x.astype(dtype).astype(x.dtype)
 
 
-def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | None):
-    """The oracle's `attend` callback; its state is the current selection mask bool[T, T]."""
+def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | None,
+                       selection: str = "token"):
+    """The oracle's `attend` callback; its state is the current selection mask bool[T, T].
+    selection: "token" or "page" (RuntimeConfig.selection)."""
     latent_dtype = indexer_dtype = None
     if kv_cache_dtype is not None:
         latent_dtype = latent_cache_dtype(kv_cache_dtype)
@@ -79,7 +92,9 @@ def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | N
     def attend(layer, mask, q_row, kv_row, index, project):
         if index is not None:
             index = IndexerInputs(q=index.q, w=index.w, k=_round_trip(index.k, indexer_dtype))
-            mask = selection_mask(token_scores(index), page_size, k)
+            scores = token_scores(index)
+            mask = (token_selection_mask(scores, cfg.index_topk) if selection == "token"
+                    else selection_mask(scores, page_size, k))
         o = dense_sparse_attention(q_row, _round_trip(kv_row, latent_dtype), mask,
                                    value_dim=cfg.kv_lora_rank, scale=cfg.softmax_scale)
         return project(o), mask
@@ -87,13 +102,13 @@ def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | N
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype", "selection"))
 def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
-                  kv_cache_dtype: str | None = None) -> jax.Array:
+                  kv_cache_dtype: str | None = None, selection: str = "token") -> jax.Array:
     """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1); weights in HF or
     model layout, whole."""
     params = model_layout(params, cfg)
-    attend = make_oracle_attend(cfg, page_size, kv_cache_dtype)
+    attend = make_oracle_attend(cfg, page_size, kv_cache_dtype, selection)
     pos = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     hidden, _ = forward(params, cfg, tokens, pos, attend, None)
     return logits(params, hidden)

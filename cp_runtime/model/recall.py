@@ -1,9 +1,10 @@
 """A hand-built retrieval model: the DSA-MLA architecture with weights set by hand, no training.
 
 What it measures: the runtime's retrieval path. A query token can only answer if (1) the DSA
-indexer puts the needle's page into the query's top-K pages and (2) the sparse MLA attention,
+indexer puts the needle into the query's top-k tokens (its page among the top pages in page
+selection) and (2) the sparse MLA attention,
 reading the paged, sharded, possibly fp8 latent cache, picks the needle's latent row out of
-those pages. Recall on this model is recall of that path: page selection, the context-parallel
+those pages. Recall on this model is recall of that path: the selection, the context-parallel
 top-K and merge, and the cache's precision. What it does not measure: language ability, or how
 a trained model spreads retrieval over layers and heads. Good recall here is necessary for a
 real model to recall through the runtime, never sufficient.
@@ -31,10 +32,11 @@ Weights (one layer, MLP zero, every RoPE part zero, so positions play no part):
              w constant: facts score in proportion to the key cosine, hubs hub_gain times a
              perfect fact, filler near zero.
 
-Why the path is required: a query attends its own page plus the top `index_topk // page_size`
-earlier pages; a needle anywhere else is read only if the indexer selected its page. With the
-indexer blinded (weights_proj = 0, every page scores 0, ties go to the lowest pages) or with
-`hub` pages filling the top-K, recall falls to zero: the query reads filler, and every answer
+Why the path is required: a query attends its `index_topk` best-scoring tokens (in page
+selection, its own page plus the top `index_topk // page_size` earlier pages); a needle is read
+only if the indexer selected it. With the indexer blinded (weights_proj = 0, every key scores
+0, ties go to the earliest positions) or with `hub` tokens filling the top-k, recall falls to
+zero: the query reads filler, and every answer
 token gets the same logit (tests/test_recall.py).
 
 Why precision matters: the needle and a sibling at cosine rho differ by

@@ -25,11 +25,13 @@ from jax import lax
 
 from cp_runtime.cache.layout import global_page_jnp
 from cp_runtime.kernels import page_top_k
+from cp_runtime.kernels.reference import mask_words
 from cp_runtime.parallel.collectives import gather_reduce
 
 __all__ = ["NO_PAGE", "rank_pages", "rank_rows", "rank_distinct_pages",
            "rank_gathered_pages", "rank_gathered_columns", "local_candidates",
-           "global_top_pages", "halve_sorted_lists", "attended_pages", "earlier_pages_mask"]
+           "global_top_pages", "halve_sorted_lists", "attended_pages", "earlier_pages_mask",
+           "token_entries", "entries_per_query"]
 
 NO_PAGE = -1
 _LAST = jnp.iinfo(jnp.int32).max  # sorts after every real page
@@ -274,3 +276,45 @@ def attended_pages(selected: jax.Array, q_pos: jax.Array, page_size: int) -> jax
     """selected i32[B, Q, K] -> i32[B, Q, K + 1]: the query's own page first, then the top-K."""
     own = jnp.where(q_pos >= 0, q_pos // page_size, NO_PAGE)
     return jnp.concatenate([own[..., None], selected], axis=-1)
+
+
+def entries_per_query(index_topk: int, page_size: int, table_pages: int, selection: str) -> int:
+    """N, the attention entries a query carries: page mode, its own page and index_topk /
+    page_size earlier pages; token mode, the distinct pages of its index_topk tokens, at most
+    one a token and at most the pages of its table (`table_pages`: every shard's together)."""
+    if selection == "page":
+        return index_topk // page_size + 1
+    return max(1, min(index_topk, table_pages))
+
+
+def token_entries(tokens: jax.Array, page_size: int, entries: int
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A token selection as attention entries: the distinct pages its tokens lie on, each with
+    the mask of its selected tokens (kernels/reference.sparse_attention's `sel_masks`).
+
+    tokens:  i32[B, Q, K] logical positions, NO_PAGE where none, distinct within a query
+    entries: N, how many entries to keep; at least the distinct pages any query can have
+             (`entries_per_query`)
+    returns: pages i32[B, Q, N] ascending, NO_PAGE past the query's last, and masks
+             i32[B, Q, N, W] (`reference.mask_words`), bit i % 32 of word i // 32 set where token i of
+             the page is selected (the words' bits as uint32, bit-cast)
+    """
+    b, q, k = tokens.shape
+    w = mask_words(page_size)
+    t = jnp.sort(jnp.where(tokens >= 0, tokens, _LAST), axis=-1)            # [B, Q, K]
+    valid = t != _LAST
+    page = jnp.where(valid, t // page_size, NO_PAGE)
+    previous = jnp.concatenate([jnp.full((b, q, 1), NO_PAGE, page.dtype), page[..., :-1]], -1)
+    first = valid & (page != previous)
+    entry = jnp.cumsum(first, axis=-1, dtype=jnp.int32) - 1                 # [B, Q, K]
+    row = jnp.arange(b * q, dtype=jnp.int32).reshape(b, q, 1)
+    at = jnp.where(valid & (entry < entries), row * entries + entry, b * q * entries)
+    offset = t % page_size
+    bit = jnp.left_shift(jnp.uint32(1), (offset % 32).astype(jnp.uint32))
+    # Each token's bit is distinct within its page, so adding them is or-ing them.
+    masks = jnp.zeros((b * q * entries, w), jnp.uint32).at[at, offset // 32].add(
+        jnp.where(valid, bit, 0), mode="drop")
+    pages = jnp.full((b * q * entries,), NO_PAGE, jnp.int32).at[
+        jnp.where(first, at, b * q * entries)].set(page, mode="drop")
+    return (pages.reshape(b, q, entries),
+            lax.bitcast_convert_type(masks, jnp.int32).reshape(b, q, entries, w))
