@@ -6,11 +6,13 @@ by position over a `cp` mesh axis; docs/architecture.md describes the layers. `C
 """
 
 from cp_runtime.serving.client import AsyncClient, AsyncSession, Client, Generation, Retry, Session
-from cp_runtime.serving.protocol import (BadRequestError, CapacityError, InternalError,
-                                         NotFoundError, OverloadedError, ServerError,
-                                         StorageError, UnauthorizedError, UnavailableError)
+from cp_runtime.serving.protocol import (BadRequestError, CapacityError, ContextLengthError,
+                                         InternalError, NotFoundError, OverloadedError,
+                                         ServerError, StorageError, UnauthorizedError,
+                                         UnavailableError)
 
 __all__ = ["__version__", "AsyncClient", "AsyncSession", "BadRequestError", "CapacityError",
-           "Client", "Generation", "InternalError", "NotFoundError", "OverloadedError", "Retry",
-           "ServerError", "Session", "StorageError", "UnauthorizedError", "UnavailableError"]
+           "Client", "ContextLengthError", "Generation", "InternalError", "NotFoundError",
+           "OverloadedError", "Retry", "ServerError", "Session", "StorageError",
+           "UnauthorizedError", "UnavailableError"]
 __version__ = "0.1.0"

@@ -88,7 +88,7 @@ def _ext(tokens):
     return _on_session("extend", tokens=tokens)
 
 
-BR, NF, CAP, DISC = "bad_request", "not_found", "capacity", "disconnect"
+BR, NF, CTX, DISC = "bad_request", "not_found", "context_length_exceeded", "disconnect"
 
 CASES: dict[str, tuple] = {
     # frames
@@ -171,7 +171,7 @@ CASES: dict[str, tuple] = {
     "empty extend (list)": (_ext([]), [BR]),
     "empty extend (bytes)": (_ext(b""), [BR]),
     "text without a tokenizer": (_on_session("extend", text="hello"), [BR]),
-    "extend beyond capacity": (_ext(np.zeros(CAPACITY, "<i4").tobytes()), [CAP]),
+    "extend beyond capacity": (_ext(np.zeros(CAPACITY, "<i4").tobytes()), [CTX]),
     "generate on an empty session": (lambda c: frame({"id": 1, "op": "generate",
                                                       "session": c["empty"]}), [BR]),
     # sampling
@@ -192,8 +192,8 @@ CASES: dict[str, tuple] = {
     "max_tokens -1": (_gen(max_tokens=-1), [BR]),
     "max_tokens a float": (_gen(max_tokens=2.0), [BR]),
     "max_tokens a string": (_gen(max_tokens="5"), [BR]),
-    "max_tokens 10**9": (_gen(max_tokens=10 ** 9), [CAP]),
-    "max_tokens 2**64 - 1": (_gen(max_tokens=2 ** 64 - 1), [CAP]),
+    "max_tokens 10**9": (_gen(max_tokens=10 ** 9), [CTX]),
+    "max_tokens 2**64 - 1": (_gen(max_tokens=2 ** 64 - 1), [CTX]),
     "seed -1": (_gen(seed=-1), [BR]),
     "seed 2**32": (_gen(seed=2 ** 32), [BR]),
     "stop a map": (_gen(stop={"a": 1}), [BR]),

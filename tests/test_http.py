@@ -111,13 +111,16 @@ def test_errors_have_openai_shape_and_change_nothing(served_http, tiny):
         (dict(body={**body, "best_of": 3}), 400, "bad_request"),
         (dict(body={**body, "prompt": "text"}), 400, "bad_request"),        # no tokenizer
         (dict(raw=b"x" * 70000), 413, "bad_request"),                       # max_frame_bytes
-        (dict(body={**body, "max_tokens": 10 ** 6}), 429, "capacity"),
+        # Never fits (past max_model_len): 400, not a 429 a client would retry.
+        (dict(body={**body, "max_tokens": 10 ** 6}), 400, "context_length_exceeded"),
     ]
     for kw, status, code in cases:
         got, head, answer = request(http, "POST", "/v1/completions", **kw)
         assert (got, answer["error"]["code"]) == (status, code), (kw, answer)
-        assert set(answer["error"]) >= {"message", "type", "code"}
-        assert ("retry-after" in {k.lower() for k in head}) == (code == "capacity")
+        assert set(answer["error"]) >= {"message", "type", "code", "param"}
+        assert "retry-after" not in {k.lower() for k in head}
+    assert answer["error"]["param"] == "max_tokens"
+    assert "maximum context length is 6144 tokens" in answer["error"]["message"]
     got, _, answer = request(http, "POST", "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi"}]})
     assert got == 400 and "chat template" in answer["error"]["message"]

@@ -18,7 +18,7 @@ import cp_runtime
 from conftest import random_tokens
 from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.serving.process import SERVE_COMMAND
-from cp_runtime.serving.protocol import (BadRequestError, CapacityError, NotFoundError,
+from cp_runtime.serving.protocol import (BadRequestError, ContextLengthError, NotFoundError,
                                          ServerError, UnauthorizedError)
 from serving_helpers import TINY_SERVER, start_server, stop_server
 
@@ -98,14 +98,14 @@ def test_errors_are_typed_and_change_nothing(client, tiny):
     session.extend(random_tokens(tiny, 20, 2))
     before = client.stats()["pages_used_per_shard"]
     for bad, error in [(dict(temperature=-1), BadRequestError), (dict(top_p=0), BadRequestError),
-                       (dict(max_tokens=10 ** 9), CapacityError)]:
+                       (dict(max_tokens=10 ** 9), ContextLengthError)]:
         with pytest.raises(error):
             session.generate(**bad)
     with pytest.raises(BadRequestError, match="outside the vocabulary"):
         session.extend([tiny.vocab_size])
     with pytest.raises(BadRequestError, match="no tokenizer"):
         session.extend("some text")
-    with pytest.raises(CapacityError):
+    with pytest.raises(ContextLengthError, match="over the 6,144 one session can hold"):
         session.extend(np.zeros(16 * 24 * 16, np.int32))
     with pytest.raises(NotFoundError):
         client.session("0" * 32).info()

@@ -16,8 +16,11 @@ the same value: that costs one token and needs no saved logits. `PageAllocator.f
 shares a session's last page, so neither write touches a page another session reads.
 
 Admission: an extend reserves the pages of all its tokens and a generation those of
-`max_tokens`, when submitted; a request that does not fit raises `CapacityError` and changes
-nothing. A finished generation gives back the pages it did not use. An extend that would take
+`max_tokens`, when submitted; a request that does not fit changes nothing and raises
+`ContextTooLong` when the session's tokens plus the request's pass `max_model_len` (the whole
+pool: no wait can make it fit), else `PoolBusy` (other sessions hold the pages; retryable),
+both `CapacityError`s, their messages in tokens. A finished generation gives back the pages it
+did not use. An extend that would take
 the queued prefill tokens past the scheduler's bound raises `Overloaded`; unless the runtime
 sets `max_queued_tokens`, the bound follows the measured prefill rate: AUTO_QUEUE_S seconds of
 it (at least 16 chunks), so a refused client would otherwise have waited longer than that.
@@ -30,6 +33,16 @@ and queue as they were (the generations of a step whose tokens could not be stor
 `storage`; the prefill in the same step goes on). A failed device step gets the executor a
 fresh pool and rebuilds every session's cache from its log (docs/state.md); `restore_session`
 does the same for sessions read back after a restart.
+
+Uploads: an extend with `upload_total` begins an upload of that many tokens, sent in several
+extends (the server's parts of a long `Session.extend`), all or nothing. Its first part is
+admitted for the whole (context, admission queue, and the pages of every token, reserved
+then), so a later part cannot fail for room. Its parts join the session and are prefilled as
+they come, but the journal gets the upload's tokens only with its last part, in one record;
+until then the session takes no other request (but its owner's next part), and is a prefix
+source only up to where the upload began. `abort_upload` (a part failed, the client gave up,
+its connection closed) puts the session back as it was: its tokens, its cache and its pages;
+a crash mid-upload loses nothing acknowledged either, the log never having had the parts.
 
 Prefix reuse (cp_runtime.engine.prefix_cache): `open_cached` gives a stateless request a
 fork of the live session holding the longest cached prefix of its prompt; such sessions are
@@ -59,19 +72,33 @@ from cp_runtime.engine.executor import Executor
 from cp_runtime.engine.journal import DurableOnly, Journal
 from cp_runtime.engine.plans import Row, build_segment, sampling_arrays
 from cp_runtime.engine.prefix_cache import PrefixCache, PrefixReuse
-from cp_runtime.engine.requests import (BadRequest, Done, Extend, Failed, Generate, NotFound,
-                                        Progress, StorageFailed, Token, Unavailable,
-                                        check_token_ids)
+from cp_runtime.engine.requests import (BadRequest, ContextTooLong, Done, Extend, Failed,
+                                        Generate, NotFound, PoolBusy, Progress, StorageFailed,
+                                        Token, Unavailable, check_token_ids)
 from cp_runtime.engine.scheduler import Batch, ExtendWork, GenerateWork, Scheduler
 from cp_runtime.engine.spill import choose_spill, spill_candidates
 from cp_runtime.engine.step import Segment
 from cp_runtime.kernels.storage import storage_dtype
 
-__all__ = ["Session", "Engine", "StepTiming"]
+__all__ = ["Session", "Engine", "StepTiming", "Upload"]
 
 log = logging.getLogger(__name__)
 STATS_WINDOW_S = 60.0
 AUTO_QUEUE_S = 10.0            # an auto admission bound holds this many seconds of prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """An open upload: the session held `start` tokens when it began and will hold `end` when
+    its last part is in; `owner` sends its parts."""
+
+    owner: object
+    start: int
+    end: int
+
+    @property
+    def total(self) -> int:
+        return self.end - self.start
 
 
 @dataclasses.dataclass
@@ -84,6 +111,7 @@ class Session:
     kv_len: int = 0
     busy: object = None            # the id of the request working on it, if any
     durable: bool = True           # journaled (False: a stateless request's, cache entry)
+    upload: Upload | None = None   # an upload in progress (its parts are not journaled yet)
 
     @property
     def length(self) -> int:
@@ -130,6 +158,13 @@ class Engine(DirectPath, PrefixReuse):
         self._window = collections.Counter()         # prefill tokens and their steps' seconds
         self._shapes_seen: set[tuple] = set()         # step shapes run (compiled) so far
         self.totals = collections.Counter()          # steps, tokens, host and device seconds
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one session can hold: every page of the pool (`num_shards *
+        pages_per_shard * page_size`; each shard's sentinel page is apart from those). A
+        session's tokens plus a request's new and generated ones past it never fit."""
+        return self.allocator.capacity * self.runtime.page_size
 
     @property
     def journal(self) -> Journal:
@@ -228,7 +263,8 @@ class Engine(DirectPath, PrefixReuse):
             raise NotFound(f"no session {session_id!r}")
         return session
 
-    def _idle(self, session_id: str) -> Session:
+    def _idle(self, session_id: str, upload: object = None) -> Session:
+        """The session, idle; `upload`: the owner of its open upload may send the next part."""
         session = self.get(session_id)
         if self._restoring(session):
             raise Unavailable(f"session {session_id} is being restored from its token log; "
@@ -236,6 +272,11 @@ class Engine(DirectPath, PrefixReuse):
         if session.busy is not None:
             raise BadRequest(f"session {session_id} is busy with request {session.busy!r}; "
                              "one request per session at a time")
+        up = session.upload
+        if up is not None and (upload is None or upload != up.owner):
+            raise BadRequest(f"session {session_id} is busy with an upload of {up.total:,} "
+                             f"tokens ({session.length - up.start:,} sent); one request per "
+                             "session at a time")
         return session
 
     @property
@@ -278,9 +319,13 @@ class Engine(DirectPath, PrefixReuse):
             if not 0 < length <= min(parent.length, parent.kv_len + 1):
                 raise BadRequest(f"cannot fork session {session_id} at {length}: it holds "
                                  f"{parent.length} tokens, {parent.kv_len} cached")
+            if parent.upload is not None and length > parent.upload.start:
+                raise BadRequest(f"cannot fork session {session_id} at {length}: it is busy "
+                                 f"with an upload that began at {parent.upload.start}")
         table, copy = self._making_room(
             lambda: self.allocator.fork(parent.table, length, self.runtime.page_size),
-            keep=parent.id)
+            keep=parent.id, need=self.runtime.page_size,
+            what="a copy of the parent's last page")
         child_id = secrets.token_hex(16)
         if not durable:
             self._journal.ephemeral.add(child_id)
@@ -315,7 +360,8 @@ class Engine(DirectPath, PrefixReuse):
         StorageFailed) changing nothing."""
         if request.id in self._work:
             raise BadRequest(f"request id {request.id!r} is already in use")
-        session = self._idle(request.session)
+        owner = request.upload if isinstance(request, Extend) else None
+        session = self._idle(request.session, upload=owner)
         if isinstance(request, Extend):
             work = self._admit_extend(session, request)
         elif isinstance(request, Generate):
@@ -327,11 +373,107 @@ class Engine(DirectPath, PrefixReuse):
         self.scheduler.add(work)
 
     def _admit_extend(self, session: Session, request: Extend) -> ExtendWork:
-        tokens = check_token_ids(request.tokens, self.model.vocab_size)
-        self.scheduler.check_room(len(tokens))
-        self._append(session, tokens.tolist())
+        ids = check_token_ids(request.tokens, self.model.vocab_size).tolist()
+        total = request.upload_total
+        if session.upload is not None:
+            self._upload_part(session, request, ids)
+        elif total is not None and total != len(ids):
+            self._begin_upload(session, request, ids)
+        else:
+            self._check_context(session, len(ids), what="this extend")
+            self.scheduler.check_room(len(ids))
+            self._append(session, ids)
         self._prompt_to_device(session)
         return ExtendWork(request=request, session=session, target=session.length)
+
+    def _check_context(self, session: Session, added: int, generated: int = 0, *,
+                       what: str) -> None:
+        """Raise ContextTooLong if the session's tokens plus `added` and `generated` pass
+        `max_model_len`."""
+        limit, held = self.max_model_len, session.length
+        total = held + added + generated
+        if total <= limit:
+            return
+        asks = (f"{what} adds {added:,}: {total:,} tokens" if added else
+                f"{what} would take it to {total:,} tokens")
+        hint = f"; ask for at most {limit - held:,}" if generated and held < limit else ""
+        raise ContextTooLong(
+            f"context length exceeded: session {session.id} holds {held:,} tokens and {asks}, "
+            f"over the {limit:,} one session can hold (max_model_len, the whole KV pool)"
+            f"{hint}; nothing changed", limit=limit, held=held, added=added,
+            generated=generated)
+
+    def _begin_upload(self, session: Session, request: Extend, ids: list[int]) -> None:
+        """The first part of an upload: admitted for the whole upload (its context, the
+        admission queue, the pages of all its tokens), then applied unjournaled."""
+        total = request.upload_total
+        if not (isinstance(total, int) and not isinstance(total, bool) and total > len(ids)):
+            raise BadRequest(f"upload={total!r} must be an integer, the upload's tokens in all "
+                             f"(at least this extend's {len(ids)})")
+        if request.upload is None:
+            raise BadRequest("an upload needs an owner to send its parts")
+        self._check_context(session, total, what=f"this upload of {total:,} tokens")
+        self.scheduler.check_room(len(ids))
+        self._reserve(session, session.length + total, need=total)
+        session.upload = Upload(owner=request.upload, start=session.length,
+                                end=session.length + total)
+        session.tokens.extend(ids)
+
+    def _upload_part(self, session: Session, request: Extend, ids: list[int]) -> None:
+        """A later part of the session's open upload (its pages are reserved, the admission
+        queue took the upload already); the last one journals the whole upload."""
+        up = session.upload
+        left = up.end - session.length
+        if request.upload_total is not None:
+            raise BadRequest(f"session {session.id} has an upload open already: send its "
+                             f"{left:,} remaining tokens, or abort it")
+        if len(ids) > left:
+            raise BadRequest(f"this part of {len(ids):,} tokens overshoots the upload: "
+                             f"{left:,} of its {up.total:,} tokens remain")
+        if len(ids) == left:                 # the last part: the upload joins the log
+            self._journal.append({session.id: session.tokens[up.start:] + ids})
+            session.upload = None
+        session.tokens.extend(ids)
+
+    def abort_upload(self, session_id: str, owner: object) -> tuple[list, int | None]:
+        """Undo the session's open upload if `owner` owns it: (events for a part that was
+        running, the session's length now), or ([], None) when there is none to undo (no
+        such session, no upload, another owner's)."""
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.upload is None or session.upload.owner != owner:
+            return [], None
+        return self._undo_upload(session), session.length
+
+    def abort_uploads(self, owner: object) -> list:
+        """Undo every open upload `owner` owns (its connection closed)."""
+        events = []
+        for session in list(self.sessions.values()):
+            if session.upload is not None and session.upload.owner == owner:
+                events += self._undo_upload(session)
+        return events
+
+    def _undo_upload(self, session: Session) -> list:
+        """The session as it was when its upload began: its tokens, its cache (`kv_len`; rows
+        written past it are never read) and its pages. A running part ends (the returned
+        event); a restore under way (a failed step) starts again from what is left."""
+        up, session.upload = session.upload, None
+        restoring = self._restoring(session)
+        events = []
+        if session.busy is not None:
+            if not restoring:
+                events.append(Failed(request=session.busy, code="bad_request",
+                                     message=f"the upload into session {session.id} was "
+                                             "aborted"))
+            self._drop(self._work[session.busy])
+        del session.tokens[up.start:]
+        self.prefix.truncate(session.id, up.start)
+        session.kv_len = min(session.kv_len, up.start)
+        keep = cdiv(up.start, self.runtime.page_size)
+        if len(session.table) > keep:
+            session.table = self.allocator.shrink(session.table, keep)
+        if restoring:
+            self._queue_restore(session, start=session.kv_len)
+        return events
 
     def _prompt_to_device(self, session: Session) -> None:
         """Put an admitted prompt's unwritten pages in HBM where the pool holds some of its
@@ -362,8 +504,10 @@ class Engine(DirectPath, PrefixReuse):
     def _admit_generate(self, session: Session, request: Generate) -> GenerateWork:
         if session.length == 0:
             raise BadRequest(f"session {session.id} is empty: extend it before generating")
+        max_tokens = request.sampling.max_tokens
+        self._check_context(session, 0, max_tokens, what=f"max_tokens={max_tokens:,}")
         # Steps write positions length - 1 ... length + max_tokens - 2.
-        self._reserve(session, session.length + request.sampling.max_tokens - 1)
+        self._reserve(session, session.length + max_tokens - 1, need=max_tokens)
         seed = request.sampling.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2 ** 32))
@@ -386,28 +530,51 @@ class Engine(DirectPath, PrefixReuse):
         session.table = self.allocator.shrink(session.table, len(table))
         session.table = table
 
-    def _reserve(self, session: Session, tokens: int) -> None:
-        """Grow the session's table to hold `tokens` tokens (atomic: CapacityError changes
-        nothing)."""
+    def _reserve(self, session: Session, tokens: int, need: int | None = None) -> None:
+        """Grow the session's table to hold `tokens` tokens (atomic: ContextTooLong past
+        `max_model_len`, PoolBusy when other sessions hold the pages; both change nothing).
+        `need`: the request's tokens, for the message (default: the growth)."""
+        if tokens > self.max_model_len:
+            self._check_context(session, tokens - session.length, what="this request")
         want = cdiv(tokens, self.runtime.page_size)
         if want > len(session.table):
             # A session's start shard is picked when it first takes pages, so sessions created
             # together still spread out.
             table = session.table if len(session.table) else self.allocator.new_table()
-            session.table = self._making_room(lambda: self.allocator.grow(table, want),
-                                              keep=session.id)
+            session.table = self._making_room(
+                lambda: self.allocator.grow(table, want), keep=session.id,
+                need=tokens - session.length if need is None else need)
 
-    def _making_room(self, allocate, keep: str):
+    def _making_room(self, allocate, keep: str, need: int, what: str = "this request"):
         """allocate(), closing idle prefix-cache entries but `keep` (least recently used
-        first) while the pool is short of pages."""
+        first) while the pool is short of pages; then PoolBusy, saying `need` tokens."""
         while True:
             try:
                 return allocate()
-            except CapacityError:
+            except CapacityError as e:
                 victim = self.prefix.evictable(self.sessions, keep=keep)
                 if victim is None:
-                    raise
+                    raise self.pool_busy(need, keep, e, what=what) from None
                 self.close_session(victim)
+
+    def pool_busy(self, need: int, keep: str | None, error: CapacityError, *,
+                  spare_pages: int = 0, what: str = "this request") -> PoolBusy:
+        """The retryable refusal of a request short of pages, in tokens and sessions: what it
+        needs, what is free (with `spare_pages` that closing idle prefix-cache entries would
+        free), and how many other sessions hold the rest."""
+        ps = self.runtime.page_size
+        free = (self.allocator.num_free() + spare_pages) * ps
+        others = sum(1 for s in self.sessions.values() if s.id != keep and len(s.table) and (
+            s.id not in self.prefix.entries or s.busy is not None))   # idle entries make way
+        where = ("" if need > free else
+                 ", but not on every shard its pages go to (a session's pages go round the "
+                 "shards, and some are full)")
+        held = ("1 other session holds the rest" if others == 1 else
+                f"{others} other sessions hold the rest" if others else
+                "requests in flight hold the rest")
+        return PoolBusy(f"the KV pool is full for now: {what} needs room for {need:,} tokens "
+                        f"and the pool has {free:,} tokens free{where}; {held}; retry later",
+                        requested=error.requested, free=error.free)
 
     def cancel(self, request_id: object) -> None:
         """Stop a queued or running request (its client went away); no event follows."""
@@ -424,7 +591,8 @@ class Engine(DirectPath, PrefixReuse):
         del self._work[work.request.id]
         session = work.session
         session.busy = None
-        keep = cdiv(session.length, self.runtime.page_size)
+        up = session.upload                      # an open upload keeps its pages reserved
+        keep = cdiv(up.end if up is not None else session.length, self.runtime.page_size)
         if len(session.table) > keep:
             session.table = self.allocator.shrink(session.table, keep)
 

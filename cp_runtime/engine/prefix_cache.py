@@ -4,12 +4,14 @@ sessions, and the sessions kept after stateless requests as cache entries.
 Index. Every live session's full pages of tokens are indexed by a chained hash: page i's is
 blake2b-128 of page i - 1's hash and page i's token ids (int32 bytes), so equal hashes mean equal
 prefixes, not merely equal pages (a collision of a 128-bit hash is the only way to a wrong
-match). A session's log only grows, so a full page's hash never changes; the index catches up
-with each session's new pages at each lookup, and each page is hashed once.
+match). A session's log only grows (but for an undone upload, which `truncate`s its chain),
+so a full page's hash never changes; the index catches up with each session's new pages at
+each lookup, and each page is hashed once.
 
 Lookup. The prompt's full pages are hashed in turn while some live session holds the same
 chain; the match then goes on token by token into the next page, and is capped at what the
-source has in its cache (its `kv_len`, plus the one unwritten token `Engine.fork` allows).
+source has in its cache (its `kv_len`, plus the one unwritten token `Engine.fork` allows), and
+for a session with an upload open, at where the upload began (an upload can be undone).
 
 Entries. A stateless request's session is ephemeral (never journaled: it is gone after a
 restart) and, once the request is done, retained here, least recently used first. The engine
@@ -27,6 +29,7 @@ import numpy as np
 
 from cp_runtime.cache.layout import cdiv, shard_demand
 from cp_runtime.cache.pages import CapacityError
+from cp_runtime.engine.requests import ContextTooLong
 
 __all__ = ["PrefixCache", "PrefixReuse"]
 
@@ -73,6 +76,21 @@ class PrefixCache:
                 if not holders:
                     del self._holders[h]
 
+    def truncate(self, session_id: str, length: int) -> None:
+        """A session's log was cut back to `length` tokens (an undone upload): drop its pages
+        past that from the index."""
+        chain = self._chains.get(session_id)
+        if chain is None:
+            return
+        keep = length // self.page_size
+        for h in chain[keep:]:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.pop(session_id, None)
+                if not holders:
+                    del self._holders[h]
+        del chain[keep:]
+
     def longest(self, sessions: dict, prompt: np.ndarray) -> tuple[object | None, int]:
         """(the live session holding the longest cached prefix of `prompt` i32[N], its
         length), or (None, 0) under MIN_REUSE_PAGES full pages. Restoring sessions are not
@@ -106,7 +124,9 @@ class PrefixCache:
         n = min(len(tail_source), len(tail_prompt))
         same = tail_source[:n] == tail_prompt[:n]
         extra = n if same.all() else int(np.argmin(same))
-        return min(start + extra, source.kv_len + 1, source.length, len(prompt))
+        upload = getattr(source, "upload", None)     # its parts may yet be undone
+        end = source.length if upload is None else upload.start
+        return min(start + extra, source.kv_len + 1, end, len(prompt))
 
     # -- entries ----------------------------------------------------------------------------
     def retain(self, session_id: str) -> None:
@@ -158,12 +178,21 @@ class PrefixReuse:
         """A session for a request whose prompt i32[N] and generation take `total_tokens`
         (ephemeral unless `durable`): a fork of the live session holding the longest cached
         prefix of the prompt (its full pages shared), or a new session. Returns it and how
-        many prompt tokens it holds already. Raises CapacityError, changing nothing, when
-        `total_tokens` cannot fit even with every idle prefix-cache entry closed."""
+        many prompt tokens it holds already. Raises, changing nothing, ContextTooLong past
+        `max_model_len`, and PoolBusy when `total_tokens` cannot fit even with every idle
+        prefix-cache entry closed."""
+        limit = self.max_model_len
+        if total_tokens > limit:
+            raise ContextTooLong(
+                f"context length exceeded: this request needs {total_tokens:,} tokens "
+                f"({len(prompt):,} of prompt), over the {limit:,} one session can hold "
+                "(max_model_len, the whole KV pool); nothing changed",
+                limit=limit, held=0, added=len(prompt),
+                generated=total_tokens - len(prompt))
         source, cached = self.prefix.longest(self.sessions, prompt)
         want = cdiv(total_tokens, self.runtime.page_size)
         self._check_room(source, cdiv(cached, self.runtime.page_size) - 1 if cached else 0,
-                         want)
+                         want, total_tokens)
         if source is None:
             session = self.create_session(durable=durable)
         else:
@@ -176,22 +205,24 @@ class PrefixReuse:
             if not self.allocator.can_grow(table, want):
                 raise CapacityError(demand, self.allocator.free_per_shard())
         try:
-            self._making_room(fits, keep=session.id)
+            self._making_room(fits, keep=session.id, need=total_tokens)
         except CapacityError:
             self.close_session(session.id)
             raise
         return session, cached
 
-    def _check_room(self, source: object | None, shared: int, want: int) -> None:
-        """Raise CapacityError unless a table of `want` pages whose first `shared` are
-        `source`'s fits the free pages plus those of the idle prefix-cache entries."""
+    def _check_room(self, source: object | None, shared: int, want: int, need: int) -> None:
+        """Raise PoolBusy (saying `need` tokens) unless a table of `want` pages whose first
+        `shared` are `source`'s fits the free pages plus those of the idle prefix-cache
+        entries."""
         rotation = (source.table if source is not None else self.allocator.new_table()).rotation
         demand = shard_demand(shared, want, self.runtime.num_shards, rotation)
         free = self.allocator.free_per_shard()
         spare = self.prefix.reclaimable(self.sessions, self.allocator,
                                         keep=source.id if source is not None else None)
         if any(d > f + r for d, f, r in zip(demand, free, spare)):
-            raise CapacityError(demand, free)
+            raise self.pool_busy(need, source.id if source is not None else None,
+                                 CapacityError(demand, free), spare_pages=sum(spare))
 
     def retain(self, session_id: str) -> None:
         """Keep an idle ephemeral session as a prefix-cache entry (closed when its pages or

@@ -3,8 +3,10 @@ the errors a refused request raises. Every check happens at `Engine.submit`, bef
 changes: a refused request leaves every session and the pool as they were.
 
 Error codes (the server sends them as they are): bad_request, not_found, capacity,
-unauthorized, unavailable, overloaded, storage, internal. unavailable, overloaded and storage
-are retryable: the request changed nothing.
+context_length_exceeded, unauthorized, unavailable, overloaded, storage, internal. capacity,
+unavailable, overloaded and storage are retryable: the request changed nothing, and waiting
+can make room. context_length_exceeded is not: the session's tokens plus the request's would
+pass what one session can ever hold (`Engine.max_model_len`, the whole pool).
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import numbers
 
 import numpy as np
 
+from cp_runtime.cache.pages import CapacityError
+
 __all__ = [
     "BadRequest",
+    "ContextTooLong",
     "Done",
     "EngineError",
     "Extend",
@@ -23,6 +28,7 @@ __all__ = [
     "Generate",
     "NotFound",
     "Overloaded",
+    "PoolBusy",
     "Progress",
     "SamplingParams",
     "StorageFailed",
@@ -61,6 +67,36 @@ class Overloaded(EngineError):
     nothing."""
 
     code = "overloaded"
+
+
+class PoolBusy(EngineError, CapacityError):
+    """Retryable: the pool has no room for the request now, its pages being held by other
+    sessions (or requests in flight); the message says so in tokens and sessions. A
+    `CapacityError` too, for callers of the allocator's kind."""
+
+    code = "capacity"
+
+    def __init__(self, message: str, requested=(), free=()):
+        Exception.__init__(self, message)
+        self.requested, self.free = list(requested), list(free)
+
+
+class ContextTooLong(EngineError, CapacityError):
+    """Never fits, however long one waits: `held` tokens of the session plus `added` new ones
+    plus `generated` to generate pass `limit`, what one session can hold (the whole pool).
+    Not retryable. A `CapacityError` too (it does not fit the pool)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, limit: int, held: int, added: int,
+                 generated: int = 0):
+        Exception.__init__(self, message)
+        self.limit, self.held, self.added, self.generated = limit, held, added, generated
+        self.requested, self.free = [], []
+
+    @property
+    def total(self) -> int:
+        return self.held + self.added + self.generated
 
 
 class StorageFailed(EngineError):
@@ -143,11 +179,18 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Extend:
-    """Append tokens to a session and prefill them (chunked, interleaved with decoding)."""
+    """Append tokens to a session and prefill them (chunked, interleaved with decoding).
+
+    Uploads (several extends, all or nothing; cp_runtime.engine.core): `upload_total` set
+    begins one of that many tokens in all, these included, owned by `upload` (any key, e.g.
+    the client's connection); an extend whose `upload` owns the session's open upload is its
+    next part."""
 
     id: object
     session: str
     tokens: np.ndarray
+    upload: object = None
+    upload_total: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,12 +13,21 @@ notebooks; it runs an `AsyncClient` on a background event loop).
                 print(child.info())
 
 Server errors raise `ServerError` subclasses named after their codes (`BadRequestError`,
-`NotFoundError`, `CapacityError`, `UnauthorizedError`, `UnavailableError`, `OverloadedError`,
-`StorageError`, `InternalError`), all importable from `cp_runtime`. The retryable ones
-(`unavailable`: a pool rebuilding or a session restoring; `overloaded`: the admission queue is
-full; `storage`: the state directory could not take the change) are `UnavailableError`s, and
-`Client(..., retry=Retry())` retries a request turned away with one of them before it began,
-with exponential backoff; nothing is retried by default.
+`ContextLengthError`, `NotFoundError`, `CapacityError`, `UnauthorizedError`,
+`UnavailableError`, `OverloadedError`, `StorageError`, `InternalError`), all importable from
+`cp_runtime`. The retryable ones (`capacity`: other sessions hold the pages, or
+`max_sessions`; `unavailable`: a pool rebuilding or a session restoring; `overloaded`: the
+admission queue is full; `storage`: the state directory could not take the change) are
+`UnavailableError`s, and `Client(..., retry=Retry())` retries a request turned away with one
+of them before it began, with exponential backoff; nothing is retried by default.
+`ContextLengthError` (a `BadRequestError`) is never retried: the session's tokens plus the
+request's pass `max_model_len` (in `client.server`), what one session can ever hold.
+
+`Session.extend` of more than `chunk_tokens` tokens is one upload in several requests, all or
+nothing: the first says the upload's size, so the server refuses it up front
+(`ContextLengthError`, `CapacityError`, ...) before any token is sent on, and a part that
+fails undoes the whole upload (the session keeps the tokens it had before), as does a
+cancelled upload (the client sends `abort`) or a closed connection.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from cp_runtime.serving.protocol import (BadRequestError, NotFoundError, ServerE
 __all__ = ["AsyncClient", "AsyncSession", "Client", "Generation", "Retry", "Session"]
 
 UPLOAD_CHUNK = 1 << 16          # tokens per extend request of a long upload (256 KiB of int32)
+ABORT_TIMEOUT_S = 5.0           # how long a cancelled upload waits for the server's undo
 MAX_REPLY_BYTES = 64 << 20
 ProgressArg = bool | Callable[[int, int], None] | None
 
@@ -56,9 +66,11 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class Retry:
-    """Retry a request the server answered with a retryable code (`unavailable`, `overloaded`,
-    `storage`) before any other event (so it had no effect): up to `attempts` tries in all, waiting `backoff_s`, then twice that, ..., at most
-    `max_backoff_s` between tries."""
+    """Retry a request the server answered with a retryable code (`capacity`, `unavailable`,
+    `overloaded`, `storage`) before any other event (so it had no effect): up to `attempts`
+    tries in all, waiting `backoff_s`, then twice that, ..., at most `max_backoff_s` between
+    tries. An upload's first request is retried so; a later part's failure undoes the upload
+    and is raised."""
 
     attempts: int = 5
     backoff_s: float = 0.25
@@ -132,8 +144,13 @@ class AsyncClient:
 
     async def events(self, op: str, **fields) -> AsyncIterator[dict]:
         """Send one request; yield its events up to and including `done` (an error event
-        raises its ServerError). With `retry`, an `unavailable` answer that comes before any
-        other event sends the request again after a backoff."""
+        raises its ServerError). With `retry`, a retryable answer (an UnavailableError) that
+        comes before any other event sends the request again after a backoff."""
+        async for event in self._events(op, fields, self.retry):
+            yield event
+
+    async def _events(self, op: str, fields: dict, retry: Retry | None
+                      ) -> AsyncIterator[dict]:
         tried = 0
         while True:
             tried += 1
@@ -144,9 +161,9 @@ class AsyncClient:
                     yield event
                 return
             except UnavailableError:
-                if started or self.retry is None or tried >= self.retry.attempts:
+                if started or retry is None or tried >= retry.attempts:
                     raise
-            await asyncio.sleep(self.retry.wait_s(tried))
+            await asyncio.sleep(retry.wait_s(tried))
 
     async def _events_once(self, op: str, fields: dict) -> AsyncIterator[dict]:
         rid = next(self._ids)
@@ -253,7 +270,10 @@ class AsyncSession:
     async def extend(self, tokens_or_text, *, progress: ProgressArg = None,
                      chunk_tokens: int = UPLOAD_CHUNK) -> dict:
         """Append token ids (a list or integer array) or text (models with a tokenizer) and
-        wait until they are in the cache. Long token uploads go in requests of `chunk_tokens`.
+        wait until they are in the cache. Long token uploads go in requests of `chunk_tokens`,
+        all or nothing: the server admits the whole upload or refuses it (ContextLengthError
+        past `max_model_len`, CapacityError, ...) before anything changes, and a failure part
+        way (or a cancellation) undoes what was sent: the session is as it was before.
         progress: True for a progress bar, or a callback(done, total). Returns `info()`-like
         fields (`length`)."""
         if isinstance(tokens_or_text, str):
@@ -266,18 +286,36 @@ class AsyncSession:
             parts = [{"tokens": encode_tokens(ids[i: i + chunk_tokens])}
                      for i in range(0, max(len(ids), 1), chunk_tokens)]
             total = len(ids)
+            if len(parts) > 1:                   # one upload: admitted whole, or refused
+                parts[0]["upload"] = total
         report, before, result = _Progress(progress, total), 0, {}
         try:
-            for part in parts:
-                async for event in self.client.events("extend", session=self.id, **part):
+            for i, part in enumerate(parts):
+                # Only the first request may be retried: a later one's failure undid it all.
+                retry = self.client.retry if i == 0 else None
+                async for event in self.client._events("extend", {"session": self.id, **part},
+                                                       retry):
                     if event["event"] == "progress":
                         report.update(before + event["done"], total or event["total"])
                     elif event["event"] == "done":
                         result = {k: v for k, v in event.items() if k not in ("id", "event")}
                 before += len(part.get("tokens", b"")) // 4
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            if len(parts) > 1:
+                await self._abort_upload()
+            raise
         finally:
             report.close()
         return result
+
+    async def _abort_upload(self) -> None:
+        """Undo an upload given up part way (the server undoes it too if the connection
+        closes); at most ABORT_TIMEOUT_S, errors ignored: the caller's exception goes on."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.client.call("abort", session=self.id)),
+                                   ABORT_TIMEOUT_S)
+        except (Exception, asyncio.CancelledError):      # noqa: BLE001 - best effort
+            pass
 
     async def stream(self, *, max_tokens: int = 16, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

@@ -7,7 +7,7 @@ from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.requests import EngineError
 from cp_runtime.serving.protocol import ProtocolError
 
-__all__ = ["Refused", "error_code"]
+__all__ = ["Refused", "error_code", "session_limit_message"]
 
 
 class Refused(Exception):
@@ -16,6 +16,12 @@ class Refused(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+def session_limit_message(limit: int) -> str:
+    """The refusal of a new session at `max_sessions` (both doors): retryable, `capacity`."""
+    return (f"the server holds its limit of {limit} sessions (max_sessions={limit}); retry "
+            "once one is closed")
 
 
 def error_code(e: Exception) -> str:

@@ -18,10 +18,13 @@ A stateless completion runs in an ephemeral session of its own: a fork of the li
 holding the longest cached prefix of its prompt (cp_runtime.engine.prefix_cache), extended with
 the rest, generated from, and kept afterwards as a prefix-cache entry; a client that goes away
 mid-request cancels it, and its session is closed, its pages back at once.
-Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the session
-protocol's codes mapped to HTTP statuses (openai_format.ERROR_STATUS); a retryable one
-carries `Retry-After`. With an auth token, every endpoint but /health and /metrics needs
-`Authorization: Bearer TOKEN` (probes and scrapers need none).
+Errors have OpenAI's shape, `{"error": {"message", "type", "code", "param"}}`, with the
+session protocol's codes mapped to HTTP statuses (openai_format.ERROR_STATUS); a retryable one
+(RETRYABLE_CODES: what waiting can fix) carries `Retry-After`. A request that can never fit
+(the session's tokens, the prompt and `max_tokens` past `max_model_len`) is 400
+`context_length_exceeded` in vLLM's words, naming both numbers. With an auth token, every
+endpoint but /health and /metrics needs `Authorization: Bearer TOKEN` (probes and scrapers
+need none).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from starlette.routing import Route
 from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate
 from cp_runtime.serving import openai_format as fmt
 from cp_runtime.serving import openai_responses as resp
-from cp_runtime.serving.errors import Refused, error_code
+from cp_runtime.serving.errors import Refused, error_code, session_limit_message
 from cp_runtime.serving.metrics import Metrics
 from cp_runtime.serving.protocol import RETRYABLE_CODES
 
@@ -59,9 +62,10 @@ RETRY_AFTER_S = 1
 
 
 class _HttpError(Exception):
-    def __init__(self, code: str, message: str, status: int | None = None):
+    def __init__(self, code: str, message: str, status: int | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.code, self.status = code, status
+        self.code, self.status, self.param = code, status, param
 
 
 def _endpoint(name: str, *, auth: bool = True):
@@ -134,8 +138,9 @@ class OpenAIApp:
             raise _HttpError("bad_request", f"the body is not valid JSON ({e})") from None
 
     def _error_response(self, e: Exception) -> Response:
+        param = None
         if isinstance(e, _HttpError):
-            code, status = e.code, e.status
+            code, status, param = e.code, e.status, e.param
         elif isinstance(e, LookupError):
             code, status = "not_found", None
         elif isinstance(e, ClientDisconnect):
@@ -146,19 +151,17 @@ class OpenAIApp:
         if code == "internal":
             log.error("HTTP request failed", exc_info=e)
             message = f"internal error ({type(e).__name__}); see the server's log"
-        default_status, body = fmt.error_body(code, message)
-        retry = code in RETRYABLE_CODES or code == "capacity"   # pages free as sessions end
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+        default_status, body = fmt.error_body(code, message, param)
+        # What waiting can fix: pages held by other sessions, a full queue, a rebuild.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if code in RETRYABLE_CODES else None
         return JSONResponse(body, status_code=status or default_status, headers=headers)
 
     # -- endpoints --------------------------------------------------------------------------
     @_endpoint("models")
     async def models(self, request: Request) -> Response:
-        rt = self.server.engine.runtime
         return JSONResponse({"object": "list", "data": [{
             "id": self.server.model_name, "object": "model", "created": 0,
-            "owned_by": "cp-runtime",
-            "max_model_len": rt.num_shards * rt.pages_per_shard * rt.page_size}]})
+            "owned_by": "cp-runtime", "max_model_len": self.server.engine.max_model_len}]})
 
     @_endpoint("tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -429,12 +432,19 @@ class _Completion:
         lives on. A session id continues that session, from `continue_at` in a fork when it
         has moved on since."""
         named, at = self.req.session, self.req.continue_at
+        held = 0
+        if isinstance(named, str):
+            session = engine.get(named)
+            held = session.length if at is None else min(at, session.length)
+        too_long = fmt.context_length_error(self.req, engine.max_model_len, held)
+        if too_long is not None:                     # never fits: no wait can help
+            raise _HttpError("context_length_exceeded", too_long[0], param=too_long[1])
         if isinstance(named, str) and at is None:
             self.kept = named
             return named
         limit = self.server.limits.max_sessions
         if engine.open_sessions >= limit:
-            raise Refused("capacity", f"session limit reached (max_sessions={limit})")
+            raise Refused("capacity", session_limit_message(limit))
         if isinstance(named, str):
             self.kept = self._continue(engine, named, at)
             return self.kept

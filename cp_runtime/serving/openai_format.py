@@ -4,6 +4,7 @@ body checked into what the engine runs, and the engine's results shaped into Ope
     parse_completion(body, model, tokenizer, vocab_size) -> CompletionRequest
     parse_chat(body, model, tokenizer, vocab_size, template) -> CompletionRequest
     completion_object / completion_chunk / chat_object / chat_chunk / usage / error_body
+    context_length_error: vLLM's 400 for a request past max_model_len
     need / is_int / check_fields / encode_prompt / sampled: the checks the /v1/responses
     shapes (openai_responses) share
 
@@ -21,12 +22,14 @@ import time
 from cp_runtime.engine.requests import BadRequest, SamplingParams
 
 __all__ = ["CompletionRequest", "ERROR_STATUS", "chat_chunk", "chat_object", "check_fields",
-           "completion_chunk", "completion_object", "encode_prompt", "error_body", "is_int",
-           "need", "new_id", "now", "parse_chat", "parse_completion", "sampled", "usage"]
+           "completion_chunk", "completion_object", "context_length_error", "encode_prompt",
+           "error_body", "is_int", "need", "new_id", "now", "parse_chat", "parse_completion",
+           "sampled", "usage"]
 
 # code -> (HTTP status, OpenAI error type); the retryable ones carry Retry-After.
 ERROR_STATUS = {
     "bad_request": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),     # OpenAI's and vLLM's code
     "unauthorized": (401, "authentication_error"),
     "not_found": (404, "not_found_error"),
     "capacity": (429, "rate_limit_error"),
@@ -60,6 +63,9 @@ class CompletionRequest:
     session: str | bool | None = None
     # With a session id: continue it from this length (a fork when it has moved on since).
     continue_at: int | None = None
+    # The body's names for the prompt and the generation's bound (an error's `param`).
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_tokens"
 
 
 def need(ok: bool, message: str) -> None:
@@ -125,10 +131,13 @@ def parse_chat(body, *, model: str, tokenizer, vocab_size: int, template) -> Com
         and isinstance(m.get("content"), str) for m in messages),
         "'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
     need(isinstance(body.get("logprobs", False), bool), "'logprobs' must be a boolean")
+    bound = "max_tokens"
     if "max_completion_tokens" in body:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+        body, bound = {**body, "max_tokens": body["max_completion_tokens"]}, \
+            "max_completion_tokens"
     ids = encode_prompt(template(messages), tokenizer, vocab_size)
-    return sampled(body, ids, tokenizer, bool(body.get("logprobs", False)))
+    return dataclasses.replace(sampled(body, ids, tokenizer, bool(body.get("logprobs", False))),
+                               prompt_field="messages", max_tokens_field=bound)
 
 
 def sampled(body: dict, ids: list[int], tokenizer, logprobs: bool) -> CompletionRequest:
@@ -252,11 +261,30 @@ def chat_chunk(*, rid: str, model: str, created: int, text: str | None = None,
     return _envelope("chat.completion.chunk", rid, model, created, choices, usage_, prompt_ids)
 
 
-def error_body(code: str, message: str) -> tuple[int, dict]:
-    """(HTTP status, OpenAI's error object) for an error code of the session protocol."""
+def error_body(code: str, message: str, param: str | None = None) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for an error code of the session protocol;
+    `param`: the body's field at fault, if one is."""
     status, kind = ERROR_STATUS.get(code, ERROR_STATUS["internal"])
     return status, {"error": {"message": message, "type": kind, "code": code,
-                              "param": None}}
+                              "param": param}}
+
+
+def context_length_error(req: CompletionRequest, limit: int, held: int = 0
+                         ) -> tuple[str, str] | None:
+    """(message, param) of a request that can never fit: the `held` tokens of the session it
+    continues, its prompt and its `max_tokens` pass `limit` (max_model_len); None if it fits.
+    The message is vLLM's (clients parse its numbers); `param` names the prompt's field when
+    the prompt alone is too long, else the generation's bound."""
+    prompt, completion = len(req.prompt_ids), req.sampling.max_tokens
+    total = held + prompt + completion
+    if total <= limit:
+        return None
+    noun = req.prompt_field
+    parts = f"{held} in the session, " if held else ""
+    message = (f"This model's maximum context length is {limit} tokens. However, you "
+               f"requested {total} tokens ({parts}{prompt} in the {noun}, {completion} in the "
+               f"completion). Please reduce the length of the {noun} or completion.")
+    return message, req.prompt_field if held + prompt > limit else req.max_tokens_field
 
 
 def now() -> int:

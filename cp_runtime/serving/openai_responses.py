@@ -118,7 +118,8 @@ def parse_response(body, *, model: str, tokenizer, vocab_size: int, template
         sampling["max_tokens"] = body["max_output_tokens"]
     completion = fmt.sampled(sampling, ids, tokenizer, False)
     completion = dataclasses.replace(completion, session=session if session else store or None,
-                                     continue_at=continue_at)
+                                     continue_at=continue_at, prompt_field="input",
+                                     max_tokens_field="max_output_tokens")
     return ResponseRequest(completion=completion, previous=previous,
                            instructions=body.get("instructions"))
 

@@ -41,12 +41,14 @@ __all__ = [
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 OPS = ("hello", "create", "extend", "generate", "fork", "info", "close", "stats", "sessions",
-       "snapshot")
+       "snapshot", "abort")
 EVENTS = ("progress", "token", "done", "error")
-ERROR_CODES = ("bad_request", "not_found", "capacity", "unauthorized", "unavailable",
-               "overloaded", "storage", "internal")
-# Codes of requests that changed nothing and may succeed if sent again later.
-RETRYABLE_CODES = ("unavailable", "overloaded", "storage")
+ERROR_CODES = ("bad_request", "not_found", "capacity", "context_length_exceeded",
+               "unauthorized", "unavailable", "overloaded", "storage", "internal")
+# Codes of requests that changed nothing and may succeed if sent again later (`capacity`: once
+# other sessions give back pages). `context_length_exceeded` never will: the session's tokens
+# plus the request's pass what one session can hold.
+RETRYABLE_CODES = ("capacity", "unavailable", "overloaded", "storage")
 
 
 class FrameError(Exception):
@@ -128,8 +130,11 @@ class NotFoundError(ServerError):
     code = "not_found"
 
 
-class CapacityError(ServerError):
-    code = "capacity"
+class ContextLengthError(BadRequestError):
+    """Not retryable: the session's tokens plus the request's (an extend's or an upload's
+    tokens, a generation's `max_tokens`) pass `max_model_len`, what one session can hold
+    (`hello` says it); nothing changed. Send less, or start a new session."""
+    code = "context_length_exceeded"
 
 
 class UnauthorizedError(ServerError):
@@ -139,6 +144,12 @@ class UnauthorizedError(ServerError):
 class UnavailableError(ServerError):
     """Retryable."""
     code = "unavailable"
+
+
+class CapacityError(UnavailableError):
+    """Retryable: no room now (pages held by other sessions, or `max_sessions` reached);
+    nothing changed, and a retry may succeed once other sessions end."""
+    code = "capacity"
 
 
 class OverloadedError(UnavailableError):
@@ -157,8 +168,8 @@ class InternalError(ServerError):
 
 
 _ERRORS = {cls.code: cls for cls in (BadRequestError, NotFoundError, CapacityError,
-                                     UnauthorizedError, UnavailableError, OverloadedError,
-                                     StorageError, InternalError)}
+                                     ContextLengthError, UnauthorizedError, UnavailableError,
+                                     OverloadedError, StorageError, InternalError)}
 
 
 def error_class(code: str) -> type[ServerError]:

@@ -10,6 +10,11 @@ Security: the server binds loopback unless told otherwise, and `cp-runtime serve
 another address without an auth token. With a token, a connection's first request must be
 `hello` carrying it; a wrong token is refused (compared in constant time) and the connection
 closed.
+
+A long upload (`Session.extend` past `UPLOAD_CHUNK` tokens) goes in several extends, the first
+saying the upload's size (`upload`): the engine admits it whole or refuses it before anything
+changes, and an upload whose part fails, or whose connection closes before its last part, is
+undone (cp_runtime.engine.core, Uploads): the session is as it was before the upload.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from cp_runtime.engine.requests import (Done, Extend, Failed, Generate, Progress
                                         Token)
 from cp_runtime.serving.activity import Activity, RequestRecord
 from cp_runtime.serving.engine_loop import EngineLoop
-from cp_runtime.serving.errors import Refused, error_code
+from cp_runtime.serving.errors import Refused, error_code, session_limit_message
 from cp_runtime.serving.protocol import (OPS, PROTOCOL_VERSION, FrameError, ProtocolError,
                                          decode_tokens, encode_frame, read_frame)
 from cp_runtime.serving.state import TokenStore
@@ -238,6 +243,8 @@ class _Connection:
         self.tokens_of: dict[object, int] = {}     # request id -> tokens uploaded or generated
         self.closed = False
         self.last_frame = time.monotonic()
+        self.owner = ("connection", number)        # the owner of the uploads it begins
+        self.uploads: set[str] = set()             # sessions it began an upload into
 
     def send(self, message: dict) -> None:
         if self.closed:
@@ -302,7 +309,19 @@ class _Connection:
             for task in list(self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await self._abort_uploads()
             await self.finish()
+
+    async def _abort_uploads(self) -> None:
+        """Undo the uploads this connection began and did not finish (all or nothing)."""
+        if not self.uploads:
+            return
+        self.uploads.clear()
+        try:
+            self.server.route(await self.server.on_engine(
+                lambda e: e.abort_uploads(self.owner)))
+        except Exception:                            # noqa: BLE001 - the engine has stopped
+            log.warning("connection %d: could not undo its open uploads", self.number)
 
     def _start(self, message: dict) -> None:
         rid = message.get("id")
@@ -405,6 +424,7 @@ class _Handlers:
                   shards=rt.num_shards, page_size=rt.page_size,
                   pages_per_shard=rt.pages_per_shard, kv_cache_dtype=rt.kv_cache_dtype,
                   capacity_tokens=rt.num_shards * rt.pages_per_shard * rt.page_size,
+                  max_model_len=engine.max_model_len,
                   limits=dataclasses.asdict(server.limits))
 
     @staticmethod
@@ -413,7 +433,7 @@ class _Handlers:
 
         def create(engine: Engine):
             if engine.open_sessions >= limit:
-                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
+                raise Refused("capacity", session_limit_message(limit))
             return engine.create_session().id
 
         conn.done(rid, session=await conn.server.on_engine(create))
@@ -421,18 +441,53 @@ class _Handlers:
     @staticmethod
     async def extend(conn: _Connection, rid, message: dict) -> None:
         session = _session_field(message)
-        if "text" in message:
-            tokens = _encode_text(conn.server.tokenizer, message["text"])
-        else:
-            tokens = decode_tokens(message.get("tokens"))
-        limit = conn.server.limits.max_tokens_per_request
-        if len(tokens) > limit:
-            raise Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
-                                          f"max_tokens_per_request={limit}; send them in parts")
-        conn.tokens_of[rid] = len(tokens)
-        info = await conn.stream(rid, Extend(id=(conn.number, rid), session=session,
-                                             tokens=tokens))
+        upload = message.get("upload")
+        try:
+            if upload is not None and (not isinstance(upload, int) or isinstance(upload, bool)
+                                       or upload < 1):
+                raise Refused("bad_request", f"'upload' must be the upload's tokens in all, a "
+                                             f"positive integer, got {upload!r:.100}")
+            if "text" in message:
+                tokens = _encode_text(conn.server.tokenizer, message["text"])
+            else:
+                tokens = decode_tokens(message.get("tokens"))
+            limit = conn.server.limits.max_tokens_per_request
+            if len(tokens) > limit:
+                raise Refused("bad_request", f"{len(tokens)} tokens in one extend exceed "
+                                              f"max_tokens_per_request={limit}; send them in "
+                                              "parts")
+            conn.tokens_of[rid] = len(tokens)
+            if upload is not None:
+                conn.uploads.add(session)
+            info = await conn.stream(rid, Extend(id=(conn.number, rid), session=session,
+                                                 tokens=tokens, upload=conn.owner,
+                                                 upload_total=upload))
+        except Exception as e:                       # noqa: BLE001 - raised again below
+            if session not in conn.uploads:
+                raise
+            # A part of this connection's upload failed: the whole upload is undone.
+            events, length = await conn.server.on_engine(
+                lambda engine: engine.abort_upload(session, conn.owner))
+            conn.server.route(events)
+            if length is None:
+                raise
+            raise Refused(error_code(e), f"{e}; the upload was undone: session {session} "
+                                         f"holds its {length:,} tokens as before") from e
         conn.done(rid, **info)
+
+    @staticmethod
+    async def abort(conn: _Connection, rid, message: dict) -> None:
+        """Undo this connection's open upload into the session (a client that gives up)."""
+        session = _session_field(message)
+
+        def abort(engine: Engine):
+            engine.get(session)                      # NotFound for no such session
+            events, length = engine.abort_upload(session, conn.owner)
+            return events, length, engine.get(session).length
+        events, undone, length = await conn.server.on_engine(abort)
+        conn.server.route(events)
+        conn.uploads.discard(session)
+        conn.done(rid, length=length, aborted=undone is not None)
 
     @staticmethod
     async def generate(conn: _Connection, rid, message: dict) -> None:
@@ -457,7 +512,7 @@ class _Handlers:
 
         def fork(engine: Engine):
             if engine.open_sessions >= limit:
-                raise Refused("capacity", f"session limit reached (max_sessions={limit})")
+                raise Refused("capacity", session_limit_message(limit))
             return engine.fork(session).id
 
         conn.done(rid, session=await conn.server.on_engine(fork))
