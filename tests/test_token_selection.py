@@ -153,3 +153,16 @@ def test_page_selection_is_another_model(tiny, tiny_params):
     k = tiny.index_topk
     assert rel_l2(pages[:k], token[:k]) <= 1e-6          # every earlier token either way
     assert rel_l2(pages[k:], token[k:]) > 0.1
+
+
+def test_index_topk_over_the_table_selects_every_token(tiny, tiny_params):
+    """index_topk past every token of the rows' tables (a dense model, as `bench throughput`
+    makes one): each shard's tokens are gathered whole, unranked, and the engine is dense
+    attention."""
+    import dataclasses
+    dense = dataclasses.replace(tiny, index_topk=4096)
+    engine = make_engine(dense, tiny_params, kv_cache_dtype="f32", page_size=16, num_shards=4,
+                         pages_per_shard=8, chunk_size=64)
+    toks, out = _logits(engine, dense, seed=2)
+    ref = oracle_logits(tiny_params, jnp.asarray(toks), cfg=dense, page_size=16)
+    assert rel_l2(out, ref) <= 1e-5

@@ -279,8 +279,13 @@ class ShardAttention:
 
     def _select_tokens(self, icache: jax.Array, index: IndexerInputs, tie=None):
         """`_select` in token selection: each shard's best index_topk tokens, ranked over the
-        shards as pages are (kernels/token_candidates.py says why that is exact)."""
-        k = self.model.index_topk
+        shards as pages are (kernels/token_candidates.py says why that is exact). Where
+        index_topk reaches every token of the rows' tables, every visible token is selected:
+        each shard's list is all of its tokens, gathered without a rank (a list of index_topk
+        would hold [Q, S * index_topk] candidates where the tables hold fewer tokens)."""
+        local_tokens = self.local_table.shape[1] * self.page_size
+        every = self.model.index_topk >= local_tokens * self.num_shards
+        k = local_tokens if every else self.model.index_topk
         with phase("indexer"):
             found = self.kernels.indexer_token_candidates(
                 index.q, index.scoring_weights(), icache, self.local_table, self.pos,
@@ -292,8 +297,9 @@ class ShardAttention:
         scores, tokens = found
         if self.num_shards > 1:
             with phase("selection"):
-                tokens = global_top_pages(scores, tokens, k=k, axis_name=self.axis_name,
-                                          gathers=self.runtime.gathers)
+                tokens = (lax.all_gather(tokens, self.axis_name, axis=2, tiled=True) if every
+                          else global_top_pages(scores, tokens, k=k, axis_name=self.axis_name,
+                                                gathers=self.runtime.gathers))
         return tokens if tie is None else (tokens, tie)
 
     @property
