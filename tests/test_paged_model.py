@@ -20,9 +20,11 @@ LENGTHS = [(70, 3), (37, 3), (5, 3)]
 # at about 2.5x that, still 1000x under the cost of fp8 itself (BOUNDS_VS_F32).
 BOUNDS_SAME_ROUNDING = {"f32": 1e-5, "bf16": 3e-5, "fp8_e4m3": 2e-4, "fp8_e5m2": 2e-4}
 # Against the pure f32 oracle: the cost of the cache dtype itself, through 4 random layers (a
-# random network amplifies perturbations). Measured: bf16 0.0021, fp8_e4m3 0.136, fp8_e5m2
-# 0.117; bounds at about 1.5x.
-BOUNDS_VS_F32 = {"bf16": 0.0032, "fp8_e4m3": 0.2, "fp8_e5m2": 0.18}
+# random network amplifies perturbations). Measured with token selection: bf16 0.021,
+# fp8_e4m3 0.158, fp8_e5m2 0.121 (page selection: 0.0023, 0.158, 0.121). The bf16 indexer keys
+# flip near-tied tokens in or out of a query's top-k, which page maxima rarely tie on; under
+# fp8 the latents' own rounding dominates either way. Bounds at about 1.5x.
+BOUNDS_VS_F32 = {"bf16": 0.032, "fp8_e4m3": 0.24, "fp8_e5m2": 0.18}
 
 
 def _run(engine, model, seed_base=0):
