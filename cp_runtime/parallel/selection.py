@@ -25,6 +25,7 @@ from jax import lax
 
 from cp_runtime.cache.layout import global_page_jnp
 from cp_runtime.kernels import page_top_k
+from cp_runtime.kernels.page_top_k import MAX_ROUNDS
 from cp_runtime.kernels.reference import mask_words
 from cp_runtime.parallel.collectives import gather_reduce
 
@@ -136,11 +137,14 @@ def rank_gathered_pages(scores: jax.Array, pages: jax.Array, k: int
                         ) -> tuple[jax.Array, jax.Array]:
     """`rank_pages` for distinct candidates, by whichever form is cheaper where the program
     runs (all give the same k pages in the same order): on CPU `rank_distinct_pages`' k
-    rounds; on a TPU the same rounds in VMEM (`_rank_by_kernel`; as XLA ops each round was a
+    rounds, up to MAX_ROUNDS of them (unrolled, each a pass over every candidate: token
+    selection's index_topk rounds over S * index_topk candidates ran a CPU test out of 24 GB);
+    on a TPU the same rounds in VMEM (`_rank_by_kernel`; as XLA ops each round was a
     few small ops of ~1 us apiece, and the sort ran 2.6 ms on a TPU v5e for 512 candidates,
     k = 32, at 16,384 queries, against 0.51 ms for the kernel); elsewhere one two-key sort
     (`rank_pages`)."""
-    return _on_tpu_by_kernel(scores, pages, k, cpu=functools.partial(rank_distinct_pages, k=k),
+    rounds = functools.partial(rank_distinct_pages, k=k) if k <= MAX_ROUNDS else None
+    return _on_tpu_by_kernel(scores, pages, k, cpu=rounds,
                              default=functools.partial(rank_pages, k=k))
 
 
@@ -159,8 +163,9 @@ def rank_gathered_columns(scores: jax.Array, pages: jax.Array, k: int
     def by_sort(scores, pages):
         return tuple(first(x) for x in rank_pages(last(scores), last(pages), k))
 
-    return _on_tpu_by_kernel(scores, pages, k, columns=True, default=by_sort,
-                             cpu=functools.partial(rank_distinct_pages, k=k, axis=0))
+    rounds = (functools.partial(rank_distinct_pages, k=k, axis=0) if k <= MAX_ROUNDS
+              else None)
+    return _on_tpu_by_kernel(scores, pages, k, columns=True, default=by_sort, cpu=rounds)
 
 
 def earlier_pages_mask(pages: jax.Array, q_pos: jax.Array, page_size: int) -> jax.Array:
