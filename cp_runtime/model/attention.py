@@ -505,7 +505,8 @@ class ShardAttention:
         with phase("q_gather"):
             q_own = self.ws.heads_to_rows(q_row)                        # [R / S, S H', D]
         o = self._every_page_attention(q_own[None], every, own(slots)[None], own(pages)[None],
-                                       own(self.pos)[None], None if masks is None else own(masks)[None])
+                                       own(self.pos)[None],
+                                       None if masks is None else own(masks)[None])
         with phase("merge"):
             return self.ws.rows_to_heads(o[0], self.pos.shape)
 

@@ -301,8 +301,8 @@ def token_entries(tokens: jax.Array, page_size: int, entries: int
     entries: N, how many entries to keep; at least the distinct pages any query can have
              (`entries_per_query`)
     returns: pages i32[B, Q, N] ascending, NO_PAGE past the query's last, and masks
-             i32[B, Q, N, W] (`reference.mask_words`), bit i % 32 of word i // 32 set where token i of
-             the page is selected (the words' bits as uint32, bit-cast)
+             i32[B, Q, N, W] (`reference.mask_words`), bit i % 32 of word i // 32 set where
+             token i of the page is selected (the words' bits as uint32, bit-cast)
     """
     b, q, k = tokens.shape
     w = mask_words(page_size)
