@@ -215,7 +215,7 @@ def test_runtime_checked_against_model(tmp_path):
         check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48,
                                                    selection="page"))
     # Token selection picks tokens, whatever the page size.
-    check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48))
+    check_runtime_for_model(glm, RuntimeConfig(model="glm-5.2", page_size=48, selection="token"))
     with pytest.raises(ConfigError, match=r"selection='pages' is not one of"):
         RuntimeConfig(selection="pages")
     path = tmp_path / "rt.toml"

@@ -134,9 +134,10 @@ def _logits(engine, model, seed: int) -> tuple[list[int], np.ndarray]:
 def test_engine_matches_the_token_oracle(tiny, tiny_params, runtime):
     engine = make_engine(tiny, tiny_params, kv_cache_dtype="f32", page_size=16,
                          pages_per_shard=max(32 // runtime["num_shards"], 4), chunk_size=64,
-                         **runtime)
+                         selection="token", **runtime)
     toks, out = _logits(engine, tiny, seed=1)
-    ref = oracle_logits(tiny_params, jnp.asarray(toks), cfg=tiny, page_size=16)
+    ref = oracle_logits(tiny_params, jnp.asarray(toks), cfg=tiny, page_size=16,
+                        selection="token")
     # The TPU kernels take bf16 queries and round the probabilities to bf16 before PV
     # (kernels/dispatch.py): measured 6.1e-3 here, as the page path's 5.3e-3
     # (tests/test_kernel_path.py, whose bound this is); the XLA path is f32 throughout.
@@ -148,7 +149,7 @@ def test_page_selection_is_another_model(tiny, tiny_params):
     """Past index_topk the page rule attends other tokens: the logits move by far more than
     any path's rounding (measured 0.37 on this prompt)."""
     toks = jnp.asarray(random_tokens(tiny, PROMPT, 1))
-    token = oracle_logits(tiny_params, toks, cfg=tiny, page_size=16)
+    token = oracle_logits(tiny_params, toks, cfg=tiny, page_size=16, selection="token")
     pages = oracle_logits(tiny_params, toks, cfg=tiny, page_size=16, selection="page")
     k = tiny.index_topk
     assert rel_l2(pages[:k], token[:k]) <= 1e-6          # every earlier token either way
@@ -162,7 +163,8 @@ def test_index_topk_over_the_table_selects_every_token(tiny, tiny_params):
     import dataclasses
     dense = dataclasses.replace(tiny, index_topk=4096)
     engine = make_engine(dense, tiny_params, kv_cache_dtype="f32", page_size=16, num_shards=4,
-                         pages_per_shard=8, chunk_size=64)
+                         pages_per_shard=8, chunk_size=64, selection="token")
     toks, out = _logits(engine, dense, seed=2)
-    ref = oracle_logits(tiny_params, jnp.asarray(toks), cfg=dense, page_size=16)
+    ref = oracle_logits(tiny_params, jnp.asarray(toks), cfg=dense, page_size=16,
+                        selection="token")
     assert rel_l2(out, ref) <= 1e-5

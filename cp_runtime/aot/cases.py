@@ -94,7 +94,7 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
              expert_groups: int = 1, prefill_expert_groups: int = 1,
              latent_memory: str = "device", latent_device_pages: int = 0,
-             selection: str = "token", rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             selection: str = "page", rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -167,7 +167,7 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
                expert_groups: int = 1, prefill_expert_groups: int = 1,
                latent_memory: str = "device", latent_device_pages: int = 0,
-               selection: str = "token", progress=None) -> dict:
+               selection: str = "page", progress=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
     one capacity sizes for the slice unless `pages_per_shard` is given."""
     device = compile_only_devices(topology)[0]

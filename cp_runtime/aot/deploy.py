@@ -51,7 +51,7 @@ class CompilePlan:
     prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
     latent_memory: str = "device"          # RuntimeConfig.latent_memory: device, host
     latent_device_pages: int = 0           # RuntimeConfig.latent_device_pages
-    selection: str = "token"               # RuntimeConfig.selection: token, page
+    selection: str = "page"                # RuntimeConfig.selection: token, page
     programs: tuple[str, ...] | None = None   # None: all of them
 
 

@@ -275,12 +275,12 @@ def add_latent_memory(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--selection", choices=SELECTIONS, default="token",
+    p.add_argument("--selection", choices=SELECTIONS, default="page",
                    help="what each query attends: token, its index_topk highest-scoring "
                         "earlier tokens, the model as trained (as transformers, vLLM and "
                         "SGLang compute it); page, its own page and the index_topk / "
                         "page-size earlier pages ranked by their best token, an "
-                        "approximation that reads whole pages (default: token)")
+                        "approximation that reads whole pages (default: page, until token selection's CPU path is bounded in memory everywhere; token is what the checkpoints were trained with)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:
