@@ -280,7 +280,9 @@ def add_selection(p: argparse.ArgumentParser) -> None:
                         "earlier tokens, the model as trained (as transformers, vLLM and "
                         "SGLang compute it); page, its own page and the index_topk / "
                         "page-size earlier pages ranked by their best token, an "
-                        "approximation that reads whole pages (default: page, until token selection's CPU path is bounded in memory everywhere; token is what the checkpoints were trained with)")
+                        "approximation that reads whole pages (default: page, until token "
+                        "selection's CPU path is bounded in memory everywhere; token is what "
+                        "the checkpoints were trained with)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:
