@@ -1,4 +1,7 @@
-"""On-device sampling (cp_runtime.model.sampler): greedy, temperature, top-k, top-p, seeds."""
+"""On-device sampling (cp_runtime.model.sampler): greedy, temperature, top-k, top-p, seeds.
+tests/test_sampling_fields.py checks the other fields against a numpy sampler."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +15,11 @@ sample = jax.jit(sample_tokens)
 
 
 def arrays(rows, temperature=0.0, top_p=1.0, top_k=0, seed=0):
-    return SamplingArrays(temperature=np.full(rows, temperature, np.float32),
-                          top_p=np.full(rows, top_p, np.float32),
-                          top_k=np.full(rows, top_k, np.int32),
-                          seed=np.full(rows, seed, np.uint32))
+    return dataclasses.replace(SamplingArrays.greedy(rows),
+                               temperature=np.full(rows, temperature, np.float32),
+                               top_p=np.full(rows, top_p, np.float32),
+                               top_k=np.full(rows, top_k, np.int32),
+                               seed=np.full(rows, seed, np.uint32))
 
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
@@ -68,15 +72,15 @@ def test_same_seed_same_tokens_and_filters_that_keep_everything_change_nothing()
 def test_rows_are_independent_of_their_batch():
     """A row's draw depends on (seed, position, logits), not on the rows beside it."""
     logits = jax.random.normal(jax.random.key(2), (4, 40)) * 2
-    mixed = SamplingArrays(temperature=np.array([0.0, 1.0, 0.5, 1.0], np.float32),
-                           top_p=np.array([1.0, 0.9, 1.0, 1.0], np.float32),
-                           top_k=np.array([0, 0, 5, 0], np.int32),
-                           seed=np.array([0, 11, 12, 13], np.uint32))
+    mixed = dataclasses.replace(SamplingArrays.greedy(4),
+                                temperature=np.array([0.0, 1.0, 0.5, 1.0], np.float32),
+                                top_p=np.array([1.0, 0.9, 1.0, 1.0], np.float32),
+                                top_k=np.array([0, 0, 5, 0], np.int32),
+                                seed=np.array([0, 11, 12, 13], np.uint32))
     pos = jnp.array([3, 4, 5, 6], jnp.int32)
     together, _ = sample(logits, mixed, pos)
     for i in range(4):
-        alone = SamplingArrays(*(np.asarray(x)[i: i + 1] for x in
-                                 (mixed.temperature, mixed.top_p, mixed.top_k, mixed.seed)))
+        alone = jax.tree.map(lambda x: np.asarray(x)[i: i + 1], mixed)
         one, _ = sample(logits[i: i + 1], alone, pos[i: i + 1])
         assert int(one[0]) == int(together[i])
 

@@ -505,6 +505,7 @@ class Engine(DirectPath, PrefixReuse):
         if session.length == 0:
             raise BadRequest(f"session {session.id} is empty: extend it before generating")
         max_tokens = request.sampling.max_tokens
+        request.sampling.check_vocab(self.model.vocab_size)
         self._check_context(session, 0, max_tokens, what=f"max_tokens={max_tokens:,}")
         # Steps write positions length - 1 ... length + max_tokens - 2.
         self._reserve(session, session.length + max_tokens - 1, need=max_tokens)
@@ -614,7 +615,8 @@ class Engine(DirectPath, PrefixReuse):
         events = self._apply(batch, outputs)
         t3 = time.perf_counter()
         shape = tuple((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape,
-                       seg.in_hbm) for seg in segments)    # what a program is compiled for
+                       seg.in_hbm, seg.sampling and seg.sampling.variant)
+                      for seg in segments)                 # what a program is compiled for
         first = shape not in self._shapes_seen
         self._shapes_seen.add(shape)
         self._record(StepTiming(end=t3, prefill_tokens=batch.prefill_tokens,
@@ -628,7 +630,9 @@ class Engine(DirectPath, PrefixReuse):
             rows = [Row(w.session.table, [w.session.tokens[-1]], w.session.length - 1)
                     for w in batch.decodes]
             sampling = sampling_arrays([w.request.sampling for w in batch.decodes],
-                                       [w.seed for w in batch.decodes])
+                                       [w.seed for w in batch.decodes],
+                                       [w.produced for w in batch.decodes],
+                                       [w.session.tokens for w in batch.decodes])
             segments.append(self._segment("sample", rows, sampling=sampling))
         if batch.prefill is not None:
             s = batch.prefill.session
@@ -646,6 +650,10 @@ class Engine(DirectPath, PrefixReuse):
         events: list = []
         if batch.decodes:
             tokens, logprobs = outputs[0]
+            top_ids = top_lps = None
+            if tokens.ndim == 2:        # the sampled token, then the most likely ids
+                tokens, top_ids, logprobs, top_lps = (tokens[:, 0], tokens[:, 1:],
+                                                      logprobs[:, 0], logprobs[:, 1:])
             try:                        # stored before any of them is acknowledged
                 self._journal.append({w.session.id: [int(tokens[i])]
                                      for i, w in enumerate(batch.decodes)})
@@ -653,8 +661,11 @@ class Engine(DirectPath, PrefixReuse):
                 events += self._end_unstored(batch.decodes, e)
             else:
                 for i, work in enumerate(batch.decodes):
+                    k = work.request.sampling.top_logprobs
+                    top = () if not k or top_ids is None else tuple(
+                        zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist()))
                     events += self._advance_generation(work, int(tokens[i]),
-                                                       float(logprobs[i]))
+                                                       float(logprobs[i]), top)
         if batch.prefill is not None:
             events += self._advance_extend(batch.prefill, batch.prefill_tokens)
         return events
@@ -671,14 +682,15 @@ class Engine(DirectPath, PrefixReuse):
                                  message=str(error)))
         return events
 
-    def _advance_generation(self, work: GenerateWork, token: int, logprob: float) -> list:
+    def _advance_generation(self, work: GenerateWork, token: int, logprob: float,
+                            top: tuple = ()) -> list:
         session, params = work.session, work.request.sampling
         session.kv_len = session.length            # the step wrote the log's last token
         session.tokens.append(token)
         work.produced += 1
         events = [Token(request=work.request.id, token=token, logprob=logprob,
-                        index=work.produced - 1)]
-        reason = ("stop" if token in params.stop else
+                        index=work.produced - 1, top=top)]
+        reason = ("stop" if token in params.stop and work.produced > params.min_tokens else
                   "length" if work.produced >= params.max_tokens else None)
         if reason is not None:
             self.scheduler.remove(work)

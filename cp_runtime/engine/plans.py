@@ -17,7 +17,8 @@ from cp_runtime.cache.layout import cdiv, rotated_row
 from cp_runtime.cache.pages import PageTable
 from cp_runtime.engine.requests import SamplingParams
 from cp_runtime.engine.step import Segment, StepInputs
-from cp_runtime.model.sampler import SamplingArrays
+from cp_runtime.model.sampler import (BIAS_SLOTS, MAX_TOP_LOGPROBS, PENALTY_WINDOW,
+                                      SamplingArrays)
 
 __all__ = ["Row", "bucket", "build_segment", "sampling_arrays"]
 
@@ -39,12 +40,39 @@ def bucket(n: int, multiple: int) -> int:
     return size
 
 
-def sampling_arrays(params: list[SamplingParams], seeds: list[int]) -> SamplingArrays:
-    """Per-row sampling settings, padded like the rows (padding rows are greedy)."""
-    arrays = SamplingArrays.greedy(bucket(len(params), 1))
+def sampling_arrays(params: list[SamplingParams], seeds: list[int],
+                    produced: list[int] | None = None,
+                    logs: list[list[int]] | None = None) -> SamplingArrays:
+    """Per-row sampling settings, padded like the rows (padding rows are greedy).
+
+    produced: tokens each row's generation has made so far (0s if None): until `min_tokens`
+    its `stop` ids are banned (bias -inf); logs: each row's session log (prompt and output,
+    the output last), whose last PENALTY_WINDOW ids a penalised row carries. The token lists
+    are there only when some row needs them (sampler's module docstring): `history` [B, 0]
+    without penalties, `bias_ids` [B, 0] without bias or bans, no alternatives unless a row
+    asks for top log-probabilities."""
+    produced = produced or [0] * len(params)
+    bans = [p.stop if made < p.min_tokens else () for p, made in zip(params, produced)]
+    penalized = any(p.penalized for p in params)
+    biased = any(p.logit_bias or ban for p, ban in zip(params, bans))
+    arrays = SamplingArrays.greedy(
+        bucket(len(params), 1), window=PENALTY_WINDOW if penalized else 0,
+        bias_slots=BIAS_SLOTS if biased else 0,
+        alternatives=MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0)
     for i, (p, seed) in enumerate(zip(params, seeds)):
         arrays.temperature[i], arrays.top_p[i], arrays.top_k[i] = p.temperature, p.top_p, p.top_k
-        arrays.seed[i] = seed
+        arrays.min_p[i], arrays.seed[i] = p.min_p, seed
+        if p.penalized:
+            arrays.presence[i], arrays.frequency[i] = p.presence_penalty, p.frequency_penalty
+            arrays.repetition[i] = p.repetition_penalty
+            recent = logs[i][-PENALTY_WINDOW:]
+            if len(recent):
+                arrays.history[i, -len(recent):] = recent
+            arrays.history_output[i] = min(produced[i], len(recent))
+        entries = list(p.logit_bias) + [(t, -np.inf) for t in bans[i]]
+        if entries:
+            ids, bias = zip(*entries)
+            arrays.bias_ids[i, :len(ids)], arrays.bias[i, :len(ids)] = ids, bias
     return arrays
 
 

@@ -12,11 +12,14 @@ pass what one session can ever hold (`Engine.max_model_len`, the whole pool).
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import re
 
 import numpy as np
 
 from cp_runtime.cache.pages import CapacityError
+from cp_runtime.model.sampler import BIAS_SLOTS, MAX_TOP_LOGPROBS
 
 __all__ = [
     "BadRequest",
@@ -50,6 +53,7 @@ class EngineError(Exception):
 
 class BadRequest(EngineError, ValueError):
     code = "bad_request"
+    param: str | None = None       # the request's field at fault, where one is
 
 
 class NotFound(EngineError, LookupError):
@@ -144,37 +148,133 @@ def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
 class SamplingParams:
     """How a generation draws its tokens (cp_runtime.model.sampler) and when it stops.
 
-    temperature 0 is greedy; top_k 0 means no limit; seed None draws one; generation stops at
-    `max_tokens` tokens or after any id in `stop` (which is returned)."""
+    temperature 0 is greedy; top_k 0 means no limit; min_p 0 keeps every id; seed None draws
+    one. Before sampling, `logit_bias` (token id -> bias, clamped to [-100, 100] as vLLM does)
+    is added to the logits, then the penalties (vLLM's, over the session's last
+    `sampler.PENALTY_WINDOW` tokens): `repetition_penalty` divides the positive logits and
+    multiplies the negative ones of every id seen there (1: none), `frequency_penalty` and
+    `presence_penalty` subtract per occurrence of an id in the generation's output, and once
+    for any (0: none). Generation stops at `max_tokens` tokens or after any id in `stop`
+    (which is returned); until `min_tokens` tokens are generated the `stop` ids are banned
+    (never sampled). `logprobs`: each token carries the model's log-probability, and with
+    `top_logprobs` N the N most likely ids with theirs."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[int, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()     # given as {id: bias} or (id, bias) pairs
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
+        def need(ok: bool, field: str, message: str) -> None:
             if not ok:
-                raise BadRequest(message)
+                error = BadRequest(message)
+                error.param = field
+                raise error
 
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
              f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        need(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-             and 0 <= self.temperature <= MAX_F32,
+        need(_is_number(self.temperature) and 0 <= self.temperature <= MAX_F32, "temperature",
              f"temperature={self.temperature!r} must be a finite number >= 0 (float32)")
-        need(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
-             and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
-        need(_is_int(self.top_k) and 0 <= self.top_k < MAX_TOP_K,
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             f"top_p={self.top_p!r} must be in (0, 1]")
+        need(_is_int(self.top_k) and 0 <= self.top_k < MAX_TOP_K, "top_k",
              f"top_k={self.top_k!r} must be an integer in [0, 2**31) (0 = no limit)")
-        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
+        need(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+             f"min_p={self.min_p!r} must be a number in [0, 1] (0 = no limit)")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
              f"seed={self.seed!r} must be an integer in [0, 2**32)")
         need(isinstance(self.stop, (tuple, list)) and all(_is_int(t) for t in self.stop),
-             f"stop={self.stop!r} must be a list of token ids")
-        need(isinstance(self.logprobs, bool), f"logprobs={self.logprobs!r} must be a bool")
+             "stop", f"stop={self.stop!r} must be a list of token ids")
+        need(isinstance(self.logprobs, bool), "logprobs",
+             f"logprobs={self.logprobs!r} must be a bool")
+        need(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             "top_logprobs", f"top_logprobs={self.top_logprobs!r} must be an integer in "
+                             f"[0, {MAX_TOP_LOGPROBS}]")
+        need(not self.top_logprobs or self.logprobs, "top_logprobs",
+             f"top_logprobs={self.top_logprobs} needs logprobs set to true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(_is_number(value) and -2 <= value <= 2, name,
+                 f"{name}={value!r} must be a number in [-2, 2] (0 = none)")
+        need(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_F32,
+             "repetition_penalty", f"repetition_penalty={self.repetition_penalty!r} must be a "
+                                   "finite number > 0 (1 = none)")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens", f"min_tokens={self.min_tokens!r} must be an integer in "
+                           f"[0, max_tokens={self.max_tokens!r}]")
         object.__setattr__(self, "stop", tuple(int(t) for t in self.stop))
+        try:
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        except BadRequest as e:
+            e.param = "logit_bias"
+            raise
+        banned = len(self.stop) if self.min_tokens else 0
+        need(len(self.logit_bias) + banned <= BIAS_SLOTS, "logit_bias",
+             f"logit_bias has {len(self.logit_bias)} entries"
+             + (f" and min_tokens bans the {banned} stop ids" if banned else "")
+             + f": at most {BIAS_SLOTS} in all")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is set (the step then carries the row's recent token ids)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise BadRequest for a logit_bias id outside [0, vocab_size)."""
+        bad = next((t for t, _ in self.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            error = BadRequest(f"logit_bias: token {bad} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+            error.param = "logit_bias"
+            raise error
+
+
+def _is_number(x) -> bool:
+    """A finite real (an int past float's range is not: msgpack carries up to 2**64)."""
+    if not isinstance(x, (numbers.Real, np.floating, np.integer)) or isinstance(
+            x, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: from a map of ids (ints, or strings of
+    them as JSON keys are) to finite numbers, or from such pairs; biases clamped to
+    [-100, 100]."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        items = list(value)
+    else:
+        raise BadRequest(f"logit_bias must map token ids to biases, got "
+                         f"{type(value).__name__}")
+    out = {}
+    for key, bias in items:
+        token = key
+        if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]+\s*", key):
+            token = int(key)
+        if not _is_int(token):
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id")
+        if not _is_number(bias):
+            raise BadRequest(f"logit_bias: the bias of token {token} is {bias!r}, not a finite "
+                             "number")
+        out[int(token)] = min(100.0, max(-100.0, float(bias)))
+    return tuple(sorted(out.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +313,15 @@ class Progress:
 
 @dataclasses.dataclass(frozen=True)
 class Token:
-    """The `index`-th generated token of a request (logprob: the model's log-probability)."""
+    """The `index`-th generated token of a request (logprob: the model's log-probability;
+    `top`: the request's `top_logprobs` most likely (id, log-probability) pairs, most likely
+    first)."""
 
     request: object
     token: int
     logprob: float
     index: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ a `StepInputs` plus what it returns:
 
     "fill"        nothing (prefill chunks whose logits nobody needs: no lm-head work)
     "sample"      token ids i32[B] and their log-probabilities f32[B], sampled on the device
+                  (with SamplingArrays.alternatives K: [B, 1 + K], the K likeliest after each
+                  row's token; cp_runtime.model.sampler)
     "logits"      logits f32[B, V] of the `logit_index` query of each row
     "all_logits"  logits f32[B, Q, V] of every query
 
@@ -237,14 +239,14 @@ def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
     With the pool sized to fill HBM, every step program sits near the latency-hiding
     scheduler's memory limit, and there XLA:TPU issued each all-gather, reduce-scatter and
     SparseCore gather or scatter only when its result was next needed, beside almost no
-    compute (docs/performance.md, "The scheduler's memory-pressure tracking"). All-to-alls
-    (a decode step's merge) run asynchronously."""
+    compute (docs/notes/2026-12-05-prefill-schedule.md, "The scheduler's memory-pressure tracking").
+    All-to-alls (a decode step's merge) run asynchronously."""
     if tpu_schedule == "xla" or mesh.devices.flat[0].platform != "tpu":
         return None
     return {"xla_tpu_enable_scheduler_memory_pressure_tracking": False,
             # XLA:TPU runs an all-to-all synchronously unless told, with nothing beside it:
-            # a decode step's merge (docs/performance.md, "The experts exchanged inside each
-            # chunk").
+            # a decode step's merge (docs/notes/2026-12-07-expert-groups.md, "The experts exchanged
+            # inside each chunk").
             "xla_tpu_enable_async_all_to_all": True}
 
 

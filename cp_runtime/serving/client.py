@@ -39,7 +39,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
-from tqdm import tqdm
 
 from cp_runtime.serving.protocol import (BadRequestError, NotFoundError, ServerError,
                                          UnavailableError, encode_frame, encode_tokens,
@@ -56,12 +55,14 @@ ProgressArg = bool | Callable[[int, int], None] | None
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """A finished generation: its tokens, their text (models with a tokenizer), the model's
-    log-probability of each token (when asked for), and why it stopped ("stop", "length")."""
+    log-probability of each token (when asked for), and why it stopped ("stop", "length");
+    with `top_logprobs` N, each token's N most likely (id, log-probability) pairs."""
 
     tokens: list[int]
     text: str | None
     logprobs: list[float] | None
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,11 +219,25 @@ class AsyncClient:
                 for s in listed]
 
 
-def _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs) -> dict:
-    fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                  stop=list(stop or ()), logprobs=logprobs)
-    if seed is not None:
-        fields["seed"] = seed
+# generate's sampling fields (docs/protocol.md) and the values that change nothing; a field
+# left at its neutral value is not sent.
+SAMPLING_DEFAULTS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0, "logit_bias": None, "min_tokens": 0,
+                     "top_logprobs": 0}
+
+
+def _sampling(max_tokens: int, temperature: float, stop, logprobs: bool, **given) -> dict:
+    unknown = set(given) - set(SAMPLING_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s) {sorted(unknown)}; known: "
+                        f"{sorted(SAMPLING_DEFAULTS)}")
+    fields = dict(max_tokens=max_tokens, temperature=temperature, stop=list(stop or ()),
+                  logprobs=bool(logprobs or given.get("top_logprobs")))
+    for name, value in given.items():
+        if value is not None and value != SAMPLING_DEFAULTS[name]:
+            fields[name] = ({int(t): float(b) for t, b in dict(value).items()}
+                            if name == "logit_bias" else value)
     return fields
 
 
@@ -231,7 +246,10 @@ class _Progress:
 
     def __init__(self, progress: ProgressArg, total: int | None):
         self.callback = progress if callable(progress) else None
-        self.bar = tqdm(total=total, unit="tok", unit_scale=True) if progress is True else None
+        self.bar = None
+        if progress is True:
+            from tqdm import tqdm          # here: `import cp_runtime` works without it
+            self.bar = tqdm(total=total, unit="tok", unit_scale=True)
 
     def update(self, done: int, total: int) -> None:
         if self.bar is not None:
@@ -317,32 +335,42 @@ class AsyncSession:
         except (Exception, asyncio.CancelledError):      # noqa: BLE001 - best effort
             pass
 
-    async def stream(self, *, max_tokens: int = 16, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                     stop=None, logprobs: bool = False
-                     ) -> AsyncIterator[int] | AsyncIterator[tuple[int, float]]:
+    async def stream(self, *, max_tokens: int = 16, temperature: float = 0.0, stop=None,
+                     logprobs: bool = False, **sampling
+                     ) -> AsyncIterator[int] | AsyncIterator[tuple]:
         """Generate, yielding each token id as it comes, or with `logprobs` each (token id,
-        its log-probability) pair."""
-        fields = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
+        its log-probability) pair, or with `top_logprobs` N each (token id, log-probability,
+        its N most likely (id, log-probability) pairs). `sampling`: generate's other fields
+        (`top_p`, `top_k`, `min_p`, `seed`, `presence_penalty`, `frequency_penalty`,
+        `repetition_penalty`, `logit_bias` {id: bias}, `min_tokens`, `top_logprobs`;
+        docs/protocol.md)."""
+        fields = _sampling(max_tokens, temperature, stop, logprobs, **sampling)
+        top = bool(sampling.get("top_logprobs"))
         async for event in self.client.events("generate", session=self.id, **fields):
             if event["event"] == "token":
-                yield (event["token"], event["logprob"]) if logprobs else event["token"]
+                if top:
+                    yield (event["token"], event["logprob"],
+                           [tuple(p) for p in event["top_logprobs"]])
+                else:
+                    yield ((event["token"], event["logprob"]) if fields["logprobs"]
+                           else event["token"])
 
-    async def generate(self, *, max_tokens: int = 16, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       stop=None, logprobs: bool = False) -> Generation:
-        """Generate and return the whole result."""
-        fields = _sampling(max_tokens, temperature, top_p, top_k, seed, stop, logprobs)
-        tokens, lps, done = [], [], {}
+    async def generate(self, *, max_tokens: int = 16, temperature: float = 0.0, stop=None,
+                       logprobs: bool = False, **sampling) -> Generation:
+        """Generate and return the whole result (`sampling`: as `stream`'s)."""
+        fields = _sampling(max_tokens, temperature, stop, logprobs, **sampling)
+        tokens, lps, tops, done = [], [], [], {}
         async for event in self.client.events("generate", session=self.id, **fields):
             if event["event"] == "token":
                 tokens.append(event["token"])
                 lps.append(event.get("logprob"))
+                tops.append([tuple(p) for p in event.get("top_logprobs", ())])
             elif event["event"] == "done":
                 done = event
         return Generation(tokens=tokens, text=done.get("text"),
-                          logprobs=lps if logprobs else None,
-                          finish_reason=done.get("finish_reason", ""))
+                          logprobs=lps if fields["logprobs"] else None,
+                          finish_reason=done.get("finish_reason", ""),
+                          top_logprobs=tops if sampling.get("top_logprobs") else None)
 
     async def fork(self) -> "AsyncSession":
         return AsyncSession(self.client, (await self.client.call("fork", session=self.id))

@@ -17,7 +17,12 @@ protocol (docs/http.md).
 A stateless completion runs in an ephemeral session of its own: a fork of the live session
 holding the longest cached prefix of its prompt (cp_runtime.engine.prefix_cache), extended with
 the rest, generated from, and kept afterwards as a prefix-cache entry; a client that goes away
-mid-request cancels it, and its session is closed, its pages back at once.
+mid-request cancels it, and its session is closed, its pages back at once. With `n` > 1 the
+prompt is prefilled once: choice 0 generates in that session and each other choice in a fork
+of it (sharing its pages), with seed + i when a seed is given; the forks are closed at the end.
+The model's end-of-sequence token (`eos_ids`) ends a generation unless `ignore_eos`; the text
+of a stop id (it, or one of `stop_token_ids`) is left out of the text, as vLLM leaves it out,
+and stays in `token_ids`.
 Errors have OpenAI's shape, `{"error": {"message", "type", "code", "param"}}`, with the
 session protocol's codes mapped to HTTP statuses (openai_format.ERROR_STATUS); a retryable one
 (RETRYABLE_CODES: what waiting can fix) carries `Retry-After`. A request that can never fit
@@ -45,7 +50,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate
+from cp_runtime.engine.requests import BadRequest, Done, Extend, Generate, Token
 from cp_runtime.serving import openai_format as fmt
 from cp_runtime.serving import openai_responses as resp
 from cp_runtime.serving.errors import Refused, error_code, session_limit_message
@@ -86,12 +91,36 @@ def _endpoint(name: str, *, auth: bool = True):
     return wrap
 
 
+def eos_ids(tokenizer, template) -> tuple[int, ...]:
+    """The model's end-of-sequence ids: its tokenizer's `eos_token_id` where it has one, else
+    the id of the EOS token text the chat template was read with (tokenizer_config.json's
+    `eos_token`); () when neither is known."""
+    if tokenizer is None:
+        return ()
+    known = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(known, int) and not isinstance(known, bool):
+        return (known,)
+    text = getattr(template, "eos_token", "") or ""
+    if not text:
+        return ()
+    inner = getattr(tokenizer, "tokenizer", None)
+    found = inner.token_to_id(text) if hasattr(inner, "token_to_id") else None
+    if found is None:
+        ids = tokenizer.encode(text)
+        found = ids[0] if len(ids) == 1 else None
+    return () if found is None else (int(found),)
+
+
 class OpenAIApp:
-    """`.app` is the ASGI app serving `server`'s engine over HTTP."""
+    """`.app` is the ASGI app serving `server`'s engine over HTTP. With the server's
+    `strict_fields`, a body naming a field no endpoint knows is refused (400) rather than
+    ignored."""
 
     def __init__(self, server: Server):
         self.server = server
         self.metrics = Metrics()
+        self.strict = bool(getattr(server, "strict_fields", False))
+        self.eos = eos_ids(server.tokenizer, server.chat_template)
         self._ids = itertools.count()
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
@@ -116,9 +145,11 @@ class OpenAIApp:
 
     def _served(self) -> dict:
         """What every request parser checks a body against: the served model's name, its
-        tokenizer (None without a checkpoint) and vocabulary size."""
+        tokenizer (None without a checkpoint), vocabulary size and EOS ids, and whether
+        unknown fields are refused."""
         return {"model": self.server.model_name, "tokenizer": self.server.tokenizer,
-                "vocab_size": self.server.engine.model.vocab_size}
+                "vocab_size": self.server.engine.model.vocab_size, "strict": self.strict,
+                "eos": self.eos}
 
     async def _json(self, request: Request):
         limit = self.server.limits.max_frame_bytes
@@ -138,7 +169,7 @@ class OpenAIApp:
             raise _HttpError("bad_request", f"the body is not valid JSON ({e})") from None
 
     def _error_response(self, e: Exception) -> Response:
-        param = None
+        param = getattr(e, "param", None)
         if isinstance(e, _HttpError):
             code, status, param = e.code, e.status, e.param
         elif isinstance(e, LookupError):
@@ -227,17 +258,20 @@ class OpenAIApp:
                                   template=self.server.chat_template)
         self._check_prompt(req.completion)
         run = _Completion(self, req.completion, received)
-        first = await run.start()
+        await run.start()
         head = {"model": self.server.model_name, "created": fmt.now(), "req": req}
         item_id = fmt.new_id("msg")
         if req.completion.stream:
-            return _Stream(self._response_events(run, first, head, item_id))
-        text, ids, finish = "", [], None
-        async with contextlib.aclosing(run.pieces(first)) as pieces:
-            async for piece in pieces:
-                text, ids = text + piece.text, ids + piece.ids
-                finish = piece.finish_reason or finish
-        return JSONResponse(self._response(run, head, item_id, text, ids, finish))
+            return _Stream(self._response_events(run, head, item_id), run)
+        try:
+            async with contextlib.aclosing(run.pieces()) as pieces:
+                async for _ in pieces:
+                    pass
+        finally:
+            await run.close()
+        choice = run.choices[0]
+        return JSONResponse(self._response(run, head, item_id, choice.text, choice.generated,
+                                           choice.finish_reason))
 
     def _response(self, run: "_Completion", head: dict, item_id: str, text: str,
                   ids: list[int], finish: str | None) -> dict:
@@ -249,21 +283,23 @@ class OpenAIApp:
             item_id=item_id, token_ids=ids if run.req.return_token_ids else None,
             session=run.kept if stored else None)
 
-    async def _response_events(self, run: "_Completion", first, head: dict, item_id: str):
+    async def _response_events(self, run: "_Completion", head: dict, item_id: str):
         """Server-sent events of a streamed response (`event:` lines name each type)."""
-        stream = resp.ResponseStream(item_id)
-        start = resp.response_object(rid=fmt.new_id("resp"), **head, status="in_progress")
-        for event in stream.opening(start):
-            yield _sse_event(event)
-        ids, finish = [], None
-        async with contextlib.aclosing(run.pieces(first)) as pieces:
-            async for piece in pieces:
-                ids += piece.ids
-                finish = piece.finish_reason or finish
-                if piece.text or piece.ids:
-                    yield _sse_event(stream.delta(
-                        piece.text, piece.ids if run.req.return_token_ids else None))
-        final = self._response(run, head, item_id, stream.text, ids, finish)
+        try:
+            stream = resp.ResponseStream(item_id)
+            start = resp.response_object(rid=fmt.new_id("resp"), **head, status="in_progress")
+            for event in stream.opening(start):
+                yield _sse_event(event)
+            async with contextlib.aclosing(run.pieces()) as pieces:
+                async for _, piece in pieces:
+                    if piece.text or piece.ids:
+                        yield _sse_event(stream.delta(
+                            piece.text, piece.ids if run.req.return_token_ids else None))
+        finally:
+            await run.close()
+        choice = run.choices[0]
+        final = self._response(run, head, item_id, stream.text, choice.generated,
+                               choice.finish_reason)
         for event in stream.closing(final):
             yield _sse_event(event)
 
@@ -293,41 +329,54 @@ class OpenAIApp:
         head = {"rid": fmt.new_id(shape.prefix), "model": self.server.model_name,
                 "created": fmt.now()}
         run = _Completion(self, req, received)
-        first = await run.start()                # errors before any token are plain HTTP
+        await run.start()                        # errors before any token are plain HTTP
         if req.stream:
-            return _Stream(self._events(run, first, head, shape))
-        text, ids, logprobs, finish = "", [], [], None
-        async with contextlib.aclosing(run.pieces(first)) as pieces:
-            async for piece in pieces:
-                text += piece.text
-                ids += piece.ids
-                logprobs += piece.logprobs
-                finish = piece.finish_reason or finish
+            return _Stream(self._events(run, head, shape), run)
+        try:
+            async with contextlib.aclosing(run.pieces()) as pieces:
+                async for _ in pieces:
+                    pass
+        finally:
+            await run.close()
+        choices = [shape.choice(
+            index=c.index, text=c.text, finish_reason=c.finish_reason,
+            token_ids=c.generated if req.return_token_ids else None,
+            logprobs=shape.logprobs(run.token_texts(c.generated), c.logprobs, 0,
+                                    run.top_texts(c.tops)) if req.logprobs else None)
+            for c in run.choices]
         return JSONResponse(run.tagged(shape.whole(
-            **head, text=text, finish_reason=finish, usage_=run.usage(),
-            token_ids=ids if req.return_token_ids else None,
-            prompt_ids=req.prompt_ids if req.return_token_ids else None,
-            logprobs=shape.logprobs(run.token_texts(ids), logprobs, 0) if req.logprobs
-            else None)))
+            **head, choices=choices, usage_=run.usage(),
+            prompt_ids=req.prompt_ids if req.return_token_ids else None)))
 
-    async def _events(self, run: "_Completion", first, head: dict, shape: "_Shape"):
-        """Server-sent events of a streamed completion."""
-        req, offset, opening = run.req, 0, True
-        async with contextlib.aclosing(run.pieces(first)) as pieces:
-            async for piece in pieces:
-                chunk = shape.chunk(
-                    **head, text=piece.text, finish_reason=piece.finish_reason,
-                    token_ids=piece.ids if req.return_token_ids else None,
-                    logprobs=(shape.logprobs(run.token_texts(piece.ids), piece.logprobs,
-                                             offset) if req.logprobs else None),
-                    prompt_ids=req.prompt_ids if req.return_token_ids and opening else None,
-                    **shape.first(opening))
-                if opening:
-                    chunk = run.tagged(chunk)
-                offset, opening = offset + len(piece.text), False
-                yield _sse(chunk)
+    async def _events(self, run: "_Completion", head: dict, shape: "_Shape"):
+        """Server-sent events of a streamed completion: a chunk per released piece of any
+        choice (its `index` saying whose)."""
+        req, opening = run.req, True
+        offsets, fresh = [0] * req.n, [True] * req.n
+        try:
+            async with contextlib.aclosing(run.pieces()) as pieces:
+                async for choice, piece in pieces:
+                    i = choice.index
+                    delta = shape.delta(
+                        index=i, text=piece.text, finish_reason=piece.finish_reason,
+                        token_ids=piece.ids if req.return_token_ids else None,
+                        logprobs=(shape.logprobs(run.token_texts(piece.ids), piece.logprobs,
+                                                 offsets[i], run.top_texts(piece.tops))
+                                  if req.logprobs else None),
+                        **shape.first(fresh[i]))
+                    chunk = shape.chunk(
+                        **head, choices=[delta],
+                        prompt_ids=req.prompt_ids if req.return_token_ids and opening
+                        else None)
+                    if opening:
+                        chunk = run.tagged(chunk)
+                    offsets[i] += len(piece.text)
+                    opening = fresh[i] = False
+                    yield _sse(chunk)
+        finally:
+            await run.close()
         if req.include_usage:
-            yield _sse(shape.chunk(**head, usage_=run.usage()))
+            yield _sse(shape.chunk(**head, choices=[], usage_=run.usage()))
         yield b"data: [DONE]\n\n"
 
 
@@ -336,16 +385,19 @@ class _Shape:
     """How one endpoint shapes its answers (OpenAI's completion or chat objects)."""
 
     prefix: str
-    whole: Callable[..., dict]
-    chunk: Callable[..., dict]
-    logprobs: Callable[[list[str], list[float], int], dict]
-    first: Callable[[bool], dict]            # extra fields of the first streamed chunk
+    whole: Callable[..., dict]               # the answer object, from its choices
+    chunk: Callable[..., dict]               # a streamed chunk, from its choices
+    choice: Callable[..., dict]              # one choice of the answer
+    delta: Callable[..., dict]               # one choice of a chunk
+    logprobs: Callable[..., dict]            # (texts, logprobs, offset, alternatives)
+    first: Callable[[bool], dict]            # extra fields of a choice's first chunk
 
 
-COMPLETION = _Shape("cmpl", fmt.completion_object, fmt.completion_chunk, fmt.logprobs_object,
+COMPLETION = _Shape("cmpl", fmt.completion_object, fmt.completion_object,
+                    fmt.completion_choice, fmt.completion_choice, fmt.logprobs_object,
                     lambda first: {})
-CHAT = _Shape("chatcmpl", fmt.chat_object, fmt.chat_chunk,
-              lambda texts, lps, offset: fmt.chat_logprobs(texts, lps),
+CHAT = _Shape("chatcmpl", fmt.chat_object, fmt.chat_chunk, fmt.chat_choice, fmt.chat_delta,
+              lambda texts, lps, offset, tops: fmt.chat_logprobs(texts, lps, tops),
               lambda first: {"role": first})
 
 
@@ -354,17 +406,20 @@ class _Stream(StreamingResponse):
     Starlette ends the stream of a client that left by cancelling it (ASGI 2.3's disconnect
     message) or, under ASGI 2.4, at a failed send, after which it drops the generator
     unclosed; closing it here ends the generation and returns its pages at once, not
-    whenever the generator is collected."""
+    whenever the generator is collected. `run`'s sessions are let go too when the generator
+    never started (a client gone before the first byte)."""
 
-    def __init__(self, events):
+    def __init__(self, events, run: "_Completion"):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
+        self.run = run
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self.run.close()
 
 
 def _sse(obj: dict) -> bytes:
@@ -376,19 +431,110 @@ def _sse_event(obj: dict) -> bytes:
 
 
 class _Piece:
-    """Generated text released to the client: its token ids, their logprobs, and the finish
-    reason on the last piece."""
+    """Generated text released to the client: its token ids, their logprobs and alternatives
+    (`tops`: (id, logprob) pairs a token), and the finish reason on the last piece."""
 
     def __init__(self, text: str, ids: list[int], logprobs: list[float],
-                 finish_reason: str | None = None):
+                 finish_reason: str | None = None, tops: list[tuple] | None = None):
         self.text, self.ids, self.logprobs = text, ids, logprobs
         self.finish_reason = finish_reason
+        self.tops = tops if tops is not None else [() for _ in ids]
+
+
+class _Choice:
+    """One generation of a completion: its session, its events, what it generated, the text
+    released so far (up to stop strings), and how it finished."""
+
+    def __init__(self, run: "_Completion", index: int):
+        self.run, self.index = run, index
+        self.key = run.key + (("generate",) if index == 0 else ("generate", index))
+        sampling = run.req.sampling
+        if index and sampling.seed is not None:     # choices draw apart, reproducibly
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + index) % 2 ** 32)
+        self.sampling = sampling
+        self.session: str | None = None
+        self.events = None
+        self.first = None
+        self.generated: list[int] = []
+        self.logprobs: list[float] = []
+        self.tops: list[tuple] = []
+        self.shown = 0                          # generated tokens whose text is shown
+        self.released = 0                       # characters of the text sent so far
+        self.text = ""                          # what was released
+        self.finished = False                   # ran to its end
+        self.finish_reason: str | None = None
+        self.hold = max((len(s) for s in run.req.stop_strings), default=1) - 1
+
+    async def begin(self, session: str):
+        """Submit the generation in `session`; its first event."""
+        self.session = session
+        self.events = self.run.server.request_events(Generate(
+            id=self.key, session=session, sampling=self.sampling))
+        self.first = await self.events.__anext__()
+        return self.first
+
+    async def pieces(self):
+        """The generation as _Pieces of released text, from its first event."""
+        run, metrics = self.run, self.run.front.metrics
+        event, last = self.first, None
+        while True:
+            if isinstance(event, Done):
+                tail, stopped = self._release(final=True)
+                self.finished = True
+                self.finish_reason = "stop" if stopped else event.info["finish_reason"]
+                self.text += tail
+                yield _Piece(tail, [], [], self.finish_reason)
+                return
+            assert isinstance(event, Token)
+            now = time.perf_counter()
+            if last is None:
+                metrics.ttft.observe(now - run.received)
+            else:
+                metrics.itl.observe(now - last)
+            last = now
+            self.generated.append(event.token)
+            self.logprobs.append(event.logprob)
+            self.tops.append(event.top)
+            made = len(self.generated)
+            if not (event.token in self.sampling.stop and made > self.sampling.min_tokens):
+                self.shown = made                   # a stop id's text is left out
+            metrics.generated_tokens.inc()
+            text, stopped = self._release()
+            self.finished = stopped
+            self.text += text
+            if stopped:
+                self.finish_reason = "stop"
+            yield _Piece(text, [event.token], [event.logprob], self.finish_reason,
+                         [event.top])
+            if stopped:
+                return
+            event = await self.events.__anext__()
+
+    def _release(self, final: bool = False) -> tuple[str, bool]:
+        """Text that can go to the client now, and whether a stop string ended it: unless
+        `final`, a tail that may be the start of a stop string, or of a character still being
+        decoded, waits. Stop strings are looked for once `min_tokens` tokens are out."""
+        tokenizer = self.run.tokenizer
+        text = "" if tokenizer is None else tokenizer.decode(self.generated[:self.shown])
+        if len(self.generated) >= self.sampling.min_tokens:
+            for stop in self.run.req.stop_strings:
+                at = text.find(stop, max(0, self.released - len(stop) + 1))
+                if at >= 0:
+                    out, self.released = text[self.released: at], at
+                    return out, True
+        safe = len(text) - (0 if final else self.hold)
+        while not final and safe > self.released and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.released:
+            return "", False
+        out, self.released = text[self.released: safe], safe
+        return out, False
 
 
 class _Completion:
     """One completion (or response): open its session, prefill what of the prompt it does not
-    hold, stream the generation, release text up to stop strings, and at the end keep or close
-    its session (`close`), whatever happens."""
+    hold, fork it for each choice past the first, stream the generations, and at the end keep
+    or close the sessions (`close`), whatever happens."""
 
     def __init__(self, front: OpenAIApp, req: fmt.CompletionRequest, received: float):
         self.front, self.server, self.req = front, front.server, req
@@ -396,19 +542,17 @@ class _Completion:
         self.key = ("http", next(front._ids))
         self.session: str | None = None         # an ephemeral session (prefix cache)
         self.kept: str | None = None            # a session that lives on
+        self.forks: list[str] = []              # the other choices' sessions
         self.cached = 0                         # prompt tokens it held already
-        self.finished = False                   # ran to its end (its session may stay)
         self.length: int | None = None          # the kept session's length at the end
-        self.generated: list[int] = []
-        self.released = 0                       # characters of the text sent so far
         self.tokenizer = self.server.tokenizer
-        stops = req.stop_strings
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.choices = [_Choice(self, i) for i in range(req.n)]
+        self._closed = False
 
-    async def start(self):
-        """Open the session (below), prefill what of the prompt it does not hold, and wait
-        for the first generated token (or the end); errors up to here are raised, not
-        streamed."""
+    async def start(self) -> None:
+        """Open the session (below), prefill what of the prompt it does not hold, fork it
+        for the other choices, and wait for each choice's first generated token (or its
+        end); errors up to here are raised, not streamed, and leave no session of theirs."""
         target = await self.server.on_engine(self._open)
         try:
             rest = np.asarray(self.req.prompt_ids[self.cached:], np.int32)
@@ -418,12 +562,34 @@ class _Completion:
                     pass
             self.front.metrics.prompt_tokens.inc(len(self.req.prompt_ids))
             self.front.metrics.cached_tokens.inc(self.cached)
-            self.events = self.server.request_events(Generate(
-                id=self.key + ("generate",), session=target, sampling=self.req.sampling))
-            return await self.events.__anext__()
+            if self.req.n > 1:
+                self.forks = await self.server.on_engine(
+                    functools.partial(self._fork, target, self.req.n - 1))
+            sessions = [target, *self.forks]
+            firsts = await asyncio.gather(*(c.begin(s) for c, s in zip(self.choices, sessions)),
+                                          return_exceptions=True)
+            failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failed is not None:
+                raise failed
         except BaseException:
             await self.close()
             raise
+
+    def _fork(self, session_id: str, count: int, engine) -> list[str]:
+        """On the engine's thread: `count` ephemeral forks of the prefilled prompt's session,
+        all or none."""
+        limit = self.server.limits.max_sessions
+        if engine.open_sessions + count > limit:
+            raise Refused("capacity", session_limit_message(limit))
+        made = []
+        try:
+            for _ in range(count):
+                made.append(engine.fork(session_id, durable=False).id)
+        except BaseException:
+            for fork in made:
+                engine.close_session(fork)
+            raise
+        return made
 
     def _open(self, engine) -> str:
         """On the engine's thread: the session to run in. A new one forks the live session
@@ -466,83 +632,89 @@ class _Completion:
             return session_id                       # nothing moved it on: go on in place
         return engine.fork(session_id, length).id
 
-    async def pieces(self, first):
-        """The generation as _Pieces of released text, from its first event."""
+    async def pieces(self):
+        """Every choice's _Pieces as (choice, piece), in the order they come; leaving early
+        (a client gone, an error) stops the others."""
+        if len(self.choices) == 1:                  # no task needed
+            choice = self.choices[0]
+            async for piece in choice.pieces():
+                yield choice, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for piece in choice.pieces():
+                    queue.put_nowait((choice, piece))
+            except Exception as e:                  # noqa: BLE001 - handed to the reader
+                queue.put_nowait((choice, e))
+            else:
+                queue.put_nowait((choice, end))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
         try:
-            event, last = first, None
-            while True:
-                if isinstance(event, Done):
-                    tail, stopped = self._release(final=True)
-                    self.finished = True
-                    yield _Piece(tail, [], [], "stop" if stopped else
-                                 event.info["finish_reason"])
-                    return
-                now = time.perf_counter()
-                if last is None:
-                    self.front.metrics.ttft.observe(now - self.received)
+            running = len(tasks)
+            while running:
+                choice, item = await queue.get()
+                if item is end:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
                 else:
-                    self.front.metrics.itl.observe(now - last)
-                last = now
-                self.generated.append(event.token)
-                self.front.metrics.generated_tokens.inc()
-                text, stopped = self._release()
-                self.finished = stopped
-                yield _Piece(text, [event.token], [event.logprob], "stop" if stopped else None)
-                if stopped:
-                    return
-                event = await self.events.__anext__()
+                    yield choice, item
         finally:
-            await self.close()
-
-    def _text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(self.generated)
-
-    def _release(self, final: bool = False) -> tuple[str, bool]:
-        """Text that can go to the client now, and whether a stop string ended it: unless
-        `final`, a tail that may be the start of a stop string, or of a character still being
-        decoded, waits."""
-        text = self._text()
-        for stop in self.req.stop_strings:
-            at = text.find(stop, max(0, self.released - len(stop) + 1))
-            if at >= 0:
-                out, self.released = text[self.released: at], at
-                return out, True
-        safe = len(text) - (0 if final else self.hold)
-        while not final and safe > self.released and text[safe - 1] == "\ufffd":
-            safe -= 1
-        if safe <= self.released:
-            return "", False
-        out, self.released = text[self.released: safe], safe
-        return out, False
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token's own text (its id as text for a model without a tokenizer)."""
+        """Each token's own text (its id as text for a model without a tokenizer; vLLM's
+        "token_id:N" with `return_tokens_as_token_ids`)."""
+        if self.req.tokens_as_ids:
+            return [f"token_id:{t}" for t in ids]
         if self.tokenizer is None:
             return [str(t) for t in ids]
         return [self.tokenizer.decode([t]) for t in ids]
+
+    def top_texts(self, tops: list[tuple]) -> list[list[tuple[str, float]]]:
+        """Each token's alternatives as (text, logprob) pairs."""
+        return [list(zip(self.token_texts([t for t, _ in top]), (lp for _, lp in top)))
+                for top in tops]
 
     def tagged(self, answer: dict) -> dict:
         """`answer` with the extension field `session` when the session lives on."""
         return {**answer, "session": self.kept} if self.kept is not None else answer
 
     def usage(self) -> dict:
-        return fmt.usage(len(self.req.prompt_ids), len(self.generated), self.cached)
+        return fmt.usage(len(self.req.prompt_ids), sum(len(c.generated) for c in self.choices),
+                         self.cached)
 
     async def close(self) -> None:
-        """End the generation if it still runs; keep the ephemeral session of a request that
-        ran to its end as a prefix-cache entry, or close it (a client that left: its queued
-        work ends, its pages go back); a kept session stays, idle, and its length is read.
-        The engine's part is handed over before anything is awaited, and shielded: a client
-        that left cancels every await here (Starlette's cancel scope), and cancelling a
-        wrapped future would cancel the call itself."""
-        events, self.events = getattr(self, "events", None), None
+        """End the generations still running; keep the ephemeral session of a request whose
+        first choice ran to its end as a prefix-cache entry, or close it (a client that left:
+        its queued work ends, its pages go back); close the other choices' forks; a kept
+        session stays, idle, and its length is read. The engine's part is handed over before
+        anything is awaited, and shielded: a client that left cancels every await here
+        (Starlette's cancel scope), and cancelling a wrapped future would cancel the call
+        itself."""
+        if self._closed:
+            return
+        self._closed = True
+        events = [c.events for c in self.choices if c.events is not None]
+        for c in self.choices:
+            c.events = None
         session, self.session = self.session, None
-        keep, generation, kept = self.finished, self.key + ("generate",), self.kept
+        keep, kept = self.choices[0].finished, self.kept
+        generations = [c.key for c in self.choices]
+        forks = list(self.forks)
 
         def end(engine):
-            engine.cancel(generation)                  # nothing when it is done
+            for generation in generations:
+                engine.cancel(generation)              # nothing when it is done
+            for fork in forks:
+                if fork in engine.sessions:
+                    engine.close_session(fork)
             if session is not None and session in engine.sessions:
                 if keep:
                     engine.retain(session)
@@ -551,8 +723,8 @@ class _Completion:
             if kept is not None and kept in engine.sessions:
                 return engine.sessions[kept].length
         ended = asyncio.shield(asyncio.wrap_future(self.server.engine_loop.call(end)))
-        if events is not None:
+        for generator in events:
             with contextlib.suppress(RuntimeError):     # already running: it ends with us
-                await events.aclose()
+                await generator.aclose()
         with contextlib.suppress(Exception):
             self.length = await ended

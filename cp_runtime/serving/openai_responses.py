@@ -20,9 +20,16 @@ __all__ = ["ResponseRequest", "ResponseStream", "parse_id", "parse_response", "r
            "response_object"]
 
 RESPONSE_FIELDS = {"model", "input", "instructions", "previous_response_id",
-                   "max_output_tokens", "temperature", "top_p", "top_k", "seed", "stream",
-                   "store", "metadata", "user", "text", "stop_token_ids", "return_token_ids",
-                   "session", "truncation", "parallel_tool_calls"}
+                   "max_output_tokens", "stream", "store", "metadata", "user", "text",
+                   "return_token_ids", "session", "truncation", "parallel_tool_calls",
+                   # sampling, as in completions (vLLM's extensions too)
+                   "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "min_tokens", "ignore_eos"}
+# Known, not supported here: refused unless neutral (openai_format.check_fields).
+RESPONSE_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"),
+                        "reasoning": (None,), "top_logprobs": (None, 0),
+                        "include": (None, [])}
 _ID = re.compile(r"resp_([0-9a-f]{32})_([0-9]{1,12})")
 
 
@@ -93,10 +100,11 @@ def _input_ids(body: dict, tokenizer, vocab_size: int, template, continuing: boo
     return fmt.encode_prompt(text, tokenizer, vocab_size)
 
 
-def parse_response(body, *, model: str, tokenizer, vocab_size: int, template
-                   ) -> ResponseRequest:
-    """Check a /v1/responses body; raises BadRequest (400) or LookupError (404)."""
-    fmt.check_fields(body, RESPONSE_FIELDS, model)
+def parse_response(body, *, model: str, tokenizer, vocab_size: int, template,
+                   strict: bool = False, eos: tuple[int, ...] = ()) -> ResponseRequest:
+    """Check a /v1/responses body; raises BadRequest (400) or LookupError (404). eos: the
+    model's end-of-sequence ids (a stop unless `ignore_eos`)."""
+    body = fmt.check_fields(body, RESPONSE_FIELDS, model, strict, RESPONSE_UNSUPPORTED)
     text = body.get("text")
     fmt.need(text is None or (isinstance(text, dict) and text.get("format", {"type": "text"})
                               == {"type": "text"}), "only text output is supported")
@@ -116,7 +124,8 @@ def parse_response(body, *, model: str, tokenizer, vocab_size: int, template
     sampling = {k: v for k, v in body.items() if k in fmt.SAMPLING_FIELDS - {"session"}}
     if "max_output_tokens" in body:
         sampling["max_tokens"] = body["max_output_tokens"]
-    completion = fmt.sampled(sampling, ids, tokenizer, False)
+    completion = fmt.sampled(sampling, ids, tokenizer, False, eos=eos,
+                             max_tokens_field="max_output_tokens", vocab_size=vocab_size)
     completion = dataclasses.replace(completion, session=session if session else store or None,
                                      continue_at=continue_at, prompt_field="input",
                                      max_tokens_field="max_output_tokens")

@@ -87,14 +87,16 @@ class Server:
                  host: str = "127.0.0.1", port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), state: TokenStore | None = None,
                  summary_interval_s: float = 60.0, http_port: int | None = None,
-                 chat_template=None):
+                 chat_template=None, strict_fields: bool = False):
         """summary_interval_s: seconds between the info summaries of what was served (0: none;
         an interval in which no request finished logs nothing). http_port: also serve the
         OpenAI-compatible HTTP API there, on `host` (cp_runtime.serving.http_front; 0: any
         free port; None: no HTTP). chat_template: the model's (serving.chat_template), for
-        HTTP's chat completions."""
+        HTTP's chat completions. strict_fields: HTTP refuses request fields it does not know
+        (else ignores them, as vLLM does)."""
         self.engine, self.model_name, self.tokenizer = engine, model_name, tokenizer
         self.chat_template = chat_template
+        self.strict_fields = strict_fields
         self.state = state
         self.host, self.port, self.limits = host, port, limits
         self._token = auth_token.encode() if auth_token else None
@@ -396,6 +398,8 @@ class _Connection:
         out = {"id": rid, "event": "token", "token": event.token, "index": event.index}
         if request.sampling.logprobs:
             out["logprob"] = event.logprob
+        if request.sampling.top_logprobs:
+            out["top_logprobs"] = [list(pair) for pair in event.top]
         return out
 
     def done(self, rid, **fields) -> None:
