@@ -31,10 +31,11 @@ client connection, all in one asyncio loop:
              then a streamed `generate`
     http     one HTTP/1.1 keep-alive connection (httpx): each turn one streamed
              `POST /v1/completions` of the prompt as token ids (`max_tokens`, `temperature: 0`,
-             `stream`, `return_token_ids`); the first turn asks `session: true` and later turns
-             send the session id it returned, so a turn appends its prompt to the chat's session
-             rather than resending the conversation. HTTP has no request that closes a kept
-             session, so the chat closes it over the session protocol after its last turn
+             `stream`, `return_token_ids`, `ignore_eos`); the first turn asks `session: true`
+             and later turns send the session id it returned, so a turn appends its prompt to
+             the chat's session rather than resending the conversation. HTTP has no request
+             that closes a kept session, so the chat closes it over the session protocol after
+             its last turn
     both     the session protocol's warm-up and run, then HTTP's, against one server process
 
 Uploads stay on the session protocol under every `--api`: the comparison is of the chats'
@@ -437,8 +438,11 @@ async def _chat_http(http: str, address, token, w: Workload, vocab: int, rng, t0
         for turn, prompt in enumerate(prompts):
             if turn:
                 await asyncio.sleep(w.think_ms / 1000)
+            # ignore_eos: every turn generates --chat-tokens, as over the session protocol
+            # (a model with a tokenizer stops at its EOS token on HTTP otherwise).
             body = {"prompt": prompt.tolist(), "max_tokens": w.chat_tokens, "temperature": 0,
-                    "stream": True, "return_token_ids": True, "session": session}
+                    "stream": True, "return_token_ids": True, "session": session,
+                    "ignore_eos": True}
             sent, stamps = time.perf_counter(), []
             async for chunk in _sse_chunks(client, body):
                 now = time.perf_counter()

@@ -170,7 +170,7 @@ CASES: dict[str, tuple] = {
     "tokens bytes not a multiple of 4": (_ext(b"\x01\x00\x00"), [BR]),
     "empty extend (list)": (_ext([]), [BR]),
     "empty extend (bytes)": (_ext(b""), [BR]),
-    "text without a tokenizer": (_on_session("extend", text="hello"), [BR]),
+    "text not a string": (_on_session("extend", text=5), [BR]),
     "extend beyond capacity": (_ext(np.zeros(CAPACITY, "<i4").tobytes()), [CTX]),
     "generate on an empty session": (lambda c: frame({"id": 1, "op": "generate",
                                                       "session": c["empty"]}), [BR]),

@@ -45,7 +45,7 @@ def client(server):
 def test_hello_reports_the_model_and_limits(client):
     info = client.server
     assert (info["model"], info["shards"], info["page_size"]) == ("tiny", 16, 16)
-    assert info["capacity_tokens"] == 16 * 24 * 16 and info["text"] is False
+    assert info["capacity_tokens"] == 16 * 24 * 16 and info["text"] is True
     assert info["limits"]["max_frame_bytes"] > 0
 
 
@@ -103,8 +103,8 @@ def test_errors_are_typed_and_change_nothing(client, tiny):
             session.generate(**bad)
     with pytest.raises(BadRequestError, match="outside the vocabulary"):
         session.extend([tiny.vocab_size])
-    with pytest.raises(BadRequestError, match="no tokenizer"):
-        session.extend("some text")
+    with pytest.raises(BadRequestError, match="empty"):
+        session.extend("")                       # text: tiny has the byte tokenizer
     with pytest.raises(ContextLengthError, match="over the 6,144 one session can hold"):
         session.extend(np.zeros(16 * 24 * 16, np.int32))
     with pytest.raises(NotFoundError):

@@ -4,7 +4,9 @@ It starts a server in this process (the hand-built retrieval model, cp_runtime.m
 16 CPU shards; fp8_e4m3 cache), connects a client over a real socket, uploads a synthetic
 document of `--tokens` tokens with one planted fact (key k holds value v) at `--depth`, asks for
 the value of k, and prints the answer, whether it is right, the prefill rate, the time to first
-token and where the session's pages live.
+token and where the session's pages live. The question goes as text, the name the recall
+model's byte tokenizer gives the query token (`<|query:K|>`, cp_runtime.model.byte_tokenizer),
+and the answer is printed as text too (`<|answer:V|>`); the document's filler ids are bytes.
 
 The model answers only if the DSA indexer selects the fact's page among a million-token
 context's top-k pages across all shards and the sparse attention reads the right latent row
@@ -110,7 +112,7 @@ def _check_tokens(tokens: int, runtime: RuntimeConfig, model) -> None:
 
 
 def _answer_text(layout: RecallLayout, token: int) -> str:
-    """What an answer token says: the recall model has no tokenizer, its layout names ids."""
+    """What an answer token says, as the recall layout reads its id."""
     if token in layout.answer_ids:
         return f"'value {token - layout.answer_ids.start}'"
     return "not an answer token"
@@ -130,12 +132,21 @@ def run(args) -> int:
           "shard)")
     with EmbeddedServer(build_server(source, runtime, port=0)) as embedded:
         address = embedded.start()
+        # The byte tokenizer names the recall model's tokens (None without `tokenizers`).
+        tokenizer = embedded.server.tokenizer
+        question = tokenizer.decode([int(doc.tokens[-1])]) if tokenizer is not None else None
         print(f"listening on {address}; uploading {args.tokens:,} tokens with a fact at "
-              f"position {doc.fact_position:,}")
+              f"position {doc.fact_position:,}"
+              + (f", {tokenizer.decode([int(doc.tokens[doc.fact_position])])}, and the "
+                 f"question {question!r} as text" if question is not None else ""))
         with Client(address) as client:
             session = client.create_session()
             t0 = time.perf_counter()
-            session.extend(doc.tokens, progress=not args.no_progress)
+            if question is None:
+                session.extend(doc.tokens, progress=not args.no_progress)
+            else:
+                session.extend(doc.tokens[:-1], progress=not args.no_progress)
+                session.extend(question)                 # encoded by the server's tokenizer
             prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             answer = next(iter(session.stream(max_tokens=1)))
@@ -143,7 +154,8 @@ def run(args) -> int:
             info = session.info()
     right = answer == doc.answer
     layout = RecallLayout()
-    print(f"answer: token {answer} = {_answer_text(layout, answer)} "
+    text = f", text {tokenizer.decode([answer])!r}" if tokenizer is not None else ""
+    print(f"answer: token {answer} = {_answer_text(layout, answer)}{text} "
           f"({'right' if right else 'WRONG'}; the fact says token {doc.answer} = "
           f"{_answer_text(layout, doc.answer)})")
     print(f"prefill: {args.tokens:,} tokens in {prefill_s:.1f} s = "

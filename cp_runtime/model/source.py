@@ -2,8 +2,11 @@
 own (an executor is built from a source, never from another process's arrays).
 
     WeightsSource(model="tiny", seed=0)          random weights of a config (reproducible)
+                                                 and the byte tokenizer
+                                                 (cp_runtime.model.byte_tokenizer)
     WeightsSource(model="recall")                the hand-built retrieval model
-                                                 (cp_runtime.model.recall)
+                                                 (cp_runtime.model.recall), the byte tokenizer
+                                                 with its tokens named
     WeightsSource(checkpoint="DIR")              a Hugging Face checkpoint: config, weights,
                                                  tokenizer (cp_runtime.weights.checkpoint)
 """
@@ -14,6 +17,7 @@ import dataclasses
 from typing import Any
 
 from cp_runtime.config import ModelConfig, load_model_config
+from cp_runtime.model.byte_tokenizer import toy_tokenizer
 from cp_runtime.model.recall import build_recall_model
 from cp_runtime.weights.checkpoint import (CheckpointBlocks, check_tokenizer, load_tokenizer,
                                            read_hf_config)
@@ -56,12 +60,21 @@ class WeightsSource:
             return read_hf_config(self.checkpoint)
         return load_model_config(self.model)
 
-    def load(self) -> LoadedModel:
+    def tokenizer(self, config: ModelConfig | None = None):
+        """The tokenizer alone: a checkpoint's (checked against its config), else the byte
+        tokenizer of a built-in model (None without the `tokenizers` package)."""
+        config = config or self.config()
         if self.checkpoint is not None:
-            cfg, tokenizer = read_hf_config(self.checkpoint), load_tokenizer(self.checkpoint)
-            check_tokenizer(self.checkpoint, cfg, tokenizer)
+            tokenizer = load_tokenizer(self.checkpoint)
+            check_tokenizer(self.checkpoint, config, tokenizer)
+            return tokenizer
+        return toy_tokenizer(config, recall=self.model == RECALL_MODEL)
+
+    def load(self) -> LoadedModel:
+        cfg = self.config()
+        tokenizer = self.tokenizer(cfg)
+        if self.checkpoint is not None:
             return LoadedModel(cfg, CheckpointBlocks(self.checkpoint, cfg), tokenizer)
-        cfg = load_model_config(self.model)
         if self.model == RECALL_MODEL:
-            return LoadedModel(cfg, build_recall_model(cfg, seed=self.seed).params)
-        return LoadedModel(cfg, init_params(cfg, seed=self.seed))
+            return LoadedModel(cfg, build_recall_model(cfg, seed=self.seed).params, tokenizer)
+        return LoadedModel(cfg, init_params(cfg, seed=self.seed), tokenizer)

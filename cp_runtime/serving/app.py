@@ -24,7 +24,6 @@ from cp_runtime.serving.chat_template import load_chat_template
 from cp_runtime.serving.recovery import restore_sessions
 from cp_runtime.serving.server import Server, ServerLimits
 from cp_runtime.serving.state import TokenStore
-from cp_runtime.weights.checkpoint import load_tokenizer
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "check_port_free", "is_loopback",
            "serve_forever"]
@@ -73,14 +72,16 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
                  port: int = 7777, auth_token: str | None = None,
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
                  state: TokenStore | None = None, executor_factory=None,
-                 summary_interval_s: float = 60.0, http_port: int | None = None) -> Server:
+                 summary_interval_s: float = 60.0, http_port: int | None = None,
+                 strict_fields: bool = False) -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
     server. With a token store, the sessions it holds come back (their caches rebuilt from
     their logs by prefills queued before the first connection). `executor_factory(source,
     runtime) -> Executor` replaces the local executor (its workers load the weights: this
     process reads only the config and the tokenizer). `summary_interval_s`: seconds between
     the server's info summaries (0: none). `http_port`: also serve the OpenAI-compatible HTTP
-    API there (None: not)."""
+    API there (None: not); `strict_fields`: it refuses unknown request fields (else ignores
+    them)."""
     check_bind(host, auth_token)
     t0 = time.perf_counter()
     if executor_factory is None:
@@ -89,7 +90,7 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
         executor = LocalExecutor(loaded.config, runtime, loaded.weights)
     else:
         config = source.config()
-        tokenizer = load_tokenizer(source.checkpoint) if source.checkpoint else None
+        tokenizer = source.tokenizer(config)
         executor = executor_factory(source, runtime)
     ready = getattr(executor, "runtime", runtime)          # weight mode and dtype resolved
     log.info("%s: weights (%s, %s) and a pool of %d pages of %d a shard over %d shards ready "
@@ -105,8 +106,9 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
     return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
                   port=port, auth_token=auth_token, limits=limits, state=state,
                   summary_interval_s=summary_interval_s, http_port=http_port,
-                  chat_template=load_chat_template(source.checkpoint) if http_port is not None
-                  else None)
+                  strict_fields=strict_fields,
+                  chat_template=load_chat_template(source.checkpoint, tokenizer)
+                  if http_port is not None else None)
 
 
 async def _serve_until_signalled(server: Server, started: float | None) -> None:

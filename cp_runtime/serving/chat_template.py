@@ -1,7 +1,8 @@
 """A checkpoint's chat template: `chat_template` of tokenizer_config.json (a string, or a list of
 named templates, "default" taken), or a chat_template.jinja file beside it, rendered with jinja2
 in a sandbox the way Hugging Face's tokenizers render it (trim_blocks, lstrip_blocks,
-`raise_exception`, `tojson`, the BOS and EOS token text, `add_generation_prompt`).
+`raise_exception`, `tojson`, the BOS and EOS token text, `add_generation_prompt`). A built-in
+model's tokenizer carries its template (cp_runtime.model.byte_tokenizer.CHAT_TEMPLATE).
 """
 
 from __future__ import annotations
@@ -61,10 +62,16 @@ class ChatTemplate:
             raise BadRequest(f"the chat template refused these messages: {e}") from None
 
 
-def load_chat_template(checkpoint: str | pathlib.Path | None) -> ChatTemplate | None:
-    """The checkpoint's chat template, or None when it has none (or no checkpoint)."""
+def load_chat_template(checkpoint: str | pathlib.Path | None,
+                       tokenizer=None) -> ChatTemplate | None:
+    """The checkpoint's chat template, or without a checkpoint the one `tokenizer` carries
+    (`chat_template`, `bos_token`, `eos_token`: a built-in model's byte tokenizer); None when
+    there is none."""
     if checkpoint is None:
-        return None
+        source = getattr(tokenizer, "chat_template", None)
+        if not isinstance(source, str):
+            return None
+        return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
     d = pathlib.Path(checkpoint)
     config_path = d / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
