@@ -58,7 +58,6 @@ import time
 import jax
 import jax.monitoring
 import numpy as np
-from tqdm import tqdm
 
 from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
 from cp_runtime.benchmarks.common import machine, print_table, write_json
@@ -319,6 +318,7 @@ def _grow(model, params, *, lengths: list[int], shards: int, dtype: str, dense_m
     Per length: the prefill of the segment since the previous length (tokens/s with compile
     excluded, and the running total), then decode ms/step at that context, and, up to
     `dense_max`, the same decode with dense selection."""
+    from tqdm import tqdm          # here: the work accounting above imports without it
     rt = _runtime(model, context=lengths[-1], shards=shards, dtype=dtype, pool_factor=1,
                   args=args)
     engine = Engine(model, rt, LocalExecutor(model, rt, params))
@@ -489,6 +489,7 @@ def _print(rows: list[dict], pool_rows: list[dict], roofs: dict, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
     args = parse_args(argv)
     shard_counts = args.shards
     model = load_model_config(args.model)

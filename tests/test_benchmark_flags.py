@@ -13,7 +13,7 @@ import cp_runtime.benchmarks
 from cp_runtime.cli import args as cli_args
 from cp_runtime.config import model_names
 
-KNOWN = ("capacity", "collectives", "decode", "dispatch", "host_pages", "kernel_error",
+KNOWN = ("capacity", "chip", "collectives", "decode", "dispatch", "host_pages", "kernel_error",
          "kernels", "merge", "million", "moe_layouts", "niah", "overload", "prefix_reuse",
          "profile", "recovery", "report", "roofline", "selection", "serving", "throughput",
          "tpu_model")
@@ -226,6 +226,11 @@ BAD = [
     ("moe_layouts", ["--groups", "3"], "--groups"),             # does not divide 16 shards
     ("moe_layouts", ["--groups", "1,x"], "--groups"),
     ("moe_layouts", ["--capacity-factor", "0.5"], "--capacity-factor"),
+    ("chip", ["--contexts", "32"], "--contexts"),               # below the 64-token page
+    ("chip", ["--batches", "1,0"], "--batches"),
+    ("chip", ["--layers", "5", "--model", "tiny"], "--layers"),  # tiny has 4
+    ("chip", ["--budget-s", "-1"], "--budget-s"),
+    ("chip", ["--selection", "pages"], "--selection"),
 ]
 
 
