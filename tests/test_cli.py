@@ -48,7 +48,9 @@ def test_serve_help_is_grouped_and_says_what_each_limit_does():
 
 @pytest.mark.parametrize("argv, flag", [
     (["--page-size", "24"], "--page-size 24"),
-    (["--model", "glm-5.2", "--page-size", "48"], "--page-size 48"),
+    # Page selection only: token selection takes any aligned page size, and would go on to
+    # build the whole model.
+    (["--model", "glm-5.2", "--selection", "page", "--page-size", "48"], "--page-size 48"),
     (["--shards", "16", "--merge", "head_scatter", "--weights", "replicated"], "--merge"),
     (["--shards", "16", "--expert-groups", "3"], "--expert-groups 3 must divide --shards 16"),
     (["--expert-groups", "4", "--weights", "replicated"],
@@ -155,6 +157,6 @@ def test_request_lines_and_summary(caplog):
 
 def test_runtime_errors_keep_their_file(tmp_path):
     path = tmp_path / "rt.toml"
-    path.write_text('model = "glm-5.2"\npage_size = 48\n')
+    path.write_text('model = "glm-5.2"\nselection = "page"\npage_size = 48\n')
     with pytest.raises(ConfigError, match=str(path)):
         load_runtime_config(path, model=load_model_config("glm-5.2"))

@@ -17,7 +17,7 @@ context it sees: the indexer's keys, the page table; the attention kernel's boun
 pages until a query block's selections could fill it, about 128K tokens into a GLM-5.2 prompt,
 and stays flat after, which is why the default cases hold a chunk at 120K).
 
-Measured with it: docs/performance.md, "The TPU programs by phase", each change to the step
+Measured with it: the notes docs/notes/README.md lists from 2026-12-02 on, each change to the step
 programs before and after.
 """
 
@@ -94,7 +94,7 @@ def run_case(case: PhaseCase, *, model: str, layers: int | None, chunk: int,
              tpu_schedule: str = "overlap", chunk_halves: str = "auto",
              expert_groups: int = 1, prefill_expert_groups: int = 1,
              latent_memory: str = "device", latent_device_pages: int = 0,
-             selection: str = "page", rates: DeviceRates = TPU7X_DEVICE) -> dict:
+             selection: str = "token", rates: DeviceRates = TPU7X_DEVICE) -> dict:
     """Compile one case and price its phases at the whole model's size (module docstring)."""
     full = load_model_config(model)
     layers = layers or layers_covering_kinds(full)
@@ -167,9 +167,10 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                tpu_schedule: str = "overlap", chunk_halves: str = "auto",
                expert_groups: int = 1, prefill_expert_groups: int = 1,
                latent_memory: str = "device", latent_device_pages: int = 0,
-               selection: str = "page", progress=None) -> dict:
+               selection: str = "token", progress=None, on_case=None) -> dict:
     """Every case of `cases`, compiled and priced; with the compiler's clock. The pool is the
-    one capacity sizes for the slice unless `pages_per_shard` is given."""
+    one capacity sizes for the slice unless `pages_per_shard` is given. `progress(name)` is
+    called before each case's compile, `on_case(row)` with each case's row as it finishes."""
     device = compile_only_devices(topology)[0]
     clock = compiler_clock_hz(device)
     rows = []
@@ -187,6 +188,8 @@ def run_matrix(cases: list[PhaseCase], *, model: str, layers: int | None = None,
                              latent_memory=latent_memory,
                              latent_device_pages=latent_device_pages,
                              selection=selection))
+        if on_case is not None:
+            on_case(rows[-1])
     return {"model": model, "topology": topology, "chunk_size": chunk, "page_size": page_size,
             "kv_cache_dtype": kv_cache_dtype, "attention": attention,
             "residual": residual, "row_attention": row_attention,

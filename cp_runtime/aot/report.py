@@ -1,6 +1,6 @@
 """Compile programs for compile-only TPU devices and tabulate what the compiler reports.
 
-Per program: compiled or the compiler's error (its first lines and code), compile seconds, and
+Per program: compiled or the compiler's error (its whole message and code), compile seconds, and
 per device the argument / output / alias / temp bytes (`memory_analysis`), the peak (arguments +
 outputs - aliased + temporaries) against the device's HBM, the arguments held in host memory
 (a latent cache there, `latent_memory` "host"), and the compiler's flops, bytes
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import textwrap
 import time
 
 import jax
@@ -24,9 +25,8 @@ from cp_runtime.aot.phases import layer_figures, sum_figures
 from cp_runtime.aot.roofline import TPU7X_DEVICE, compiler_clock_hz
 from cp_runtime.aot.programs import Program
 
-__all__ = ["FIELDS", "compile_figures", "compile_program", "format_phases", "format_table",
-           "format_case",
-           "per_device_bytes"]
+__all__ = ["FIELDS", "compile_figures", "compile_program", "format_error", "format_phases",
+           "format_row", "format_table", "format_case", "per_device_bytes", "table_header"]
 
 FIELDS = ("name", "compiled", "error", "error_code", "compile_s", "argument_bytes",
           "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes", "host_argument_bytes",
@@ -61,8 +61,33 @@ def _error_code(message: str) -> str | None:
     return status.group(1) if status else None
 
 
-def _first_lines(message: str, lines: int = 4) -> str:
-    return "\n".join(line for line in message.strip().splitlines()[:lines])
+def _message(error: Exception) -> str:
+    """The exception's whole message; the type named unless the message opens with its status
+    word (XLA's `RESOURCE_EXHAUSTED: ...`), which says more than `JaxRuntimeError`."""
+    text = str(error).strip()
+    if re.match(r"[A-Z_]{4,}:", text):
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+ERROR_LINES = 40      # lines of an error the table prints; --json holds the whole message
+
+
+def format_error(message: str, indent: int = 4, width: int = 100,
+                 lines: int = ERROR_LINES) -> str:
+    """An error message for a table: every line wrapped at `width`, indented, never cut inside
+    a line; a message longer than `lines` lines (a Mosaic error may carry a kernel's whole IR)
+    ends with how many lines more --json holds."""
+    pad = " " * indent
+    source = message.strip().splitlines() or [""]
+    out = []
+    for line in source[:lines]:
+        out += textwrap.wrap(line, width - indent, initial_indent=pad, subsequent_indent=pad,
+                             break_long_words=False, break_on_hyphens=False) or [""]
+    if len(source) > lines:
+        out.append(f"{pad}... {len(source) - lines} more lines (--json prints the whole "
+                   "message)")
+    return "\n".join(out)
 
 
 def compile_program(program: Program, device) -> dict:
@@ -85,8 +110,7 @@ def compile_figures(name: str, fn, args: tuple, kwargs: dict, device) -> dict:
         with jax.default_device(device):
             compiled = fn.lower(*args, **kwargs).compile()
     except Exception as error:  # noqa: BLE001 - the compiler's refusal is the result
-        message = f"{type(error).__name__}: {error}"
-        out.update(compiled=False, error=_first_lines(message), error_code=_error_code(str(error)),
+        out.update(compiled=False, error=_message(error), error_code=_error_code(str(error)),
                    compile_s=round(time.perf_counter() - t0, 2))
         return out
     out["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -126,25 +150,33 @@ def _short(x, unit: str = "") -> str:
     return f"{x:.0f}{unit}"
 
 
-def format_table(rows: list[dict], hbm_bytes: int) -> str:
-    """One line per program; failures show their error code and first line below."""
+def table_header() -> str:
+    """The program table's heading and rule (`format_row` writes its lines)."""
     head = (f"{'program':<20} {'ok':<3} {'compile':>8} {'args GiB':>9} {'out GiB':>8} "
             f"{'alias GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'of HBM':>7} {'flops':>9} "
             f"{'bytes':>9} {'est. time':>10}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if not r["compiled"]:
-            lines.append(f"{r['name']:<20} {'no':<3} {r['compile_s']:>7.1f}s  "
-                         f"{r['error_code'] or 'error'}: {r['error'].splitlines()[0][:90]}")
-            continue
-        est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e3:.3f} ms"
-        lines.append(
-            f"{r['name']:<20} {'yes':<3} {r['compile_s']:>7.1f}s {_gib(r['argument_bytes']):>9} "
+    return f"{head}\n{'-' * len(head)}"
+
+
+def format_row(r: dict, hbm_bytes: int) -> str:
+    """One program's line of the table; a failure's is its error code, then the compiler's
+    whole message below it (`format_error`)."""
+    if not r["compiled"]:
+        code = r["error_code"] or "error"
+        message = r["error"].removeprefix(f"{code}: ")      # the code is on the row
+        return (f"{r['name']:<20} {'no':<3} {r['compile_s']:>7.1f}s  {code}\n"
+                f"{format_error(message)}")
+    est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e3:.3f} ms"
+    return (f"{r['name']:<20} {'yes':<3} {r['compile_s']:>7.1f}s {_gib(r['argument_bytes']):>9} "
             f"{_gib(r['output_bytes']):>8} {_gib(r['alias_bytes']):>9} "
             f"{_gib(r['temp_bytes']):>9} {_gib(r['peak_bytes']):>9} "
             f"{r['peak_bytes'] / hbm_bytes:>6.1%} {_short(r['flops']):>9} "
             f"{_short(r['bytes_accessed'], 'B'):>9} {est:>10}")
-    return "\n".join(lines)
+
+
+def format_table(rows: list[dict], hbm_bytes: int) -> str:
+    """The heading and one line per program (`format_row`)."""
+    return "\n".join([table_header(), *(format_row(r, hbm_bytes) for r in rows)])
 
 
 def format_phases(rows: list[dict]) -> str:
@@ -185,7 +217,7 @@ def format_case(row: dict) -> str:
     title = (f"{row['case']}: {row['layers_of_model']} layers, {scaled}; attention "
              f"{row.get('attention', '-')}")
     if not row["compiled"]:
-        return f"{title}\n  did not compile: {row['error']}"
+        return f"{title}\n  did not compile:\n{format_error(row['error'])}"
     head = (f"{'phase':<17} {'est. ms':>10} {'TC ms':>10} {'ICI ms':>9} {'hidden':>9} "
             f"{'floor ms':>10} {'bound':>5} {'floor/est':>9} {'GFLOP':>10} {'HBM GB':>9} "
             f"{'ICI GB':>8}")

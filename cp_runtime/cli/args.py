@@ -19,7 +19,8 @@ auto, --kv-cache-dtype fp8_e4m3); a command whose default differs passes `why=`,
 says why.
 
 Sizes take `k` and `m` suffixes (`8k` = 8192, `1m` = 1048576) wherever they count tokens. A bad
-value is an argparse usage error (exit 2, the flag named), never a traceback.
+value is an argparse usage error (exit 2, the flag named), never a traceback; `cp-runtime`'s
+parsers (`CommandLineParser`) print it as one line, without the usage page.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cp_runtime.config import (BACKENDS, GATHER_MODES, LATENT_MEMORIES, MODEL_WE
 from cp_runtime.dtypes import KV_CACHE_DTYPES
 
 __all__ = [
+    "CommandLineParser",
     "HelpFormatter",
     "add_backend",
     "add_checkpoint",
@@ -65,11 +67,35 @@ __all__ = [
     "finite_positive_float",
     "length",
     "length_list",
+    "model_name",
     "nonnegative_length",
     "parse_length",
     "positive_int",
     "positive_int_list",
 ]
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `PROG: error: MESSAGE`, instead of the
+    usage page first (serve's is 30 lines, which buried the line that says what was wrong); an
+    error that names no flag (a missing or unknown argument) adds where the flags are listed.
+    Its subcommands' parsers are of this class too (argparse's `parser_class`)."""
+
+    def error(self, message: str):
+        hint = "" if message.startswith("argument ") else f" (see `{self.prog} --help`)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but arguments no parser took are reported by the subcommand they
+        were given to (`cp-runtime serve: error: unrecognized arguments: ...`)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):   # no public accessor
+                    parser = action.choices.get(getattr(namespace, action.dest, None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -190,10 +216,27 @@ def finite_nonnegative_float(text: str) -> float:
     return x
 
 
+def add_strict_fields(p: argparse.ArgumentParser) -> None:
+    """`--strict-fields`: the HTTP API refuses unknown request fields instead of ignoring them."""
+    p.add_argument("--strict-fields", action="store_true",
+                   help="HTTP: refuse a request body naming a field the API does not know "
+                        "(400 naming it) instead of ignoring it, as vLLM does (docs/http.md)")
+
+
+def model_name(text: str) -> str:
+    """argparse type of --model: a model config's name (configs/models/NAME.toml)."""
+    names = model_names()
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; choose from "
+                                         f"{', '.join(names)}")
+    return text
+
+
 def add_model(p: argparse.ArgumentParser, default: str, why: str | None = None) -> None:
     """`--model`: no common default (a server to try starts on a toy model, the TPU planning
     commands on the model they plan for), so each command says why it picks its own."""
-    p.add_argument("--model", default=default, choices=model_names(), metavar="NAME",
+    p.add_argument("--model", default=default, type=model_name, choices=model_names(),
+                   metavar="NAME",
                    help=f"model config name, one of: {', '.join(model_names())}"
                         + (f" (default {default}: {why})" if why else ""))
 
@@ -275,14 +318,13 @@ def add_latent_memory(p: argparse.ArgumentParser) -> None:
 
 
 def add_selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--selection", choices=SELECTIONS, default="page",
+    p.add_argument("--selection", choices=SELECTIONS, default="token",
                    help="what each query attends: token, its index_topk highest-scoring "
                         "earlier tokens, the model as trained (as transformers, vLLM and "
                         "SGLang compute it); page, its own page and the index_topk / "
                         "page-size earlier pages ranked by their best token, an "
-                        "approximation that reads whole pages (default: page, until token "
-                        "selection's CPU path is bounded in memory everywhere; token is what "
-                        "the checkpoints were trained with)")
+                        "approximation that reads whole pages and serves a different model "
+                        "(default: token)")
 
 
 def add_kv_cache_dtypes(p: argparse.ArgumentParser, default: str) -> None:

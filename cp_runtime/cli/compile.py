@@ -2,14 +2,19 @@
 machine (libtpu compiles for a compile-only topology; no TPU and no array is needed).
 
 Loads cp_runtime.aot (and through it libtpu) only when run, so the other commands never start
-libtpu.
+libtpu. The table's summary and heading print before the first compile and each program's row
+as it finishes; while one compiles, a status line on stderr names it (on a terminal, with its
+seconds so far).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
+import threading
+import time
 
 from cp_runtime.cache.capacity import TOPOLOGIES
 from cp_runtime.config import (ATTENTION_LAYOUTS, CHUNK_HALVES, RESIDUAL_MODES,
@@ -53,9 +58,12 @@ def add_compile(sub) -> None:
     add_latent_memory(p)
     add_page_size(p, 64, why="a slice deployment's page size (configs/runtime/"
                              "glm-5.2-tpu7x-16.toml, the cluster manifests)")
-    p.add_argument("--pages-per-shard", type=positive_int, default=None,
-                   help="KV pages per shard (default: the pool `cp-runtime capacity "
-                        "--topology` sizes for this model with these weights)")
+    p.add_argument("--pages-per-shard", type=pages_or_capacity, default=None, metavar="N",
+                   help="KV pages per shard; `capacity`: the pool `cp-runtime capacity "
+                        "--topology` fits beside these weights, filling HBM (a cut model's "
+                        "pool then grows into the cut layers' room) (default: the pages "
+                        "--max-batch sessions of --context tokens take, or capacity's pool "
+                        "where that is smaller; with --matrix, capacity's)")
     add_chunk_size(p)
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="decode rows of the decode program")
@@ -121,8 +129,84 @@ def add_compile(sub) -> None:
                    help="print one JSON object instead of the table")
 
 
-def _progress(name: str) -> None:
-    print(f"compiling {name} ...", file=sys.stderr, flush=True)
+def pages_or_capacity(text: str) -> int | str:
+    """argparse type of --pages-per-shard: a positive page count, or `capacity`."""
+    if text.strip().lower() == "capacity":
+        return "capacity"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number of pages nor "
+                                         "'capacity'") from None
+
+
+class Status:
+    """A status line on stderr while something compiles. On a terminal it is one line,
+    rewritten in place every second with the seconds so far and cleared before each result is
+    printed; elsewhere (a pipe, a log file) one line per item, written as the item starts.
+    `quiet` writes nothing (--json to a pipe)."""
+
+    def __init__(self, stream=None, *, quiet: bool = False):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.tty = not quiet and self.stream.isatty()
+        self.total: int | None = None
+        self.index = 0
+        self._label: str | None = None
+        self._started = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, label: str) -> None:
+        """A new item: `label` is compiling from now on."""
+        if self.quiet:
+            return
+        with self._lock:
+            self.index += 1
+            self._label, self._started = label, time.monotonic()
+            if self.tty:
+                self._draw()
+            else:
+                print(f"{self._count()}compiling {label} ...", file=self.stream, flush=True)
+        if self.tty and self._thread is None:
+            self._thread = threading.Thread(target=self._tick, name="compile-status",
+                                             daemon=True)
+            self._thread.start()
+
+    def clear(self) -> None:
+        """Erase the line (before a result goes to stdout on the same terminal)."""
+        with self._lock:
+            if self.tty and self._label is not None:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            self._label = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.clear()
+
+    def _count(self) -> str:
+        return f"[{self.index}/{self.total}] " if self.total else ""
+
+    def _draw(self) -> None:
+        seconds = time.monotonic() - self._started
+        self.stream.write(f"\r\x1b[K{self._count()}compiling {self._label} ... {seconds:.0f} s")
+        self.stream.flush()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._lock:
+                if self._label is not None:
+                    self._draw()
+
+
+def _emit(status: Status, text: str) -> None:
+    """`text` on stdout as soon as it is known, the status line out of its way."""
+    status.clear()
+    print(text, flush=True)
 
 
 def run_compile(args) -> int:
@@ -151,7 +235,7 @@ def run_compile(args) -> int:
     plan = deploy.CompilePlan(
         model=args.model, topology=args.topology, layers=args.layers,
         kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size,
-        pages_per_shard=args.pages_per_shard, chunk_size=args.chunk_size,
+        pages_per_shard=args.pages_per_shard or "sessions", chunk_size=args.chunk_size,
         max_batch=args.max_batch, weights=args.weights, weight_dtype=args.weight_dtype,
         context=args.context, programs=programs, attention=args.attention,
         residual=args.residual, row_attention=args.row_attention,
@@ -159,29 +243,73 @@ def run_compile(args) -> int:
         expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups,
         latent_memory=args.latent_memory, latent_device_pages=args.latent_device_pages,
         selection=args.selection)
+    from cp_runtime.aot import report
+
+    status = _status(args)
+    started = time.monotonic()
+
+    def on_plan(result, names):
+        status.total = len(names)
+        if not args.json:
+            _emit(status, _summary(result) + "\n" + report.table_header())
+
+    def on_row(row):
+        if not args.json:
+            _emit(status, report.format_row(row, hbm))
+
+    hbm = int(topology.topology(args.topology).hbm_gib * 2 ** 30)
     try:
-        result = deploy.compile_plan(plan, progress=None if args.json else _progress)
+        result = deploy.compile_plan(plan, progress=status.start, on_plan=on_plan,
+                                     on_row=on_row)
     except topology.TPUCompilerMissing as e:
         print(f"cp-runtime compile: error: {e}", file=sys.stderr)
         return EXIT_NO_LIBTPU
+    finally:
+        status.close()
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_result(result, phases=args.phases, topology_name=args.topology)
+        print(_closing(result["programs"], time.monotonic() - started))
+        if args.phases:
+            _print_phases(result, args.topology)
     return 0 if all(p["compiled"] for p in result["programs"]) else 1
 
 
+def _status(args) -> Status:
+    """The status line: always on a terminal; with --json, only there (not into a pipe)."""
+    return Status(sys.stderr, quiet=args.json and not sys.stderr.isatty())
+
+
+def _closing(rows: list[dict], seconds: float) -> str:
+    """The line after the table: how many compiled, in how long, and what to do about a
+    program that ran out of HBM."""
+    ok = sum(r["compiled"] for r in rows)
+    lines = [f"\n{ok} of {len(rows)} programs compiled in {seconds:.0f} s"]
+    if any(r["error_code"] == "RESOURCE_EXHAUSTED" for r in rows):
+        lines.append("RESOURCE_EXHAUSTED: the program needs more HBM than a device has; a "
+                     "smaller pool\n(--pages-per-shard), --max-batch or --chunk-size, or a "
+                     "larger slice (--topology) needs less")
+    return "\n".join(lines)
+
+
 def print_result(result: dict, *, phases: bool, topology_name: str) -> None:
-    """`compile_plan`'s result as text: the summary, each program's memory and cost, and with
-    `phases` each program's figures per step phase, priced at the compiler's clock."""
+    """`compile_plan`'s result as text, all at once: the summary, each program's memory and
+    cost, and with `phases` each program's figures per step phase, priced at the compiler's
+    clock. (`cp-runtime compile` prints the same lines as the programs finish.)"""
     from cp_runtime.aot import report
 
     print(_summary(result))
     print(report.format_table(result["programs"], result["hbm_bytes_per_device"]))
     if phases:
-        print()
-        print(report.format_phases(result["programs"]))
-        _print_priced_phases(result, topology_name)
+        _print_phases(result, topology_name)
+
+
+def _print_phases(result: dict, topology_name: str) -> None:
+    from cp_runtime.aot import report
+
+    print()
+    print(report.format_phases(result["programs"]))
+    _print_priced_phases(result, topology_name)
 
 
 def _print_priced_phases(result: dict, topology_name: str) -> None:
@@ -211,19 +339,35 @@ def _run_matrix(args) -> int:
     """`--matrix`: the case matrix of cp_runtime.aot.cases, printed per case and phase."""
     from cp_runtime.aot.cases import case_matrix, prefill_seconds, run_exchanges, run_matrix
     from cp_runtime.aot.report import format_case
+    from cp_runtime.aot.roofline import compiler_clock_hz
+    from cp_runtime.aot.topology import compile_only_devices
 
     cases = case_matrix(chunk=args.chunk_size)
-    result = run_matrix(cases, model=args.model, layers=args.layers, chunk=args.chunk_size,
-                        page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
-                        topology=args.topology, pages_per_shard=args.pages_per_shard,
-                        attention=args.attention, residual=args.residual,
-                        row_attention=args.row_attention, tpu_schedule=args.tpu_schedule,
-                        chunk_halves=args.chunk_halves, expert_groups=args.expert_groups,
-                        prefill_expert_groups=args.prefill_expert_groups,
-                        latent_memory=args.latent_memory,
-                        latent_device_pages=args.latent_device_pages,
-                        selection=args.selection,
-                        progress=None if args.json else _progress)
+    status = _status(args)
+    status.total = len(cases)
+    if not args.json:
+        clock = compiler_clock_hz(compile_only_devices(args.topology)[0])
+        print(f"{args.model} on {args.topology}, {args.kv_cache_dtype} cache, pages of "
+              f"{args.page_size}, prefill chunks of {args.chunk_size}; the compiler's clock "
+              f"{clock / 1e9:.3f} GHz; per device", flush=True)
+
+    def on_case(row):
+        if not args.json:
+            _emit(status, "\n" + format_case(row))
+
+    pages = None if args.pages_per_shard == "capacity" else args.pages_per_shard
+    try:
+        result = run_matrix(
+            cases, model=args.model, layers=args.layers, chunk=args.chunk_size,
+            page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+            topology=args.topology, pages_per_shard=pages, attention=args.attention,
+            residual=args.residual, row_attention=args.row_attention,
+            tpu_schedule=args.tpu_schedule, chunk_halves=args.chunk_halves,
+            expert_groups=args.expert_groups, prefill_expert_groups=args.prefill_expert_groups,
+            latent_memory=args.latent_memory, latent_device_pages=args.latent_device_pages,
+            selection=args.selection, progress=status.start, on_case=on_case)
+    finally:
+        status.close()
     exchange_in = {}
     if args.prefill_expert_groups > 1:
         result["expert_exchanges"] = run_exchanges(
@@ -242,12 +386,6 @@ def _run_matrix(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if all(r["compiled"] for r in result["cases"]) else 1
-    print(f"{result['model']} on {result['topology']}, {result['kv_cache_dtype']} cache, pages "
-          f"of {result['page_size']}, prefill chunks of {result['chunk_size']}; the compiler's "
-          f"clock {result['clock_hz'] / 1e9:.3f} GHz; per device")
-    for row in result["cases"]:
-        print()
-        print(format_case(row))
     for length in (128 << 10, 1 << 20):
         total = result[f"prefill_{length}_seconds"]
         if total is not None:
@@ -268,45 +406,74 @@ def _run_kernels(args) -> int:
     """`--kernels`: each kernel case compiled alone (cp_runtime.aot.kernel_cases)."""
     from cp_runtime.aot.kernel_cases import kernel_cases
     from cp_runtime.aot.report import compile_figures
-    from cp_runtime.aot.roofline import TPU7X_DEVICE, kernel_seconds
     from cp_runtime.aot.topology import compile_only_devices
     from cp_runtime.config import load_model_config
 
     device = compile_only_devices(args.topology)[0]
     model = load_model_config(args.model)
+    cases = kernel_cases(model, args.kv_cache_dtype, args.page_size, device)
+    status = _status(args)
+    status.total = len(cases)
+    if not args.json:
+        print(f"{model.name}, {args.kv_cache_dtype} cache, pages of {args.page_size}, one "
+              f"{device.device_kind} device")
+        print(f"{'case':<16} {'ok':<3} {'compile':>8} {'VMEM est.':>10} {'temp MB':>8} "
+              f"{'flops':>10} {'cost() flops':>12} {'bytes':>10} {'est. time':>10}",
+              flush=True)
     rows = []
-    for case in kernel_cases(model, args.kv_cache_dtype, args.page_size, device):
-        if not args.json:
-            _progress(case.name)
-        r = compile_figures(case.name, case.jitted(), case.args, {}, device)
-        rows.append({**r, "kernel": case.kernel, "cost_flops": case.cost["flops"],
-                     "cost_flops_are_vpu_ops": bool(case.cost.get("vpu")),
-                     "cost_bytes": case.cost["bytes"], "vmem_bytes": case.cost["vmem_bytes"],
-                     "blocks": {k: list(v) for k, v in case.cost.get("blocks", {}).items()}})
+    try:
+        for case in cases:
+            status.start(case.name)
+            r = compile_figures(case.name, case.jitted(), case.args, {}, device)
+            rows.append({**r, "kernel": case.kernel, "cost_flops": case.cost["flops"],
+                         "cost_flops_are_vpu_ops": bool(case.cost.get("vpu")),
+                         "cost_bytes": case.cost["bytes"],
+                         "vmem_bytes": case.cost["vmem_bytes"],
+                         "blocks": {k: list(v) for k, v in case.cost.get("blocks", {}).items()}})
+            if not args.json:
+                _emit(status, _kernel_row(rows[-1]))
+    finally:
+        status.close()
     if args.json:
         print(json.dumps({"model": model.name, "kv_cache_dtype": args.kv_cache_dtype,
                           "page_size": args.page_size, "device_kind": device.device_kind,
                           "kernels": rows}, indent=2))
     else:
-        print(f"{model.name}, {args.kv_cache_dtype} cache, pages of {args.page_size}, one "
-              f"{device.device_kind} device")
-        print(f"{'case':<16} {'ok':<3} {'compile':>8} {'VMEM est.':>10} {'temp MB':>8} "
-              f"{'flops':>10} {'cost() flops':>12} {'bytes':>10} {'est. time':>10}")
-        for r in rows:
-            if not r["compiled"]:
-                print(f"{r['name']:<16} no  {r['error_code']}: {r['error'].splitlines()[0]}")
-                continue
-            est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e6:.1f} us"
-            if r["cost_flops_are_vpu_ops"]:       # XLA would take them for MXU flops
-                vpu_s = kernel_seconds(r["cost_flops"], r["cost_bytes"], TPU7X_DEVICE, vpu=True)
-                est = f"{vpu_s * 1e6:.1f} us*"
-            print(f"{r['name']:<16} yes {r['compile_s']:>7.1f}s {r['vmem_bytes'] / 2**20:>7.1f} "
-                  f"MiB {r['temp_bytes'] / 1e6:>8.1f} {r['flops']:>10.3g} "
-                  f"{r['cost_flops']:>12.3g} {r['bytes_accessed']:>10.3g} {est:>10}")
         if any(r.get("cost_flops_are_vpu_ops") for r in rows):
             print("* a VPU kernel: its flops are VPU operations, timed at the VPU rate "
                   "(cp_runtime.aot.roofline), not by the compiler")
     return 0 if all(r["compiled"] for r in rows) else 1
+
+
+def _kernel_row(r: dict) -> str:
+    """A kernel case's line of `--kernels`' table (a failure: its code and whole message)."""
+    from cp_runtime.aot.report import format_error
+    from cp_runtime.aot.roofline import TPU7X_DEVICE, kernel_seconds
+
+    if not r["compiled"]:
+        return (f"{r['name']:<16} no  {r['compile_s']:>7.1f}s  {r['error_code'] or 'error'}\n"
+                + format_error(r["error"]))
+    est = "-" if r["optimal_seconds"] is None else f"{r['optimal_seconds'] * 1e6:.1f} us"
+    if r["cost_flops_are_vpu_ops"]:       # XLA would take them for MXU flops
+        vpu_s = kernel_seconds(r["cost_flops"], r["cost_bytes"], TPU7X_DEVICE, vpu=True)
+        est = f"{vpu_s * 1e6:.1f} us*"
+    return (f"{r['name']:<16} yes {r['compile_s']:>7.1f}s {r['vmem_bytes'] / 2**20:>7.1f} "
+            f"MiB {r['temp_bytes'] / 1e6:>8.1f} {r['flops']:>10.3g} "
+            f"{r['cost_flops']:>12.3g} {r['bytes_accessed']:>10.3g} {est:>10}")
+
+
+def _pool_text(r: dict) -> str:
+    """Why the pool has the pages it has (cp_runtime.aot.deploy's rules)."""
+    rule, cap = r.get("pool_rule"), r.get("capacity_pages_per_shard")
+    if rule == "sessions":
+        return (f": {r['max_batch']} sessions of {r['context']:,} tokens; "
+                f"--pages-per-shard capacity for the {cap:,} that fit")
+    if rule == "capacity":
+        fewer = r.get("session_pages_per_shard", 0) > r["pages_per_shard"]
+        return (": what capacity fits beside the weights" + (
+            f", fewer than {r['max_batch']} sessions of {r['context']:,} tokens take"
+            if fewer else ""))
+    return ""
 
 
 def _summary(r: dict) -> str:
@@ -320,7 +487,7 @@ def _summary(r: dict) -> str:
         f"(compile-only), backend {r['backend']}",
         f"per device: HBM {r['hbm_bytes_per_device'] / gib:.0f} GiB, pool "
         f"{r['pool_bytes_per_device'] / gib:.2f} GiB ({r['pages_per_shard']:,} pages of "
-        f"{r['page_size']}, {r['kv_cache_dtype']}"
+        f"{r['page_size']} a shard, {r['kv_cache_dtype']}{_pool_text(r)}"
         + ("" if not r["pool_host_bytes_per_device"]
            else f"; its latent cache in host memory: "
                 f"{r['pool_host_bytes_per_device'] / gib:.2f} GiB") + "), weights "

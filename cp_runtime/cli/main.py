@@ -27,11 +27,11 @@ import time
 from cp_runtime import __version__
 from cp_runtime.cache.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
 from cp_runtime.cli import demo
-from cp_runtime.cli.args import (HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+from cp_runtime.cli.args import (CommandLineParser, HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
                                  add_expert_groups, add_gathers, add_kv_cache_dtype,
                                  add_latent_memory, add_model,
                                  add_page_size, add_pages_per_shard, add_selection, add_shards,
-                                 add_weight_dtype, add_weights,
+                                 add_strict_fields, add_weight_dtype, add_weights,
                                  finite_nonnegative_float, finite_positive_float,
                                  nonnegative_length, positive_int)
 from cp_runtime.cli.compile import add_compile, run_compile
@@ -50,7 +50,7 @@ __all__ = ["main", "build_parser"]
 BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
               "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
               "decode", "collectives", "overload", "prefix_reuse", "moe_layouts",
-              "host_pages", "all")
+              "host_pages", "chip", "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
 
@@ -127,6 +127,7 @@ def _add_serve_server(g) -> None:
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /health, "
                         "/metrics; docs/http.md) on this port of --host, same engine, token "
                         "and limits (0: any free port; unset: no HTTP; the http extra)")
+    add_strict_fields(g)
     g.add_argument("--auth-token", default=None,
                    help=f"token clients must present (when unset: ${TOKEN_ENV}, if set)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -271,7 +272,7 @@ def _run_serve(args, typed: set[str]) -> int:
     server = build_server(source, runtime, host=args.host, port=args.port,
                           auth_token=token, limits=limits, state=state,
                           executor_factory=factory, summary_interval_s=args.log_summary_s,
-                          http_port=args.http_port)
+                          http_port=args.http_port, strict_fields=args.strict_fields)
     try:
         serve_forever(server, started=started)
     finally:
@@ -339,6 +340,10 @@ def _add_capacity(sub) -> None:
                                    "all layers); docs/capacity.md gives the arithmetic.")
     p.formatter_class = HelpFormatter
     add_model(p, "glm-5.2", why="the model a slice is planned for")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="a Hugging Face checkpoint directory: the model its config.json "
+                        "describes instead of --model (only config.json is read; "
+                        "docs/checkpoints.md)")
     add_kv_cache_dtype(p)
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="a known slice (TPU v7x: 96 GiB per device, 2 devices per chip); "
@@ -358,7 +363,11 @@ def _add_capacity(sub) -> None:
 
 
 def _run_capacity(args) -> int:
-    model = load_model_config(args.model)
+    if args.checkpoint is not None:
+        from cp_runtime.weights.checkpoint import read_hf_config
+        model = read_hf_config(args.checkpoint)
+    else:
+        model = load_model_config(args.model)
     if (args.devices is None) != (args.hbm_gib is None):
         raise ValueError("--devices and --hbm-gib go together")
     if args.topology is not None and args.devices is not None:
@@ -393,8 +402,11 @@ def _run_capacity(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    docs = importlib.resources.files("cp_runtime.docs")
-    parser = argparse.ArgumentParser(
+    try:
+        docs = importlib.resources.files("cp_runtime.docs")
+    except ModuleNotFoundError:       # a source tree put on PYTHONPATH without its docs/
+        docs = "the repository's docs/ (not beside this copy of cp_runtime)"
+    parser = CommandLineParser(
         prog="cp-runtime", formatter_class=HelpFormatter,
         description="Long-context serving runtime for DeepSeek Sparse Attention models: a paged "
                     "fp8 MLA cache sharded by position over a context-parallel mesh.",
@@ -414,8 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Benchmarks that draw no plot: they run without the `bench` extra (a bare TPU host).
+NO_PLOTS = ("chip",)
+
+
 def _run_benchmark(name: str, argv: list[str], **kwargs) -> int:
-    if "-h" not in argv and "--help" not in argv:     # help reads fine without the extra
+    if "-h" not in argv and "--help" not in argv and name not in NO_PLOTS:
         require("matplotlib", f"cp-runtime bench {name}", "bench")      # before any work
     module = importlib.import_module(f"cp_runtime.benchmarks.{name}")
     return int(module.main(argv, **kwargs) or 0)
