@@ -293,14 +293,13 @@ class RuntimeConfig:
 
     model: str = "tiny"
     kv_cache_dtype: str = "fp8_e4m3"
-    # What the DSA indexer selects for each query (cp_runtime.parallel.selection; the default
-    # stays "page" until every CPU path of token selection is bounded in memory): "token", the
+    # What the DSA indexer selects for each query (cp_runtime.parallel.selection): "token", the
     # index_topk highest-scoring tokens at or before its position, the model as trained (what
     # DeepSeek's and Zhipu's reference code, transformers, vLLM and SGLang compute); "page",
     # its own page plus the index_topk / page_size earlier pages ranked by their best token, an
     # approximation that reads fewer, whole pages but serves a different model
     # (docs/architecture.md gives its measured distance from the reference).
-    selection: str = "page"
+    selection: str = "token"
     # Where each shard's latent cache lives: "device", in its HBM; "host", in its host's pinned
     # memory, a step moving only the pages it reads or writes to HBM (cp_runtime.cache.
     # host_pages): the cache then holds what the hosts' memory holds, at the cost of those

@@ -80,7 +80,7 @@ def _round_trip(x: jax.Array, dtype) -> jax.Array:
 
 
 def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | None,
-                       selection: str = "page"):
+                       selection: str = "token"):
     """The oracle's `attend` callback; its state is the current selection mask bool[T, T].
     selection: "token" or "page" (RuntimeConfig.selection)."""
     latent_dtype = indexer_dtype = None
@@ -104,7 +104,7 @@ def make_oracle_attend(cfg: ModelConfig, page_size: int, kv_cache_dtype: str | N
 
 @functools.partial(jax.jit, static_argnames=("cfg", "page_size", "kv_cache_dtype", "selection"))
 def oracle_logits(params: Params, tokens: jax.Array, *, cfg: ModelConfig, page_size: int,
-                  kv_cache_dtype: str | None = None, selection: str = "page") -> jax.Array:
+                  kv_cache_dtype: str | None = None, selection: str = "token") -> jax.Array:
     """Logits f32[T, V] of one sequence tokens i32[T] (positions 0..T-1); weights in HF or
     model layout, whole."""
     params = model_layout(params, cfg)
