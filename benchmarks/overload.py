@@ -48,20 +48,9 @@ Defaults: the tiny model on 16 shards (serve's), page 16, chunk 256 (the auto bo
 `--quick`: the small model on one shard, page 64, chunk 128 (floor 2048), 24 x 1K tokens (about
 6,000 tokens/s: 4 s of prefill) on 2 s deadlines.
 
-Measured with `--bounds 0,default,16k` (2.6 min in all; nothing else running; the servers
-prefilled 1,780-2,020 tokens/s):
-
-                     bound  clients  completed  refused  timed out  completion s p50  at start
-                      none       32          1        0         31              25.7
-                      none       64          0        0         64
-    auto (10 s of prefill)       32         10       22          0              10.2     21600
-    auto (10 s of prefill)       64          9       55          0               9.5     18782
-                     16384       32          8       24          0               7.5     16384
-                     16384       64          8       56          0               7.9     16384
-
-docs/performance.md has these, with the refusals' latency, an earlier sweep of fixed bounds and
-1K chunks: a bound above what the server prefills within the deadline times out the uploads it
-took, as no bound does.
+docs/notes/2026-12-02-overload.md has the measured figures, the refusals' latency and an
+earlier sweep of fixed bounds and 1K chunks: a bound above what the server prefills within the
+deadline times out the uploads it took, as no bound does.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 1M context, batch 1 and 32, with three ways to split a prefill chunk over the devices. Pure
 arithmetic over shapes (no JAX device work, nothing measured).
 
-    cp-runtime bench tpu_model                    # prints the tables (docs/performance.md)
+    cp-runtime bench tpu_model                    # prints the tables (docs/hand-model.md)
     cp-runtime bench tpu_model --out out/         # and writes out/tpu_model.json
     cp-runtime bench tpu_model --json             # one JSON object on stdout, no tables
     cp-runtime bench tpu_model --prefill-design sequence --wire-dtype bf16
@@ -297,7 +297,7 @@ def build_parser() -> BenchmarkParser:
     # --no-progress: the --compiler progress lines on stderr
     p.add_shared(model="glm-5.2", kv_cache_dtype="fp8_e4m3", page_size=16, chunk_size=8192,
                  out=None, progress=True,
-                 why={"chunk_size": "docs/performance.md's tables model 8K-token prefill steps",
+                 why={"chunk_size": "docs/hand-model.md's tables model 8K-token prefill steps",
                       "out": "unset, the tables are printed and no JSON is written"})
     return p
 

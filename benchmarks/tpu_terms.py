@@ -57,9 +57,9 @@ __all__ = ["Hardware", "Term", "Setup", "DESIGNS", "WIRE_BYTES", "INDEXER_SCORES
 
 GB, TFLOP = 1e9, 1e12
 # A chip's host link, pages of a host-held latent cache staged eight at a time: measured 12.0
-# GB/s on a TPU v5e (`cp-runtime bench host_pages`; docs/performance.md, "The latent cache in
-# host memory"); no TPU7x figure is known here, so a TPU7x chip is taken to have the same,
-# shared by its two devices.
+# GB/s on a TPU v5e (`cp-runtime bench host_pages`; docs/notes/2026-12-07-host-latent-cache.md, "The
+# latent cache in host memory"); no TPU7x figure is known here, so a TPU7x chip is taken to have the
+# same, shared by its two devices.
 HOST_LINK_BYTES_PER_S = 12.0e9
 DESIGNS = ("gather_q", "gather_kv", "sequence")
 WIRE_BYTES = {"f32": 4, "bf16": 2}

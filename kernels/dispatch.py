@@ -120,12 +120,12 @@ def _pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=Non
 
 
 # The TPU kernels take their queries in bf16: an f32 dot is issued by Mosaic as f32-format MXU
-# matmuls, twice the instructions of bf16 ones (docs/performance.md). The indexer's bf16 queries
-# against its bf16 keys have products exact in f32; the attention kernels' bf16 queries meet
-# pages upcast exactly from fp8, and their probabilities are rounded to bf16 for PV
-# (kernels/sparse_prefill.py). The rounding is this path's alone: the XLA and reference paths
-# keep f32 queries. What it costs, measured against f32 (tests/test_kernels.py,
-# tests/test_kernel_path.py), is recorded beside those tests' bounds.
+# matmuls, twice the instructions of bf16 ones (docs/notes/2026-12-04-attention-kernels.md).
+# The indexer's bf16 queries against its bf16 keys have products exact in f32; the attention
+# kernels' bf16 queries meet pages upcast exactly from fp8, and their probabilities are
+# rounded to bf16 for PV (kernels/sparse_prefill.py). The rounding is this path's alone: the
+# XLA and reference paths keep f32 queries. What it costs, measured against f32
+# (tests/test_kernels.py, tests/test_kernel_path.py), is recorded beside those tests' bounds.
 QUERY_DTYPE = jnp.bfloat16
 
 

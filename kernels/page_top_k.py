@@ -3,9 +3,9 @@ then the lowest page among its equals", the order `selection.rank_pages` sorts b
 
 Why. XLA:TPU lowers `lax.top_k` and the two-key `lax.sort` of the page selection to a full sort
 of every query's candidates, and prices a sort at nothing (it carries no estimated cycles). On a
-TPU v5e, for the shard's 1,025 pages of a 1M context and 16,384 queries (k = 32), `lax.top_k`
-over [1, Q, M] ran 97 ms against 0.82 ms for this kernel; the 512 gathered candidates' sort 2.6
-against 0.55 ms (docs/performance.md, "The page selection's sorts, measured on a TPU").
+TPU v5e both, `lax.top_k` over a shard's pages and the sort of the gathered candidates, ran
+slower than this kernel, the first about a hundred times
+(docs/notes/2026-12-06-selection-on-tpu.md, "The page selection's sorts, measured on a TPU").
 
 Layout. Candidates lie on the first axis and queries on the second ([M, N]): a vreg holds 8
 candidates of 128 queries, so a round's max and min over the candidates are elementwise maxima

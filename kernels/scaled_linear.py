@@ -4,9 +4,10 @@
 Why. XLA:TPU fuses the fp8 -> bf16 dequantisation into the matmul only when the scales,
 broadcast to the weight's full shape in f32, fit in VMEM; otherwise it writes that broadcast to
 HBM and reads it back, 4 bytes a weight value against the 1 the weight itself takes. In a
-GLM-5.2 decode step on TPU7x that is o_proj in every MoE layer (25 MB written and read again a
-layer, 6 GB a step; docs/performance.md). Here the scales stay [N / ga, K / gb] and each weight
-block is dequantised once, in VMEM, as it is used.
+GLM-5.2 decode step on TPU7x that is o_proj in every MoE layer
+(docs/notes/2026-12-03-decode-step.md,
+"Decode's fp8 linears from VMEM, and a router on every device"). Here the scales stay
+[N / ga, K / gb] and each weight block is dequantised once, in VMEM, as it is used.
 
 Numerics are `weight()`'s in cp_runtime.model.forward: each value times its block's scale,
 rounded to bf16, then a bf16 matmul accumulated in f32. The output stays f32.

@@ -32,12 +32,12 @@ absorb_queries
   flops = 2 R H nope Dv;  bytes = R H Dq 4 + H (nope + v) Dv w + scales + H R Dv 2
 absorb_queries with `rope` (each row's rotary factors, f32[R, 2 LANES], `rope_factors`): the
   attention's query rows themselves, bf16[R, H, Dv + LANES], [q_nope . W_uk | q_pe, zeros]
-  each, in the layout the sparse prefill kernel reads (heads in sublanes). So no pass lays
-  the heads out again and joins the rope part (0.10 ms of XLA:TPU's a GLM-5.2 layer's half of
-  a 16K chunk), none slices, rotates and pads it (86 us a half-layer at 1,024 rows a device),
-  and none lays the rows out for the attention: written head by head, [R, H (Dv + LANES)],
+  each, in the layout the sparse prefill kernel reads (heads in sublanes). So no pass of
+  XLA:TPU's lays the heads out again and joins the rope part, none slices, rotates and pads
+  it (at 1,024 rows a device that also wrote copies), and none lays the rows out for the
+  attention: written head by head, [R, H (Dv + LANES)],
   XLA:TPU relaid them on the SparseCores, in the queue of the MLP's collectives, which then
-  waited on it (docs/performance.md, "Query rows in the attention's layout").
+  waited on it (docs/notes/2026-12-06-32k-chunks.md, "Query rows in the attention's layout").
   Grid:   (H / G, R' / tr): groups of G = HEAD_GROUP heads (one bf16 sublane tile of the
           heads axis), outer, so a group's W_uk is dequantised once; tiles of tr rows
           (`_row_tile`; R padded to R', whole tiles).
@@ -311,9 +311,8 @@ def _heads_into_sublanes(heads_ref, out_ref) -> None:
     permutation that orders them (row, head). Each output is one input times 1 plus zeros,
     exact in the f32 sum (a non-finite input would spread over its tile; q rows are finite).
     Stored into its sublanes directly, each head's row would take a masked store a lane
-    tile (327,680 a GLM-5.2 half-layer at 1,024 rows); left to XLA:TPU, the relayout is a
-    SparseCore pass between the kernels (docs/performance.md, "Query rows in the
-    attention's layout")."""
+    tile; left to XLA:TPU, the relayout is a SparseCore pass between the kernels
+    (docs/notes/2026-12-06-32k-chunks.md, "Query rows in the attention's layout")."""
     group, tile_rows, width = heads_ref.shape
     n = group * BF16_SUBLANES
     out_row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)            # (row r, head j)

@@ -8,7 +8,8 @@ Every kernel passes its `interpret` flag through `costs.call_options`, whose
 the `device` fixture) are skipped, as the chip is not a TPU7x. The references run on the TPU
 too, at JAX's default matmul precision (bf16 passes for f32 products), so a bound set from
 CPU-side f32 references can fail on the reference's side: read a failure's numbers before the
-kernel's. docs/performance.md ("Kernels compiled on a TPU v5e") has what one run gave.
+kernel's. docs/notes/2026-12-06-selection-on-tpu.md ("Kernels compiled on a TPU v5e") has what one
+run gave.
 """
 
 from __future__ import annotations

@@ -355,8 +355,8 @@ def test_experts_regrouped_for_a_prompt_compile_and_run_fewer_rows():
     device gathers, runs and sums back about an eighth of the (token, expert) rows: measured,
     the dense phase's time with the unpriced work (the rows' gathers and scatters) 38.5 ->
     30.5 ms, its serial time 34.4 -> 29.9 ms. (At 32K chunks, where XLA:TPU moves the rows on
-    the SparseCores, 360 -> 156 ms a chunk: docs/performance.md, "The experts in groups, as
-    the runtime runs them".) A 2K chunk: the 8K one compiled twice took 4 minutes of CI.
+    the SparseCores, 360 -> 156 ms a chunk: docs/notes/2026-12-07-expert-groups.md, "The experts in
+    groups, as the runtime runs them".) A 2K chunk: the 8K one compiled twice took 4 minutes of CI.
     Slow (two compiles, about 2.5 minutes of CI on a 2-core machine): the default run keeps
     the exchanges' compile, and the TPU compile set runs this one."""
     dense = _chunk_dense_figures(2048, one={}, regrouped={"prefill_expert_groups": 8})

@@ -13,7 +13,7 @@ from cp_runtime.benchmarks import tpu_model
 from cp_runtime.benchmarks.throughput import matmul_weights, projection_work
 from cp_runtime.config import load_model_config
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "hand-model.md"
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +404,7 @@ def test_bad_setup_is_a_value_error():
 def test_doc_table_is_what_the_module_prints(capsys, tmp_path):
     assert tpu_model.main(["--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split("\nwrote ")[0].rstrip("\n")
-    assert printed in DOC.read_text(), "docs/performance.md is out of date: paste the output"
+    assert printed in DOC.read_text(), "docs/hand-model.md is out of date: paste the output"
     data = json.loads((tmp_path / "tpu_model.json").read_text())
     assert [r["case"] for r in data["results"]][:2] == ["prefill 8K", "prefill 1M"]
 

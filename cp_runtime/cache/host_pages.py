@@ -37,10 +37,9 @@ from cp_runtime.kernels.page_words import from_words, to_words
 __all__ = ["GROUP", "TieredPages", "is_tiered", "owned_first", "read_pages", "write_pages",
            "host_sharding", "read_rows", "write_rows"]
 
-# Pages a loop step copies. One at a time, a copy waits for the last: a TPU v5e staged 40 KiB
-# pages from its host at 6.5 GB/s so, and at 12.0 GB/s eight at a time (12.7 at 16), about
-# the 11.4 GB/s of one contiguous 43 MB slice (`cp-runtime bench host_pages`;
-# docs/performance.md, "The latent cache in host memory").
+# Pages a loop step copies. One at a time, a copy waits for the last; eight in flight reached
+# about the rate of one contiguous slice on a TPU v5e (`cp-runtime bench host_pages`;
+# docs/notes/2026-12-07-host-latent-cache.md, "The latent cache in host memory").
 GROUP = 8
 
 

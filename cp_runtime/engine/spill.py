@@ -2,11 +2,12 @@
 (`RuntimeConfig.latent_device_pages`, a pool whose latent cache is mostly in host memory).
 
 A prompt prefilled in HBM pages runs the device pool's programs over them; in host pages,
-every chunk copies all its earlier pages in from the host again, about 9 s more for a million
-tokens (docs/performance.md, "Two tiers: the prompt in HBM"). A session's later
-decode steps read K + 1 pages a row, where the host costs little. So when an admitted prompt's
-pages do not all fit in HBM, sessions that are not being prefilled move their pages out,
-copied once: idle ones first, then those generating; the oldest first within each.
+every chunk copies all its earlier pages in from the host again, a cost that grows with the
+square of the prompt (docs/notes/2026-12-07-host-latent-cache.md,
+"Two tiers: the prompt in HBM"). A session's later decode steps read K + 1 pages a row, where
+the host costs little. So when an admitted prompt's pages do not all fit in HBM, sessions that
+are not being prefilled move their pages out, copied once: idle ones first, then those
+generating; the oldest first within each.
 """
 
 from __future__ import annotations

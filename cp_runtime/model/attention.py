@@ -68,12 +68,13 @@ __all__ = ["ShardState", "ShardAttention", "attention_layout", "row_attention_mo
 HBM_BYTES_PER_ICI_BYTE = 12
 
 # What XLA's passes around each way cost, in HBM bytes, as the compiler priced GLM-5.2's and
-# DeepSeek-V3.2's chunks for TPU7x (docs/performance.md): the q heads and outputs traded by
-# all-to-all are cast, laid out for the SparseCores and transposed on each side, about 10
-# bytes a byte traded for GLM-5.2 and 4 for DeepSeek-V3.2, 5 taken; a gathered fp8
-# weight that XLA dequantises whole (`forward.dequantised_whole`: DeepSeek-V3.2's kv_b; its
-# f32 scales broadcast to its shape, written and read, then the matmul's reads) costs about
-# 15 bytes an element besides its own byte. Those kernels read as fp8 blocks cost their byte.
+# DeepSeek-V3.2's chunks for TPU7x (docs/notes/2026-12-02-prefill-layout.md,
+# "Every head of a device's rows"): the q heads and outputs traded by all-to-all are cast,
+# laid out for the SparseCores and transposed on each side, about 10 bytes a byte traded for
+# GLM-5.2 and 4 for DeepSeek-V3.2, 5 taken; a gathered fp8 weight that XLA dequantises whole
+# (`forward.dequantised_whole`: DeepSeek-V3.2's kv_b; its f32 scales broadcast to its shape,
+# written and read, then the matmul's reads) costs about 15 bytes an element besides its own
+# byte. Those kernels read as fp8 blocks cost their byte.
 RELAYOUT_BYTES_PER_TRADED_BYTE = 5
 DEQUANT_BYTES_PER_FP8_WEIGHT = 15
 
@@ -437,10 +438,10 @@ class ShardAttention:
         inputs alone determine, and the step's rows are written into the gathered copy after
         (`_write_every`): nothing of the layer's own work comes before the all-gather, so XLA
         may issue it early. Left to XLA:TPU, a 1M-token prompt's last chunk starts it after
-        the indexer's kernel, with almost nothing beside it (docs/performance.md, "What the
-        schedule leaves exposed"); a chunk run as two halves gathers it ahead, beside an
-        earlier layer's indexer kernels or attention (cp_runtime.model.halves,
-        `ShardState.ahead`).
+        the indexer's kernel, with almost nothing beside it
+        (docs/notes/2026-12-05-prefill-schedule.md, "What the schedule leaves exposed"); a chunk run
+        as two halves gathers it ahead, beside an earlier layer's indexer kernels or attention
+        (cp_runtime.model.halves, `ShardState.ahead`).
         """
         sentinel = before.shape[0] - 1
         table = jnp.append(self.local_table.reshape(-1), sentinel)          # [B * M/S + 1]

@@ -8,8 +8,8 @@ before: a token's sum takes each of its experts' features from that expert's gro
 
 Why: in one group every device runs all T k pairs of a chunk through 1/S of each expert's
 features; in g groups, about T k / g pairs through g/S of each. The flops are the same, the
-rows each device gathers and reads g times fewer (a GLM-5.2 prefill half-chunk: 131,072 rows
-a device in one group, 40,960 in four; docs/performance.md measures it). A decode step pays
+rows each device gathers and reads g times fewer (docs/notes/2026-12-07-expert-groups.md
+measures it). A decode step pays
 instead: its few pairs may all fall in one group, whose devices then read g times the
 features of each.
 

@@ -114,7 +114,7 @@ class IndexerInputs:
         if self.rows is not None:
             # Gathered along the rows, their leading axis: each device's block arrives
             # whole, in the layout the kernel reads (gathered along the heads, XLA:TPU
-            # copied the fp8 heads into it, 76 us a GLM-5.2 half-chunk).
+            # copied the fp8 heads into it in a pass of its own).
             scale = None if self.q_scale is None else ws.gather_rows(self.q_scale, self.rows)
             return dataclasses.replace(self, q=ws.gather_rows(self.q, self.rows),
                                        q_scale=scale, rows=None)
@@ -264,18 +264,20 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 # Steps of at most this many tokens run block-scaled linears through the Pallas kernel on a
-# TPU (`linear`). Longer ones keep XLA's fusion: for GLM-5.2's 8K-token prefill chunk the
-# compiler put the kernel's chunk at 1.070 s against 1.031 s (docs/performance.md: most
-# likely the kernel's f32 outputs and its inputs' casts are passes of their own there, which
-# XLA fuses into its matmul).
+# TPU (`linear`). Longer ones keep XLA's fusion, which folds the norm before a matmul and the
+# cast after it into the matmul; through the kernel those became passes of their own (its
+# inputs' casts, its f32 outputs) and a prefill chunk compiled slower
+# (docs/notes/2026-12-03-decode-step.md,
+# "Decode's fp8 linears from VMEM, and a router on every device").
 LINEAR_KERNEL_MAX_ROWS = 256
 # A weight of at least this many elements takes the kernel at any number of rows: the
 # head-split weights a device gathers whole to attend every head of its own rows (GLM-5.2's
 # q_b, 25M, and o_proj, 100M), whose scales XLA broadcast to f32 and wrote to HBM at every
 # row count compiled, and q_a (12.6M) and the indexer's wq_b (8.4M), whose scales XLA
-# broadcast the same way. Its chunk of 16K rows: 580 -> 560 ms at 16M; every linear through
-# the kernel instead, 578 ms; 8M, attention_inputs 29.0 -> 24.9 ms of TensorCore time at 0
-# (docs/performance.md).
+# broadcast the same way. Smaller weights keep XLA's fusion of the norm before and the cast
+# after, which routing every linear through the kernel lost
+# (docs/notes/2026-12-02-prefill-layout.md, "The gathered weights read as fp8 blocks"; the 8M
+# threshold: docs/notes/2026-12-06-indexer.md, "Three passes XLA added beside the kernels").
 LINEAR_KERNEL_MIN_ELEMENTS = 8 << 20
 
 
@@ -403,15 +405,14 @@ def _query_rows(p: Params, cfg: ModelConfig, q: jax.Array, pos: jax.Array) -> ja
 
     On a TPU, where every head of a device's rows goes through kernels/whole_heads.py, its
     absorb kernel writes the rows whole, each head's rope part rotated in VMEM from its own
-    q block and written beside its product (XLA:TPU laid the kernel's [H', R, kv_lora] out
-    again and joined the rope part in two passes of its own, 0.10 ms a GLM-5.2 half-layer of
-    a 16K chunk, and sliced, rotated and padded the rope part in three more, which at 1,024
-    rows a device also wrote two copies: 86 us a half-layer of a 32K chunk); the rope part is
-    then rounded to bf16 there, as the attention kernels' bf16 queries take it anyway. It
-    writes them as the sparse kernel reads them, heads in sublanes, so [..., H', D_lat] is a
-    view of its output (docs/performance.md, "Query rows in the attention's layout"). It
-    takes every head of a device's rows (whole groups of 16); a device's own heads of every
-    row, where q_b is split, take `joined`."""
+    q block and written beside its product (XLA:TPU laid the heads out again and joined the
+    rope part in passes of its own, and sliced, rotated and padded the rope part in more,
+    which at 1,024 rows a device also wrote two copies); the rope part is then rounded to
+    bf16 there, as the attention kernels' bf16 queries take it anyway. It writes them as the
+    sparse kernel reads them, heads in sublanes, so [..., H', D_lat] is a view of its output
+    (docs/notes/2026-12-06-32k-chunks.md, "Query rows in the attention's layout"). It takes
+    every head of a device's rows (whole groups of 16); a device's own heads of every row,
+    where q_b is split, take `joined`."""
     nope, name = cfg.qk_nope_head_dim, "self_attn.kv_b_proj.weight"
     w, s = p[name], p.get(name + SCALE_SUFFIX)
     rows, heads, dq = int(np.prod(q.shape[:-2])), *q.shape[-2:]
@@ -608,8 +609,8 @@ def _swiglu(p: Params, prefix: str, x: jax.Array | Fp8Rows) -> jax.Array:
 def _rows_linear(p: Params, name: str, x: jax.Array | Fp8Rows) -> jax.Array:
     """`linear` of rows x f[..., in], or of fp8 rows through their values, each row's scale
     then multiplying its outputs (a row's scale factors out of its sums): XLA:TPU wrote a
-    dequantised bf16 copy of a 16K chunk's rows in a pass of its own, 0.125 ms a half-layer,
-    where the values' widening fuses into the matmul."""
+    dequantised bf16 copy of a chunk's rows in a pass of its own, where the values' widening
+    fuses into the matmul."""
     if isinstance(x, Fp8Rows):
         return linear(p, name, x.values.astype(jnp.bfloat16)) * x.scales
     return linear(p, name, x)
@@ -691,17 +692,15 @@ def _routed_experts(p: Params, x: jax.Array, chosen: jax.Array, weights: jax.Arr
     (bf16 dequantised, when block-scaled). The kernel's rows are gathered in bf16, its input
     dtype: the [T*k, hidden] arrays are the layer's largest (k rows a token). The down
     projection's outputs leave the kernel in bf16 and the scatter-add sums them in bf16, as
-    vLLM's fused MoE keeps its per-expert outputs and their sum: f32 outputs were 3.2 GB
-    written and read again a GLM-5.2 layer of a 16K chunk, and bf16 outputs summed in f32
-    cost XLA:TPU a conversion pass of its own (233 against 196 ms of `dense` at 8K); bf16
-    both ways, `dense` 270.6 -> 234.3 ms at 16K (docs/performance.md). The sum stays bf16
-    until `mlp` adds the shared experts' f32 output. (Gathered back to token order and
-    summed in f32 instead, the gather fused into the sum ran 2.8 ms a layer, 1.46 against
-    1.26 s for an 8K chunk.) The routing weights scale the
-    down projection's inputs ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read
-    those again in f32 for the product, 3.2 GB and 1 ms a MoE layer of that chunk): the gated
-    call multiplies each row's product by its weight and writes it in bf16, the down
-    projection's input dtype (a pass of XLA's own before, 0.03 ms a half-layer), and a
+    vLLM's fused MoE keeps its per-expert outputs and their sum: f32 outputs were a
+    [T*k, hidden] array written and read again every MoE layer, and bf16 outputs summed in
+    f32 cost XLA:TPU a conversion pass of its own (docs/notes/2026-12-03-experts.md,
+    "The experts' down products in bf16"). The sum stays bf16 until `mlp` adds the shared
+    experts' f32 output. (Gathered back to token order and summed in f32 instead, XLA fused
+    the gather into the sum, slower.) The routing weights scale the down projection's inputs
+    ([T*k, inner]) rather than its outputs (XLA:TPU wrote and read those again in f32 for the
+    product): the gated call multiplies each row's product by its weight and writes it in
+    bf16, the down projection's input dtype (a pass of XLA's own before), and a
     scatter-add sums each token's k rows (a gather back to token order instead ran 2x
     slower in XLA:TPU's estimate). `by_expert`: each token's choices come in ascending
     expert order, so one token's are sorted already (XLA ran the sort as four ops). `fp8`:
@@ -884,9 +883,10 @@ def plus_shared_experts(p: Params, cfg: ModelConfig, routed: jax.Array, rows: Ml
         if int(np.prod(routed.shape[:-1])) > LINEAR_KERNEL_MAX_ROWS:
             # The routed sum whole before the shared experts' is added: in XLA's form, XLA:TPU
             # else began the routed rows' scatter-add from the shared experts' output and cast
-            # the sum to the wire's bf16 in a pass of its own (0.31 ms a GLM-5.2 layer at 16K
-            # rows); so the add and the cast fused into the shared down projection (16K
-            # chunk: 525 -> 512 ms). The kernel takes the sum whole anyway.
+            # the sum to the wire's bf16 in a pass of its own; so the add and the cast fuse
+            # into the shared down projection (docs/notes/2026-12-03-experts.md,
+            # "The routed experts' sum whole before the shared experts' is added"). The
+            # kernel takes the sum whole anyway.
             routed = jax.lax.optimization_barrier(routed)
         routed = _plus_shared_experts(p, routed, _swiglu_rows(rows))
     return routed.astype(rows.x.dtype)
@@ -912,9 +912,9 @@ def _shared_kernel_takes(p: Params, routed: jax.Array, rows: jax.Array | Fp8Rows
 def _plus_shared_experts(p: Params, routed: jax.Array, rows: jax.Array | Fp8Rows) -> jax.Array:
     """routed f[..., hidden] plus the shared experts' SwiGLU of rows -> f32. On a TPU, a
     prefill's fp8 rows take the kernel, which adds them to the bf16 routed sum and writes the
-    sum once, in bf16 (XLA:TPU fused the down projection, the add and the wire's cast into a
-    pass it priced at 0.41 ms a half-layer of a GLM-5.2 32K chunk, against the kernel's 0.14
-    at its roofline; docs/performance.md); elsewhere XLA, in f32."""
+    sum once, in bf16 (XLA:TPU fused the down projection, the add and the wire's cast into one
+    pass priced at about three times the kernel's roofline; docs/notes/2026-12-03-experts.md,
+    "The shared experts in one kernel"); elsewhere XLA, in f32."""
     xla = lambda routed, rows: routed + _swiglu(p, "mlp.shared_experts", rows)  # noqa: E731
     if not _shared_kernel_takes(p, routed, rows):
         return xla(routed, rows)

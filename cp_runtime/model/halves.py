@@ -5,8 +5,8 @@ Where a chunk's rows are split over the devices and each device attends every he
 own rows (`WeightShards.whole_heads`), a layer is one chain: the attention, the MLP's input
 all-gathered, the experts, their sums reduce-scattered, the next layer's attention. Nothing
 runs beside the all-gather or the reduce-scatter but what XLA:TPU finds off that chain, and
-it found almost nothing: a GLM-5.2 16K chunk left all but 0.05 ms of their 101.6 ms of ICI
-exposed (docs/performance.md, "Two halves of a chunk").
+it found almost nothing: the compiled chunk left the MLP's collectives exposed
+(docs/notes/2026-12-05-prefill-schedule.md, "Two halves of a chunk").
 
 Cut by position, the rows make two chains: half A is the first half of every row's queries,
 half B the rest, and B depends on A only where B's queries attend A's rows (the cache and
@@ -19,15 +19,15 @@ keeps the collective in flight across it:
     A's experts     beside  B's all-gather (a MoE layer: A's gate and up kernel)
     B's experts     beside  A's reduce-scatter (a MoE layer: B's routed experts)
 
-Left to itself (the same halves, untied) the scheduler hid 21.8 of those 103 ms. The price:
+Left to itself (the same halves, untied) the scheduler hid about a fifth of them. The price:
 every weight of a layer is read twice, by kernels of half the rows. The values are the
 unsplit step's: each row's math is the same, and B sees A's rows as it would in one pass.
 
 The pages' all-gather of a layer (gather_kv: the pages as the step found them, `ShardAttention.
 every_page`) depends on nothing the step computes, and at a million tokens it is the largest
-collective left: 2.1 ms a GLM-5.2 layer, which XLA:TPU issued after the layer's indexer kernel
-with almost nothing beside it. So each layer's pages are gathered ahead, at the start of an
-earlier layer, and tied to a piece of that layer's work (`ShardState.ahead`):
+collective left, which XLA:TPU issued after the layer's indexer kernel with almost nothing
+beside it. So each layer's pages are gathered ahead, at the start of an earlier layer, and
+tied to a piece of that layer's work (`ShardState.ahead`):
 
     a layer with its own indexer   its own pages beside half A's indexer kernel, the next
                                    layer's (where shared) beside half B's; with 32K chunks
@@ -36,17 +36,19 @@ earlier layer, and tied to a piece of that layer's work (`ShardState.ahead`):
                                    layer's B attention (tied with A's MLP input)
 
 The indexer's cost grows with the context as the pages' gather does, and a 16K chunk's
-half-kernel in fp8 (2.05 ms at 1M) outlasts about one gather: the two kernels of a layer with
-its own indexer take two, and the shared layers' gathers are spread over the group's layers
-(docs/performance.md, "The indexer's scores in fp8"), each buffer held for two layers. The
-kernel grows with the chunk's queries too, the gather does not: a 32K chunk's kernels take
-four (`ahead_layers`), GLM-5.2's whole group of one full layer and three shared ones.
+half-kernel in fp8 outlasts about one page gather: the two kernels of a layer with its own
+indexer take two, and the shared layers' gathers are spread over the group's layers
+(docs/notes/2026-12-05-prefill-schedule.md, "The pages gathered two layers ahead"), each
+buffer held for two layers. The kernel grows with the chunk's queries too, the gather does
+not: a 32K chunk's kernels take four (`ahead_layers`), GLM-5.2's whole group of one full
+layer and three shared ones.
 
 The head-split weights that make a layer's q (q_b, kv_b, and wq_b in a layer with its own
 indexer: `forward.query_weights`) depend on nothing either: they are gathered during the layer
 before, tied with the chained pages (B's attention, A's MLP input), where in their own layer
-its first kernels waited on them (GLM-5.2's 16K chunk at 0: 313.8 -> 303.1 ms overlapped,
-docs/performance.md). o_proj's gather, hidden beside its own layer's attention, stays there.
+its first kernels waited on them (docs/notes/2026-12-05-prefill-schedule.md,
+"The q weights a layer ahead"). o_proj's gather, hidden beside its own layer's attention,
+stays there.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ AHEAD_LAYERS = 2
 AHEAD_QUERIES = 16384
 # How many layers before its own a shared layer past those has its pages gathered: two, so
 # that each gather has a whole layer's work to run beside (one layer before left more of it
-# exposed, docs/performance.md). Each costs its gathered buffer (656 MB a GLM-5.2 layer a
-# device at 1M tokens) for that long.
+# exposed: docs/notes/2026-12-05-prefill-schedule.md, "The pages gathered two layers ahead").
+# Each holds its gathered buffer, a layer's pages of the whole context, for that long.
 CHAIN_DISTANCE = 2
 
 
@@ -95,8 +97,9 @@ def ahead_layers(queries: int) -> int:
     indexer kernels, for a chunk of `queries` queries: AHEAD_LAYERS for each AHEAD_QUERIES,
     at least AHEAD_LAYERS. A half's kernel grows with its queries and the context, a page
     gather with the context alone: a 16K chunk's half-kernel outlasts about one gather, a 32K
-    chunk's two (GLM-5.2's whole group of a full layer and three shared ones beside them:
-    688.0 -> 649.7 ms at 1M - 32K, docs/performance.md)."""
+    chunk's two (GLM-5.2's whole group of a full layer and three shared ones;
+    docs/notes/2026-12-05-prefill-schedule.md,
+    "A 32K chunk's indexer group gathered beside its kernels")."""
     return AHEAD_LAYERS * max(1, queries // AHEAD_QUERIES)
 
 
@@ -172,11 +175,10 @@ def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInpu
     reduce-scatter to B's.
 
     XLA:TPU starts a tied collective just before the last kernel ahead of its tie. Tied to
-    whole MLPs, with the shared experts last in a kernel of their own (0.14 ms), B's
-    all-gather (0.33 ms at the ICI rate) and A's reduce-scatter (0.64) waited 0.18 and 0.50
-    ms a MoE layer of a GLM-5.2 32K chunk; tied as here, A's gate and up kernel (0.34 ms)
-    runs beside the all-gather and B's two expert kernels (0.84) beside the reduce-scatter
-    (docs/performance.md, "The shared experts in one kernel")."""
+    whole MLPs, with the shared experts last in a short kernel of their own, B's all-gather
+    and A's reduce-scatter had only that kernel beside them; tied as here, A's gate and up
+    kernel runs beside the all-gather and B's two expert kernels beside the reduce-scatter
+    (docs/notes/2026-12-03-experts.md, "The shared experts in one kernel")."""
     a_in, b_in = rows
     if not cfg.is_moe_layer(layer):
         a_partial = mlp(p, cfg, layer, a_in, ws, expert_matmul, join=False)

@@ -10,20 +10,18 @@ each with fewer participants. The reduction must be one that can be applied to p
 again (top-K of top-Ks; a merge of merges).
 
 Why stages pay on CPU: every shard is a device thread, and an in-process collective is two
-barriers at which each participant sleeps and is woken. On a few cores that costs per
-participant: measured on a 2-core machine (`cp-runtime bench collectives`), 0.02-0.04 ms a
-collective at S = 2, 0.06 ms at S = 4, 0.14 ms at S = 8 and 0.36 ms at S = 16, against
-0.24 ms for two stages of 4 at S = 16.
-Across processes (gloo) a collective's rounds grow with its participants too: the 16-shard
-decode step of `bench dispatch` (2 Ray workers x 8 devices) fell from 66 to 36 ms with both
-gathers staged. On TPU one collective over the interconnect is cheaper than two, so
-`gather_reduce` stages only on CPU (docs/performance.md, "Staged gathers").
+barriers at which each participant sleeps and is woken. On a few cores each in-process
+collective's cost grows faster than its participants (two barriers, every device thread woken
+at each): two stages of 4 cost less than one of 16 (`cp-runtime bench collectives`). Across
+processes (gloo) a collective's rounds grow with its participants too, and staging gains more
+there. On TPU one collective over the interconnect is cheaper than two, so `gather_reduce`
+stages only on CPU (docs/notes/2026-12-01-cpu-collectives.md, "Staged gathers").
 
 Cheaper still when every shard is a device of one process: the native in-process gather
 (kernels/native_gather.py) meets at one barrier instead of XLA's two and wakes the waiting
-devices with one call, 0.06 ms at S = 16 on the same machine. `auto` takes it on CPU for small
-parts where it can run (one process, the library built), and stages larger parts (a prefill
-chunk's candidates) and across processes.
+devices with one call (docs/notes/2026-12-01-cpu-collectives.md, "The in-process gather").
+`auto` takes it on CPU for small parts where it can run (one process, the library built), and
+stages larger parts (a prefill chunk's candidates) and across processes.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Unused entries carry page -1 and score -inf.
 
 On a TPU the ranks run in kernels/page_top_k (`_rank_by_kernel`): XLA:TPU lowers `lax.top_k` and
 the two-key sort to a full sort of every query's candidates, which its cost model prices at
-nothing and which ran 97 ms on a TPU v5e for a shard's 1,025 pages of a 1M context at 16,384
-queries, against 0.82 ms for the kernel (docs/performance.md). Same pages, same order.
+nothing and which ran about a hundred times slower than the kernel on a TPU v5e
+(docs/notes/2026-12-06-selection-on-tpu.md, "The page selection's sorts, measured on a TPU").
+Same pages, same order.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Start-up over a state directory: every session that can come back does, nothing that fails
-a check is served, and no bad file stops the server (docs/state.md, "Recovery").
+a check is served, and no bad file stops the server (docs/state.md, "Restart and recovery").
 
 In order:
   1. sessions/: format-1 logs (`<id>.tokens`) become format 2; the leftover of an interrupted

@@ -15,8 +15,9 @@ The split of each tensor (model layout: HF names, routed experts stacked, see
                                            them itself (17 MB of fp8 a GLM-5.2 layer, 1.3 GB
                                            its 78 layers), as vLLM and SGLang keep them, so a
                                            decode step sends no gather of their few features
-                                           (a collective a layer: 0.8 ms of latency a GLM-5.2
-                                           step, docs/performance.md)
+                                           (a collective a layer;
+                                           docs/notes/2026-12-03-decode-step.md,
+                                           "The down projections whole")
     q_b_proj, kv_b_proj                    rows, by attention head (whole heads per device)
     o_proj                                 columns, by attention head
     indexer wq_b                           rows, by indexer head

@@ -6,7 +6,8 @@ reads each chosen expert from all S devices at once. In g groups a prefill chunk
 only its group's (token, expert) pairs, about 1/g of them, and gathers and sums g times fewer
 rows (cp_runtime.model.expert_groups). Exchanging the experts inside every chunk's program
 costs the exchange each chunk; held in g groups across a prompt's chunks, it is paid once
-before the prompt and once after (docs/performance.md, "The experts regrouped for a prompt").
+before the prompt and once after (docs/notes/2026-12-07-expert-groups.md, "The experts regrouped for
+a prompt").
 
 Layouts of one stack on device d of S (features along axis a: 2 for gate and up [E, hidden,
 F], 1 for down [E, F, hidden]; block scales alike):
