@@ -79,6 +79,7 @@ def _engine_state(engine):
             len(engine.scheduler.work()))
 
 
+@pytest.mark.slow     # over a minute on 2 cores
 def test_an_engine_whose_journal_fails_changes_nothing_and_goes_on_once_it_works(
         tmp_path, tiny, tiny_params):
     store = FailingWrites(tmp_path, fsync="never")

@@ -55,6 +55,7 @@ def test_greedy_generation_continues_like_the_oracle(tiny, tiny_params):
     engine.allocator.check_invariants()
 
 
+@pytest.mark.slow     # about 3 minutes of the default run's 26 on 2 cores
 def test_long_upload_never_stalls_another_sessions_decoding():
     """Session A uploads 32K tokens while B generates: B gets a token in every step, including
     every step that carries one of A's prefill chunks."""

@@ -213,6 +213,7 @@ def _two_prompts(model, params, **runtime):
     return [np.asarray(x) for x in out], engine, a, b
 
 
+@pytest.mark.slow     # over a minute on 2 cores
 def test_a_prompt_takes_hbm_from_a_finished_session_which_moves_to_the_host(tiny, tiny_params):
     """8 of 24 slots a shard in HBM, two prompts of 7 pages a shard: a's prompt fills HBM, so
     b's moves a's pages to the host (copied) and is prefilled in HBM; every output is, bit for
