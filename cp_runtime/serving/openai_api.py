@@ -263,12 +263,7 @@ class OpenAIApp:
         item_id = fmt.new_id("msg")
         if req.completion.stream:
             return _Stream(self._response_events(run, head, item_id), run)
-        try:
-            async with contextlib.aclosing(run.pieces()) as pieces:
-                async for _ in pieces:
-                    pass
-        finally:
-            await run.close()
+        await run.finish()
         choice = run.choices[0]
         return JSONResponse(self._response(run, head, item_id, choice.text, choice.generated,
                                            choice.finish_reason))
@@ -332,12 +327,7 @@ class OpenAIApp:
         await run.start()                        # errors before any token are plain HTTP
         if req.stream:
             return _Stream(self._events(run, head, shape), run)
-        try:
-            async with contextlib.aclosing(run.pieces()) as pieces:
-                async for _ in pieces:
-                    pass
-        finally:
-            await run.close()
+        await run.finish()
         choices = [shape.choice(
             index=c.index, text=c.text, finish_reason=c.finish_reason,
             token_ids=c.generated if req.return_token_ids else None,
@@ -689,6 +679,15 @@ class _Completion:
     def usage(self) -> dict:
         return fmt.usage(len(self.req.prompt_ids), sum(len(c.generated) for c in self.choices),
                          self.cached)
+
+    async def finish(self) -> None:
+        """Run every choice to its end (the non-streamed answer), then `close`."""
+        try:
+            async with contextlib.aclosing(self.pieces()) as pieces:
+                async for _ in pieces:
+                    pass
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         """End the generations still running; keep the ephemeral session of a request whose
