@@ -18,7 +18,7 @@ from cp_runtime.cache.capacity import bytes_per_token
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.config import ModelConfig
 from cp_runtime.weights.format import SCALE_SUFFIX, DeviceTensor, model_bytes
-from cp_runtime.weights.layout import EXPERT_STACKS
+from cp_runtime.weights.sharding import EXPERT_STACKS
 
 __all__ = ["Compiles", "RESERVE_FRACTION", "activation_bytes", "cut_model", "decode_floor",
            "fit_layers", "measure_peaks", "pool_bytes", "prefill_floor", "weight_read_bytes"]

@@ -13,7 +13,7 @@ offline. What it holds of a step program's work:
 
 An instruction's name says nothing of its phase; the compiled module's text does: each
 instruction carries the op_name of the `jax.named_scope` path it was traced under, which names
-its phase (cp_runtime.model.phases), and an instruction XLA made without one takes the phase of
+its phase (cp_runtime.model.scopes), and an instruction XLA made without one takes the phase of
 its nearest named consumer or producer (cp_runtime.aot.phases's rule). The step programs that
 ran inside the trace are compiled once more from the same arguments, which JAX answers from its
 cache (no compile), for their text.
@@ -92,7 +92,7 @@ def compiled_texts(executor, segments: list) -> list[str]:
 
 
 def _phase_of(op_name: str) -> str | None:
-    from cp_runtime.model.phases import PHASES
+    from cp_runtime.model.scopes import PHASES
     return next((p for p in reversed(op_name.split("/")) if p in PHASES), None)
 
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from cp_runtime.cluster.executor import RayExecutor
+    from cp_runtime.cluster.ray_executor import RayExecutor
 
     ray.init(num_cpus=args.hosts + 1, include_dashboard=False, logging_level="warning",
              log_to_driver=False)

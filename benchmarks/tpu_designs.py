@@ -57,7 +57,7 @@ peak rate; elementwise work - norms, RoPE, softmax, top-K - is not counted).
 
 Assumptions (each a flag or a constant; the kernels' own in benchmarks/tpu_terms.py):
   * Weights are split evenly over the 16 devices as the runtime splits them with weights =
-    "sharded" (cp_runtime/weights/layout.py; GLM-5.2's ~743 B parameters cannot be replicated
+    "sharded" (cp_runtime/weights/sharding.py; GLM-5.2's ~743 B parameters cannot be replicated
     on 96 GiB devices). The routed experts split by inner features, so each device reads
     1/16 of every chosen expert: the split is even whatever the routing. The router is whole
     on every device (`layer_weights`' "router", not divided). The small feature-split
@@ -152,7 +152,7 @@ def layer_weights(model: ModelConfig, kind: str, *, experts: int | None = None) 
 
 def down_projections(model: ModelConfig, kind: str) -> int:
     """Weight elements of ONE layer's down projections from the hidden state, whole on every
-    device (cp_runtime.weights.layout; part of layer_weights' attention and indexer terms):
+    device (cp_runtime.weights.sharding; part of layer_weights' attention and indexer terms):
     (q_lora + kv_lora + rope) * hid, plus (Di + Hi) * hid in full layers."""
     width = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
     if _is_full(kind):

@@ -1,5 +1,5 @@
 """Ray deployment: one `HostWorker` actor per host (cluster.worker) owning that host's devices,
-its shards of the pool and its own weights, and a `RayExecutor` (cluster.executor) that plugs
+its shards of the pool and its own weights, and a `RayExecutor` (cluster.ray_executor) that plugs
 into the engine through the `cp_runtime.engine.executor.Executor` interface, sending every step
 plan to all hosts in lockstep (one SPMD program over jax.distributed).
 

@@ -53,7 +53,7 @@ TPU_SCHEDULES = ("overlap", "xla")
 LATENT_MEMORIES = ("device", "host")
 SELECTIONS = ("token", "page")
 # "auto" picks one by the model's size (cp_runtime.weights.format.resolve_weight_mode).
-WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.layout describes each
+WEIGHT_MODES = ("auto", "replicated", "sharded")  # cp_runtime.weights.sharding describes each
 # Dtypes a model's weights are published in (cp_runtime.weights.format describes each).
 MODEL_WEIGHT_DTYPES = ("fp8", "bf16", "f32")
 
@@ -375,7 +375,7 @@ class RuntimeConfig:
     # collective); "off".
     chunk_halves: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
-    # (cp_runtime.weights.layout), which a model bigger than one device needs; "auto": sharded
+    # (cp_runtime.weights.sharding), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
     weights: str = "auto"
     # "auto" (the model's own dtype), "fp8", "bf16" or "f32" (cp_runtime.weights.format).

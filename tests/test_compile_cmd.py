@@ -17,7 +17,7 @@ from cp_runtime.aot.deploy import CompilePlan, compile_plan, session_pages
 from cp_runtime.aot.report import format_error
 from cp_runtime.cli.compile import print_result
 from cp_runtime.cli.main import main
-from cp_runtime.model.phases import PHASES
+from cp_runtime.model.scopes import PHASES
 from cp_runtime.platform import tpu_chips_present
 
 JSON_FIELDS = ("name", "compiled", "error", "compile_s", "argument_bytes", "output_bytes",

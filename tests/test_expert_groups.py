@@ -24,7 +24,7 @@ from cp_runtime.model.forward import _every_expert, _routed_experts, expert_rows
 from cp_runtime.weights.checkpoint import CheckpointBlocks
 from cp_runtime.weights.format import SCALE_SUFFIX, device_tensors
 from cp_runtime.weights.fp8_blocks import quantize
-from cp_runtime.weights.layout import grouped_experts
+from cp_runtime.weights.sharding import grouped_experts
 from cp_runtime.weights.params import init_params, model_layout
 from cp_runtime.weights.placement import place_weights
 

@@ -48,7 +48,7 @@ def xla_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def executor(ray_cluster, xla_cache):
-    from cp_runtime.cluster.executor import RayExecutor
+    from cp_runtime.cluster.ray_executor import RayExecutor
     # 15 s of silence: on two cores the other test worker's compiles can starve a worker's
     # heartbeat thread for over 5 s (a false "worker lost" mid-test), and a hung worker is
     # still found well inside the recovery test's 30 s.
@@ -102,7 +102,7 @@ def test_prefill_and_decode_equal_the_local_executor(tiny, executor, reference):
 
 
 def test_bad_shapes_are_refused_before_ray_starts():
-    from cp_runtime.cluster.executor import RayExecutor
+    from cp_runtime.cluster.ray_executor import RayExecutor
     with pytest.raises(ValueError, match="must equal the shard count 16"):
         RayExecutor(SOURCE, RUNTIME, hosts=3, devices_per_host=8)
     with pytest.raises(ValueError, match="channel"):
@@ -271,7 +271,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
             assert sum(w["pages_used"] for w in workers) == 10     # 160 tokens, 16 a page
             per_device = [b for w in workers for b in w["weight_bytes_per_device"].values()]
             assert len(per_device) == 16 and len(set(per_device)) == 1
-            # the layout rule's share (cp_runtime.weights.layout), a fraction of the whole
+            # the layout rule's share (cp_runtime.weights.sharding), a fraction of the whole
             assert per_device[0] == checkpoint["device_bytes"][groups]
             assert per_device[0] < checkpoint["whole_bytes"] / 4
     finally:

@@ -173,7 +173,7 @@ def test_model_takes_the_kernel_for_whole_weights_of_many_rows(device, heads, ke
 
 
 def test_supports_the_down_projections_runs():
-    """The down projections are whole on every device (cp_runtime.weights.layout): kv_a_proj's
+    """The down projections are whole on every device (cp_runtime.weights.sharding): kv_a_proj's
     576 rows have scale runs of 64 (gcd with the 128-row block), taken as one column tile;
     runs that are not whole sublane tiles are not."""
     assert scaled_linear.supports((576, 6144), (9, 48))

@@ -13,7 +13,7 @@ from test_checkpoint import HF_CONFIG, write_checkpoint
 from cp_runtime.cache.pool import CP_AXIS
 from cp_runtime.weights.checkpoint import CheckpointBlocks
 from cp_runtime.weights.format import SCALE_SUFFIX, STORED_DTYPES, bytes_per_device, device_tensors
-from cp_runtime.weights.layout import padded_shape
+from cp_runtime.weights.sharding import padded_shape
 from cp_runtime.weights.params import model_layout
 from cp_runtime.weights.placement import place_weights, weight_bytes_per_device
 

@@ -22,7 +22,7 @@ from cp_runtime.model.forward import (EVERY_EXPERT_MAX_ROWS, INDEXER_Q_WEIGHT, I
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.fp8_blocks import quantize
 from cp_runtime.weights.format import resolve_runtime_weights
-from cp_runtime.weights.layout import split_of
+from cp_runtime.weights.sharding import split_of
 from cp_runtime.weights.shards import FUSED_GATHER_MAX_ROWS, WeightShards
 from cp_runtime.weights.params import init_params, layer_params, model_layout, model_shapes
 

@@ -1,8 +1,8 @@
 """A compiled program's figures per step phase and per layer, read from the module XLA:TPU made.
 
 Every instruction carries its op_name: the `jax.named_scope` path it was traced under, which
-holds the layer (`layer7`, cp_runtime.model.phases.layer_scope) and the phase
-(cp_runtime.model.phases). An instruction belongs to the innermost phase in its op_name (one
+holds the layer (`layer7`, cp_runtime.model.scopes.layer_scope) and the phase
+(cp_runtime.model.scopes). An instruction belongs to the innermost phase in its op_name (one
 under none is "other") and to the layer named there (None outside the layer stack: embedding,
 lm head, sampling). An entry instruction XLA made without an op_name (a multi-output fusion,
 an inserted copy), or named by a layer's weight alone (a relayout copy of it), belongs where
@@ -66,7 +66,7 @@ from cp_runtime.aot import hlo
 from cp_runtime.aot.roofline import (TPU7X_DEVICE, DeviceRates, collective_seconds,
                                      kernel_seconds)
 from cp_runtime.config import ModelConfig
-from cp_runtime.model.phases import PHASES
+from cp_runtime.model.scopes import PHASES
 
 __all__ = ["COLLECTIVES", "PhaseFigures", "layer_figures", "phase_figures", "layer_kind",
            "layers_covering_kinds", "model_figures", "sum_figures"]

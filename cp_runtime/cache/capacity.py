@@ -15,7 +15,7 @@ fit are (sum over devices of the KV bytes) // bytes_per_token.
 
 The weights per device are the arrays the runtime places (cp_runtime.weights.format's
 `device_tensors`, the same function the executor and `cp-runtime compile` use): split over the
-same devices as the cache in `weights = "sharded"` mode (cp_runtime.weights.layout: attention
+same devices as the cache in `weights = "sharded"` mode (cp_runtime.weights.sharding: attention
 projections by heads, dense MLPs and routed experts column/row parallel, embedding
 and lm head by vocabulary, the other projections by output features; norms and biases whole on
 every device; a split that does not divide is padded, as the runtime pads it), or whole on each
@@ -97,7 +97,7 @@ def host_bytes_per_token(model: ModelConfig, kv_cache_dtype: str) -> int:
 def weight_bytes_per_device(model: ModelConfig, devices: int, weight_dtype: str = "auto",
                             weights: str = "sharded") -> int:
     """Weight bytes on each of `devices` devices, block scales included, as the runtime holds
-    them (cp_runtime.weights.format: dtypes and scales; cp_runtime.weights.layout: the split,
+    them (cp_runtime.weights.format: dtypes and scales; cp_runtime.weights.sharding: the split,
     padded where it does not divide) in mode `weights` ("replicated" or "sharded")."""
     from cp_runtime.weights.params import model_shapes       # weights imports jax; keep this light
 

@@ -311,7 +311,7 @@ def _ray_executor_factory(args):
         raise ValueError(f"--hosts {args.hosts} x --devices-per-host {args.devices_per_host} "
                          f"must equal --shards {args.shards}")
     require("ray", "--executor ray", "ray")
-    cluster = importlib.import_module("cp_runtime.cluster.executor")
+    cluster = importlib.import_module("cp_runtime.cluster.ray_executor")
 
     def factory(source, runtime):
         return cluster.RayExecutor(

@@ -47,11 +47,11 @@ from cp_runtime.kernels.storage import pool_dtype
 from cp_runtime.model.attention import ShardAttention, ShardState
 from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, dequantised_whole, forward, logits
 from cp_runtime.model.halves import forward_in_halves, halves_fit
-from cp_runtime.model.phases import phase
+from cp_runtime.model.scopes import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
 from cp_runtime.weights.format import SCALE_SUFFIX, DeviceTensor
-from cp_runtime.weights.layout import split_of
+from cp_runtime.weights.sharding import split_of
 from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards

@@ -54,7 +54,7 @@ from cp_runtime.kernels.reference import mask_words
 from cp_runtime.kernels.sparse_prefill import priced_bound
 from cp_runtime.model import host_latent
 from cp_runtime.model.forward import IndexerInputs
-from cp_runtime.model.phases import phase
+from cp_runtime.model.scopes import phase
 from cp_runtime.parallel.merge import combine
 from cp_runtime.parallel.selection import (attended_pages, entries_per_query, global_top_pages,
                                            local_candidates, token_entries)

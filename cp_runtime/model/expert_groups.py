@@ -1,7 +1,7 @@
 """One device's routed experts when the experts lie in groups (runtime field `expert_groups`):
 the (token, expert) pairs of its group's experts, run in passes of a fixed number of rows.
 
-Layout (cp_runtime.weights.layout): g groups of E / g whole experts, each group's experts split
+Layout (cp_runtime.weights.sharding): g groups of E / g whole experts, each group's experts split
 by inner feature over its S / g devices. Every device has every token's rows (as with one
 group), runs only the pairs whose expert is its group's, and the S partial sums are joined as
 before: a token's sum takes each of its experts' features from that expert's group.

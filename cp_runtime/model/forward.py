@@ -17,7 +17,7 @@ Per layer (shapes for T tokens, any leading dims `...`):
 context-parallel path share every line except attention itself.
 
 Weights are in the model layout (cp_runtime.weights.params.model_layout), whole or split over a mesh
-axis (cp_runtime.weights.layout); a `WeightShards` says which, and each function gathers or sums
+axis (cp_runtime.weights.sharding); a `WeightShards` says which, and each function gathers or sums
 what its split needs, so the same lines run in both modes:
   the down projections (q_a, kv_a, the indexer's wk and weights_proj) and the router are whole
   on every device (their outputs need no gather); the lm head's logits are computed on this
@@ -46,10 +46,10 @@ from cp_runtime.kernels import fp8_rows
 from cp_runtime.kernels.fp8_rows import Fp8Rows
 from cp_runtime.kernels.vmem import LANES
 from cp_runtime.model import expert_groups
-from cp_runtime.model.phases import layer_scope, phase
+from cp_runtime.model.scopes import layer_scope, phase
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.format import SCALE_SUFFIX
-from cp_runtime.weights.layout import split_of
+from cp_runtime.weights.sharding import split_of
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards
 
@@ -342,7 +342,7 @@ def embed(params: Params, tokens: jax.Array, ws: WeightShards = WeightShards()) 
 
 def projected_features(p: Params, cfg: ModelConfig, h: jax.Array, *, indexer: bool
                        ) -> dict[str, jax.Array]:
-    """The down projections of h[..., hidden], whole on every device (cp_runtime.weights.layout:
+    """The down projections of h[..., hidden], whole on every device (cp_runtime.weights.sharding:
     no gather): q_a [..., q_lora], kv_a [..., kv_lora + rope] and, for a layer with its own
     indexer, the indexer's key [..., Di] and head weights [..., Hi]."""
     names = {"q_a": "self_attn.q_a_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight"}
@@ -658,7 +658,7 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array) -> jax.Array:
     return (weights[..., None] * one_hot).sum(-2)
 
 
-# A MoE layer's routed experts, stacked (cp_runtime.weights.layout), by projection.
+# A MoE layer's routed experts, stacked (cp_runtime.weights.sharding), by projection.
 EXPERTS = "mlp.experts.{}_proj.weight"
 
 
@@ -1018,7 +1018,7 @@ def mlp_input(p: Params, cfg: ModelConfig, layer: int, x: jax.Array, pos: jax.Ar
     return MlpInput(fp8_rows.dequantize(rows), rows, routed)
 
 
-# The attention's weights split by head (cp_runtime.weights.layout), which a device that
+# The attention's weights split by head (cp_runtime.weights.sharding), which a device that
 # attends every head of its own rows (`WeightShards.whole_heads`) gathers whole: those that
 # make its q (and take it into the latent space), and the one that takes its heads to hidden
 # space.

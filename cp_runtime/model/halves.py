@@ -65,7 +65,7 @@ from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, MlpInput, attent
                                       attention_weights, embed, gathered_query_weights, mlp,
                                       mlp_input, output_weights, plus_shared_experts,
                                       query_weights, rms_norm, routed_experts)
-from cp_runtime.model.phases import layer_scope, phase
+from cp_runtime.model.scopes import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
 from cp_runtime.weights.shards import WeightShards

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from cp_runtime.config import MODEL_WEIGHT_DTYPES, ModelConfig, RuntimeConfig
-from cp_runtime.weights.layout import (EXPERT_STACKS, ExpertGroups, grouped_experts, local_shape,
+from cp_runtime.weights.sharding import (EXPERT_STACKS, ExpertGroups, grouped_experts, local_shape,
                                        padded_shape, split_of)
 
 __all__ = ["WEIGHT_DTYPES", "STORED_DTYPES", "FP8_BLOCK", "SCALE_SUFFIX",
@@ -123,7 +123,7 @@ def device_tensors(shapes: dict[str, tuple[int, ...]], model: ModelConfig, mode:
     """Every array the devices hold for model-layout tensors `shapes` in weight mode `mode`
     ("replicated" or "sharded") and concrete `weight_dtype`: each weight, and after each fp8
     weight its scales (`name + SCALE_SUFFIX`). `block`: the checkpoint's scale block.
-    `expert_groups` (sharded): the routed experts' groups (cp_runtime.weights.layout)."""
+    `expert_groups` (sharded): the routed experts' groups (cp_runtime.weights.sharding)."""
     if mode not in ("replicated", "sharded") or weight_dtype not in MODEL_WEIGHT_DTYPES:
         raise ValueError(f"weights {mode!r} in {weight_dtype!r}: resolve 'auto' first "
                          "(resolve_runtime_weights)")

@@ -34,7 +34,7 @@ import numpy as np
 from cp_runtime.config import ModelConfig
 from cp_runtime.weights.format import FP8_BLOCK, STORED_DTYPES, stored_dtype
 from cp_runtime.weights.fp8_blocks import HostBlock
-from cp_runtime.weights.layout import EXPERT_STACKS
+from cp_runtime.weights.sharding import EXPERT_STACKS
 from cp_runtime.weights.params import model_shapes
 
 __all__ = ["FP8_RMS", "RandomBlocks", "random_tensor", "tensor_std"]

@@ -6,7 +6,7 @@ checkpoint round trip is the identity. `layer_params` gives one layer's view wit
 `model.layers.{i}.` prefix stripped.
 
 The model runs on the *model layout* (`model_layout`): the same names and arrays, except that
-each MoE layer's routed experts are stacked into three tensors (cp_runtime.weights.layout's
+each MoE layer's routed experts are stacked into three tensors (cp_runtime.weights.sharding's
 EXPERT_STACKS), transposed for a grouped matmul and split over devices by inner feature (each
 device a slice of every expert):
     mlp.experts.gate_proj.weight, mlp.experts.up_proj.weight   [E, hidden, inner]
@@ -23,7 +23,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.weights.layout import EXPERT_STACKS
+from cp_runtime.weights.sharding import EXPERT_STACKS
 
 __all__ = ["param_shapes", "init_params", "layer_params", "save_params", "load_params",
            "model_layout", "model_shapes", "expert_sources"]

@@ -1,5 +1,5 @@
 """Put the model's weights on the `cp` mesh, whole on every device or split
-(cp_runtime.weights.layout), in their stored dtype (cp_runtime.weights.format), reading one
+(cp_runtime.weights.sharding), in their stored dtype (cp_runtime.weights.format), reading one
 device's block at a time.
 
 A block source reads a range of one tensor (model layout, unpadded) without the rest: in-memory

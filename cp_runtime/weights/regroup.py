@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from cp_runtime.weights.format import SCALE_SUFFIX, DeviceTensor
-from cp_runtime.weights.layout import EXPERT_STACKS
+from cp_runtime.weights.sharding import EXPERT_STACKS
 from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 

@@ -1,5 +1,5 @@
 """The collectives the model needs when its weights are split over a mesh axis
-(cp_runtime.weights.layout), as one object the model's functions take.
+(cp_runtime.weights.sharding), as one object the model's functions take.
 
 `WeightShards()` (no axis) is every device holding every weight, or no mesh at all (the dense
 oracle): each method is then the identity, so one model code path serves both modes.
@@ -26,7 +26,7 @@ scale a row (cp_runtime.kernels.fp8_rows; `forward.mlp_input`) rather than on th
 experts' kernel reads the same fp8 rows.
 
 `expert_groups` g > 1: the routed experts lie in g groups of whole experts, each group's split
-by feature over S / g devices (cp_runtime.weights.layout); `first_expert` says which experts
+by feature over S / g devices (cp_runtime.weights.sharding); `first_expert` says which experts
 this device holds (cp_runtime.model.expert_groups): device d is in group d // (S / g), or, with
 `groups_strided` (the experts regrouped for a prompt: cp_runtime.weights.regroup), in group
 d mod g.
