@@ -28,10 +28,12 @@ Phases, each written to `--out`/chip.json as soon as it ends (a run cut short ke
                (planning, applying results) and the executor's (transfers, program, fetch)
     trace      with --trace, one prefill chunk at the longest context and --trace-steps decode
                steps at each B run under jax.profiler.trace; each named step phase's device ms
-               (benchmarks/chip_trace.py says how the trace is read), the programs' device ms,
+               (benchmarks/_shared/chip_trace.py says how the trace is read), the programs'
+               device ms,
                and the host ms of a step: its wall ms less that
 
-Floors, one formula each (benchmarks/throughput.py's Work: flops and bytes a step must do):
+Floors, one formula each (benchmarks/_shared/minimum_work.py's Work: flops and bytes a step
+must do):
 
     prefill of C tokens, chunks of c:
         flops  = prefill_work(C, c).flops         dense layers 2 W_tok per token, the Hadamard
@@ -74,8 +76,8 @@ import tempfile
 import time
 import traceback
 
-from cp_runtime.benchmarks.args import BY_QUICK, TPU_PAGES, BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BY_QUICK, TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import (add_selection, check_not_below_page, finite_nonnegative_float,
                                  format_length, length_list, positive_int, positive_int_list)
 from cp_runtime.config import WEIGHT_MODES, load_model_config
@@ -251,6 +253,7 @@ class _Bench:
         import dataclasses
         self.model, self.source, self.compiles, self.record, self.args = (model, source,
                                                                           compiles, record, args)
+        self.tpu = tpu
         self.runtimes = [runtime] + ([dataclasses.replace(runtime, **f) for f in FALLBACKS]
                                      if tpu else [])
         self.variant = -1
@@ -265,7 +268,7 @@ class _Bench:
     def next_variant(self) -> bool:
         """Place the weights for the next runtime variant (the old executor's freed first);
         False when there is none left or it cannot be built."""
-        from cp_runtime.benchmarks.chip_trace import Recorder
+        from cp_runtime.benchmarks._shared.chip_trace import Recorder
         from cp_runtime.engine import Engine, LocalExecutor
 
         while self.variant + 1 < len(self.runtimes):
@@ -395,7 +398,7 @@ def _prefill(bench: _Bench, context: int, tokens, progress: bool) -> tuple[str, 
 
 # -- phases ---------------------------------------------------------------------------------
 def _prefill_phase(bench: _Bench, context: int, tokens, peaks: dict) -> None:
-    from cp_runtime.benchmarks.chip_measure import prefill_floor, weight_read_bytes
+    from cp_runtime.benchmarks._shared.chip_measure import prefill_floor, weight_read_bytes
 
     args = bench.args
     if bench.parent is not None:            # one long session at a time
@@ -449,7 +452,7 @@ def _ensure_parent(bench: _Bench, contexts: list[int], tokens) -> tuple[int, str
 
 def _decode_phase(bench: _Bench, batch: int, contexts: list[int], tokens, peaks: dict,
                   trace_dir: pathlib.Path | None) -> None:
-    from cp_runtime.benchmarks.chip_measure import decode_floor
+    from cp_runtime.benchmarks._shared.chip_measure import decode_floor
     from cp_runtime.engine.requests import Generate, SamplingParams
 
     args, engine = bench.args, bench.engine
@@ -505,16 +508,22 @@ def _decode_phase(bench: _Bench, batch: int, contexts: list[int], tokens, peaks:
 
 
 def _phase_rows(bench: _Bench, step: str, traced: dict) -> None:
+    """A row per phase: its device ms a step, and on a TPU the compiler's estimate for this
+    chip and measured / estimated (the calibration `compile --matrix --calibration` reads)."""
+    estimated = traced.get("estimated_ms") or {}
     for phase, ms in traced["phases_ms"].items():
-        bench.record.data["phases"].append({"step": step, "phase": phase, "device_ms": ms,
-                                            "variant": bench.variant})
+        row = {"step": step, "phase": phase, "device_ms": ms, "variant": bench.variant}
+        if estimated.get(phase):
+            row.update(estimated_ms=estimated[phase], measured_over_estimate=(
+                ms / estimated[phase]))
+        bench.record.data["phases"].append(row)
 
 
 def _traced(bench: _Bench, log_dir: pathlib.Path, fn, steps: int) -> dict:
     """fn() (engine steps) under jax.profiler.trace into `log_dir`; each step phase's device
     ms a step, or why not. The steps run whether or not the profiler does; a step's failure
     is raised, the profiler's is reported."""
-    from cp_runtime.benchmarks import chip_trace
+    from cp_runtime.benchmarks._shared import chip_trace
 
     why = None
     bench.recorder.start()
@@ -538,9 +547,17 @@ def _traced(bench: _Bench, log_dir: pathlib.Path, fn, steps: int) -> dict:
         return {"available": False, "why": why[:2000]}
     try:
         texts = chip_trace.compiled_texts(bench.executor, segments)
-        return chip_trace.phase_times(chip_trace.newest_xplane(log_dir), texts, steps)
+        traced = chip_trace.phase_times(chip_trace.newest_xplane(log_dir), texts, steps)
     except Exception as e:                # noqa: BLE001 - the numbers above stand without it
         return {"available": False, "why": f"{type(e).__name__}: {e}"[:2000]}
+    peaks = bench.record.data.get("peaks")
+    if traced.get("available") and peaks and bench.tpu:
+        try:
+            traced["estimated_ms"] = chip_trace.estimated_phase_ms(
+                texts, bench.executor.mesh.devices.flat[0], peaks)
+        except Exception as e:            # noqa: BLE001 - the measured phases stand alone
+            traced["estimated_why"] = f"{type(e).__name__}: {e}"[:2000]
+    return traced
 
 
 def _prefill_trace_phase(bench: _Bench, tokens, trace_dir: pathlib.Path) -> None:
@@ -573,7 +590,7 @@ def _plan(args, model_full, weight_dtype: str, memory: int) -> tuple[list[int], 
     """(contexts, the layers' fit) for the flags: the layers that fit beside a pool for the
     longest context asked (the defaults' 128K), then 1M added to the default contexts where
     its pool fits beside those layers too."""
-    from cp_runtime.benchmarks.chip_measure import fit_layers
+    from cp_runtime.benchmarks._shared.chip_measure import fit_layers
 
     if args.contexts is not None:
         contexts = list(args.contexts)
@@ -620,7 +637,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from cp_runtime.benchmarks.chip_measure import Compiles, cut_model, measure_peaks
+    from cp_runtime.benchmarks._shared.chip_measure import Compiles, cut_model, measure_peaks
     from cp_runtime.weights.format import resolve_weight_dtype
     from cp_runtime.weights.host_init import RandomBlocks
     from cp_runtime.weights.placement import device_memory_bytes
@@ -753,8 +770,12 @@ def print_tables(data: dict) -> None:
                                      "floor_hbm_ms", "hbm_share"],
                     title="\ndecode at the longest context, against the HBM floor")
     if data["phases"]:
-        print_table(data["phases"], ["step", "phase", "device_ms"],
-                    title="\neach step phase's device ms a step (profiler trace)")
+        columns = ["step", "phase", "device_ms"]
+        if any("estimated_ms" in row for row in data["phases"]):
+            columns += ["estimated_ms", "measured_over_estimate"]
+        print_table(data["phases"], columns,
+                    title="\neach step phase's device ms a step (profiler trace), beside the "
+                          "compiler's estimate for this chip where it is a TPU")
     for e in data["errors"]:
         print(f"error in {e['phase']} (variant {e['variant']}): {e['type']}: "
               f"{e['message'][:200]}")

@@ -11,7 +11,8 @@ median / max over the rounds of each round's median step.
   context   one session at --short and one at --long tokens, in the same engine and pool. The
             bound the long step should meet: t(short) + 2 x (extra bytes) / read bandwidth, the
             extra bytes being the profile's minimum bytes of a decode step (every phase) at
-            --long minus at --short, the bandwidth measured in the same run (roofline.py)
+            --long minus at --short, the bandwidth measured in the same run
+            (_shared/roofline_probe.py)
   pool      one session at --pool-context tokens in a pool of 1x and of 4x the pages it needs
   host      --batch sessions at --short decoding together: the engine's host time (planning,
             applying results) plus the executor's (moving the plan to the devices, fetching
@@ -37,8 +38,8 @@ import functools
 import random
 import statistics
 
-from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import check_not_below_page, length, positive_int
 
 __all__ = ["build_parser", "parse_args", "main"]
@@ -86,7 +87,7 @@ class Bench:
     """An engine over a synthetic pool and its sessions, each decoding one token per step."""
 
     def __init__(self, model, params, args, contexts: list[int], pool_factor: int = 1):
-        from cp_runtime.benchmarks.profile_steps import fill_pool, synthetic_session
+        from cp_runtime.benchmarks._shared.profile_steps import fill_pool, synthetic_session
         from cp_runtime.cache.layout import cdiv
         from cp_runtime.config import RuntimeConfig
         from cp_runtime.engine import Engine, LocalExecutor
@@ -107,7 +108,7 @@ class Bench:
     def step(self, which: list[int]) -> tuple[float, float]:
         """One decode step of the sessions `which`: (host s, device s), the executor's host
         work (transfers, fetch) counted as host."""
-        from cp_runtime.benchmarks.profile_steps import rewind
+        from cp_runtime.benchmarks._shared.profile_steps import rewind
         from cp_runtime.engine.requests import Generate, SamplingParams
 
         for i in which:
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from tqdm import tqdm
 
-    from cp_runtime.benchmarks.profile import phase_work, step_shape
-    from cp_runtime.benchmarks.roofline import measure_roofline
+    from cp_runtime.benchmarks._shared.profile_work import phase_work, step_shape
+    from cp_runtime.benchmarks._shared.roofline_probe import measure_roofline
     from cp_runtime.config import load_model_config
     from cp_runtime.engine.step import make_step
     from cp_runtime.weights.params import init_params

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.args import BenchmarkParser
-from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
+from cp_runtime.benchmarks._shared.results import print_table, write_json
 from cp_runtime.cli.args import positive_int
 from cp_runtime.config import load_model_config
 from cp_runtime.dtypes import latent_cache_dtype

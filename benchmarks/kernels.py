@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.args import BenchmarkParser
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
 from cp_runtime.cli.args import comma_list
 from cp_runtime.kernels import cache_write, indexer, reference, sparse_decode, sparse_prefill
 

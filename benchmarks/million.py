@@ -12,8 +12,8 @@ import argparse
 import resource
 import time
 
-from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import check_not_below_page, length, positive_int
 
 __all__ = ["build_parser", "parse_args", "main", "run"]

@@ -5,7 +5,7 @@ so every device runs every (token, expert) pair; g = S splits by expert. The row
 device as the runtime's do (all-gathered, fp8), so the collectives are the same in every
 layout; what changes is each device's own work: its group's pairs are sorted out of all T k,
 gathered, run through the expert kernel (kernels/expert_matmul.py) and summed back by token,
-by the runtime's own functions (cp_runtime.model.expert_groups, forward.expert_rows).
+by the runtime's own functions (cp_runtime.model.expert_groups, moe.expert_rows).
 
     cp-runtime bench moe_layouts              # on a TPU: timed; elsewhere: the check only
     cp-runtime bench moe_layouts --tpu7x      # compiled for one TPU7x device and priced, with
@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cp_runtime.benchmarks.args import BenchmarkParser
-from cp_runtime.benchmarks.common import print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
+from cp_runtime.benchmarks._shared.results import print_table, write_json
 from cp_runtime.cli.args import finite_positive_float, positive_int
 from cp_runtime.kernels import expert_matmul, fp8_rows
 from cp_runtime.kernels.fp8_rows import Fp8Rows
 from cp_runtime.model.expert_groups import routed_in_group, rows_per_pass
-from cp_runtime.model.forward import EXPERTS, expert_rows
+from cp_runtime.model.moe import EXPERTS, expert_rows
 from cp_runtime.weights.format import SCALE_SUFFIX
 
 __all__ = ["build_parser", "parse_args", "main", "layouts", "routed_experts"]

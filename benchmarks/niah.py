@@ -6,8 +6,8 @@ By default the model is the hand-built retrieval model (cp_runtime/model/recall.
 whether the runtime's retrieval path (indexer page selection, context-parallel top-K, sparse
 attention over the cache) finds a fact, not language ability. With `--checkpoint DIR` it runs a
 real checkpoint with its tokenizer and RULER-style text needles (a key-value sentence hidden in
-filler text, then a question). The contexts come from benchmarks/needles.py; this module runs
-them and reports.
+filler text, then a question). The contexts come from benchmarks/_shared/needles.py; this module
+runs them and reports.
 
 Per trial: the context (haystack with the needle(s) at `depth`, the fraction of the haystack
 before the first needle), then the question; the answer is scored teacher-forced:
@@ -46,10 +46,11 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks.args import BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
-from cp_runtime.benchmarks.needles import (VARIANTS, Case, Context, ContextFn, Probe,
-                                           recall_context, shared_recall_model, text_context)
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
+from cp_runtime.benchmarks._shared.needles import (VARIANTS, Case, Context, ContextFn, Probe,
+                                                   recall_context, shared_recall_model,
+                                                   text_context)
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.cli.args import (add_selection, check_checkpoint_dir, check_not_below_page,
                                  comma_list, length_list, positive_int)

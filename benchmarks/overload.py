@@ -65,8 +65,8 @@ import time
 
 import numpy as np
 
-from cp_runtime.benchmarks.args import BY_QUICK, BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BY_QUICK, BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import (comma_list, finite_positive_float, length, nonnegative_length,
                                  positive_int, positive_int_list)
 from cp_runtime.engine.core import AUTO_QUEUE_S
@@ -329,7 +329,7 @@ def _at_start(reported: int) -> str:
 
 
 def _markdown(title: str, rows: list[dict], info: dict, command: str) -> str:
-    from cp_runtime.benchmarks.report import markdown_table
+    from cp_runtime.benchmarks._shared.markdown import markdown_table
 
     return "\n".join([f"# {title}", "", f"`{command}`", "", markdown_table(rows, COLUMNS), "",
                       AT_START_NOTE, "", markdown_table([info]), ""])

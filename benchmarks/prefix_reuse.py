@@ -35,8 +35,8 @@ import urllib.request
 
 import numpy as np
 
-from cp_runtime.benchmarks.args import BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import length, positive_int
 from cp_runtime.serving.process import ServerProcess
 

@@ -5,7 +5,7 @@ it achieves.
 
     cp-runtime bench profile --quick          # 8K and 32K, S = 16 and 2 (writes out/profile.*)
     cp-runtime bench profile                  # 8K, 128K and 1M, S = 16 and 2
-    cp-runtime bench profile --model-tpu      # and the TPU v7x model table (tpu_model.py)
+    cp-runtime bench profile --model-tpu      # and the TPU v7x model table (bench tpu_model)
 
 Method: timed sub-programs, not JAX's profiler (XLA:CPU's trace names fused ops, not phases).
 Each device phase is its own jitted `shard_map` program over the `cp` mesh, given inputs shaped
@@ -15,7 +15,7 @@ activations of the step's shapes. A phase runs for every layer it runs in (a Pyt
 the step) and returns what it computes, so XLA keeps all of it. Time = median of `--repeats`
 calls after a warm-up call that compiles, each waited for with `block_until_ready`.
 
-Phases, as the step delimits them (cp_runtime/model/attention.py, model/forward.py, engine/step.py):
+Phases, as the step delimits them (cp_runtime/model/attention.py, model/layers.py, engine/step.py):
 
     host planning and dispatch   the engine's planning and applying of results (its `host_s`)
                                  + the executor's transfer of the plan to the devices + launching
@@ -30,7 +30,7 @@ Phases, as the step delimits them (cp_runtime/model/attention.py, model/forward.
     merge                        cp_runtime.parallel.merge.combine with --merge and --gathers (every
                                  layer), the output projection left to the dense phase; the
                                  engine runs the same variant
-    dense and MoE layers         model.forward with attention replaced by a stub that only adds
+    dense and MoE layers         layers.forward with attention replaced by a stub that only adds
                                  its inputs: embedding, norms, MLA and indexer projections, RoPE,
                                  W_uv/W_o, MLPs and experts, final norm
     sampling                     lm head on the sampled row and sample_tokens (decode only: a
@@ -50,12 +50,12 @@ Context: a decode step "at N" runs the token at position N - 1 of an N-token ses
 chunk "at N" writes positions [N - chunk, N). The pool is synthetic: random values in every
 page, and a session whose page table covers N tokens (nothing is prefilled), so 1M tokens cost
 seconds; content decides which pages are selected, not how many.
-Minimum work (profile_work.py's module doc) is all shards together, over the layers the step
-keeps.
+Minimum work (_shared/profile_work.py's module doc) is all shards together, over the layers the
+step keeps.
 
-Fractions are achieved / peak, the peak from benchmarks/roofline.py measured in the same run
-over the same S devices (aggregate over the devices). Elementwise phases report a bandwidth
-fraction and little or no flop fraction; collectives are counted as bytes moved.
+Fractions are achieved / peak, the peak from benchmarks/_shared/roofline_probe.py measured in
+the same run over the same S devices (aggregate over the devices). Elementwise phases report a
+bandwidth fraction and little or no flop fraction; collectives are counted as bytes moved.
 """
 
 from __future__ import annotations
@@ -67,18 +67,20 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from cp_runtime.benchmarks import tpu_model
-from cp_runtime.benchmarks.args import TPU_PAGES, BenchmarkParser
-from cp_runtime.benchmarks.common import write_json
-from cp_runtime.benchmarks.plots import token_label
-from cp_runtime.benchmarks.profile_phases import PhasePrograms, time_phases
-from cp_runtime.benchmarks.profile_report import plot, print_tables
-from cp_runtime.benchmarks.profile_steps import (engine_steps, executor_parts, fill_pool,
-                                                 program_parts, step_segment, synthetic_session)
-from cp_runtime.benchmarks.profile_work import (DECODE_PHASES, LABELS, PHASES, PREFILL_PHASES,
-                                                StepShape, phase_work, step_shape)
-from cp_runtime.benchmarks.roofline import measure_roofline
-from cp_runtime.benchmarks.throughput import Work
+from cp_runtime.benchmarks import registry
+from cp_runtime.benchmarks._shared.bench_parser import TPU_PAGES, BenchmarkParser
+from cp_runtime.benchmarks._shared.minimum_work import Work
+from cp_runtime.benchmarks._shared.plots import token_label
+from cp_runtime.benchmarks._shared.profile_phases import PhasePrograms, time_phases
+from cp_runtime.benchmarks._shared.profile_report import plot, print_tables
+from cp_runtime.benchmarks._shared.profile_steps import (engine_steps, executor_parts, fill_pool,
+                                                         program_parts, step_segment,
+                                                         synthetic_session)
+from cp_runtime.benchmarks._shared.profile_work import (DECODE_PHASES, LABELS, PHASES,
+                                                        PREFILL_PHASES, StepShape, phase_work,
+                                                        step_shape)
+from cp_runtime.benchmarks._shared.results import write_json
+from cp_runtime.benchmarks._shared.roofline_probe import measure_roofline
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.cli.args import check_not_below_page, length_list, positive_int
 from cp_runtime.config import MERGE_VARIANTS, ModelConfig, RuntimeConfig, load_model_config
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{result['seconds']:.0f} s in all; wrote {path}, {png}")
     if args.model_tpu:
         print()
-        tpu_model.main(["--out", str(out)])
+        registry.run("tpu_model", ["--out", str(out)])     # another benchmark: by its name
     return 0
 
 

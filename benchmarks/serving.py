@@ -112,8 +112,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from cp_runtime.benchmarks.args import BenchmarkParser
-from cp_runtime.benchmarks.common import machine, print_table, write_json
+from cp_runtime.benchmarks._shared.bench_parser import BenchmarkParser
+from cp_runtime.benchmarks._shared.results import machine, print_table, write_json
 from cp_runtime.cli.args import finite_nonnegative_float, length, positive_int
 from cp_runtime.serving.process import ServerProcess
 
@@ -343,7 +343,7 @@ def _record_turn(rec: _Record, prompt_tokens: int, turn_start: float, sent: floa
 
 async def _upload(address, token, w: Workload, vocab: int, rng, t0: float, index: int,
                   bar) -> _Record:
-    from cp_runtime.serving.client import AsyncClient
+    from cp_runtime.serving.session.client import AsyncClient
 
     rec = _Record("upload", index)
     tokens = rng.integers(0, vocab, w.upload_tokens, dtype=np.int32)
@@ -370,7 +370,7 @@ async def _upload(address, token, w: Workload, vocab: int, rng, t0: float, index
 async def _chat(address, token, w: Workload, vocab: int, rng, t0: float, index: int,
                 bar) -> _Record:
     """One chat over the session protocol: each turn an extend, then a streamed generate."""
-    from cp_runtime.serving.client import AsyncClient
+    from cp_runtime.serving.session.client import AsyncClient
 
     rec = _Record("chat", index)
     prompts = _chat_prompts(w, vocab, rng)
@@ -422,7 +422,7 @@ async def _chat_http(http: str, address, token, w: Workload, vocab: int, rng, t0
     """One chat over HTTP: each turn one streamed /v1/completions of the turn's prompt, the
     first keeping its session (`session: true`), later ones continuing it by id; the session is
     closed over the session protocol at the end (HTTP has no request that closes it)."""
-    from cp_runtime.serving.client import AsyncClient
+    from cp_runtime.serving.session.client import AsyncClient
 
     httpx = _httpx()
     rec = _Record("chat", index)
@@ -477,14 +477,14 @@ async def _run_mix(address, token, w: Workload, vocab: int, seed: int, bar,
 
 
 async def _stats(address, token) -> dict:
-    from cp_runtime.serving.client import AsyncClient
+    from cp_runtime.serving.session.client import AsyncClient
 
     async with AsyncClient(address, token=token) as client:
         return await client.stats()
 
 
 async def _hello(address, token) -> dict:
-    from cp_runtime.serving.client import AsyncClient
+    from cp_runtime.serving.session.client import AsyncClient
 
     async with AsyncClient(address, token=token) as client:
         return client.server
@@ -619,7 +619,7 @@ def _timeline(ax, records: list[_Record], title: str) -> None:
 def plot(path: pathlib.Path, runs: list[_Run], title: str) -> pathlib.Path:
     """Left: a timeline per API run, one row per user; right: every run's TTFT and ITL
     distributions (empirical CDFs)."""
-    from cp_runtime.benchmarks.plots import _pyplot, _save
+    from cp_runtime.benchmarks._shared.plots import _pyplot, _save
 
     plt = _pyplot()
     fig = plt.figure(figsize=(12, 4.5 * len(runs)))

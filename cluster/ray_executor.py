@@ -367,16 +367,13 @@ class RayExecutor(Executor):
         experts = experts_for_plan(plan, self.runtime.prefill_expert_groups,
                                    self.runtime.chunk_size, 1 if group is None
                                    else group.experts_in)
-        shape = (experts, *((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape,
-                             seg.in_hbm) for seg in plan))
-        new = group is None or shape not in group.shapes
+        new = group is None or _plan_shape(plan, experts) not in group.shapes
         if new:
             # Every worker compiles first, then all run: a worker still compiling while
             # another waits in the step's first collective would fail the gloo rendezvous.
-            self._call("compile", plan, timeout_s=self.setup_timeout_s)
+            self.compile(plan)
         results = self._call("run", plan, timeout_s=self.setup_timeout_s if new else None)
         if group is not None:
-            group.shapes.add(shape)
             group.experts_in = experts
         outs, _ = results[0]
         self.last_worker_s = max(s for _, s in results)
@@ -384,6 +381,17 @@ class RayExecutor(Executor):
         self.dispatch["wall_s"] += time.perf_counter() - t0
         self.dispatch["worker_s"] += self.last_worker_s
         return outs
+
+    def compile(self, plan: tuple[Segment, ...]) -> None:
+        """Every worker compiles the plan's programs (or loads them from its compilation
+        cache); the group then runs that shape without a compile."""
+        group = self._group
+        experts = experts_for_plan(plan, self.runtime.prefill_expert_groups,
+                                   self.runtime.chunk_size, 1 if group is None
+                                   else group.experts_in)
+        self._call("compile", plan, timeout_s=self.setup_timeout_s)
+        if self._group is not None:
+            self._group.shapes.add(_plan_shape(plan, experts))
 
     def copy_pages(self, shard, src, dst) -> None:
         self._call("copy_pages", *(np.asarray(a, np.int32) for a in (shard, src, dst)))
@@ -490,3 +498,10 @@ class RayExecutor(Executor):
 
 class _GroupFailed(RuntimeError):
     pass
+
+
+def _plan_shape(plan: tuple[Segment, ...], experts: int) -> tuple:
+    """What a plan's programs are compiled for: the experts' layout, and per segment its kind,
+    token and table shapes, tier and sampling variant."""
+    return (experts, *((seg.kind, seg.inputs.tokens.shape, seg.inputs.page_table.shape,
+                        seg.in_hbm, seg.sampling and seg.sampling.variant) for seg in plan))

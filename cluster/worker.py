@@ -99,9 +99,8 @@ class _Worker:
                                    num_processes=self.num_hosts, process_id=self.rank,
                                    initialization_timeout=initialization_timeout_s)
         if compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+            from cp_runtime.engine.precompile import enable_compile_cache
+            enable_compile_cache(compilation_cache_dir)
         if jax.process_count() != self.num_hosts:
             raise RuntimeError(f"jax sees {jax.process_count()} processes, "
                                f"{self.num_hosts} expected")

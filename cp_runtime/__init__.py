@@ -5,11 +5,13 @@ by position over a `cp` mesh axis; docs/architecture.md describes the layers. `C
 `AsyncClient` talk to a running server (`cp-runtime serve`).
 """
 
-from cp_runtime.serving.client import AsyncClient, AsyncSession, Client, Generation, Retry, Session
-from cp_runtime.serving.protocol import (BadRequestError, CapacityError, ContextLengthError,
-                                         InternalError, NotFoundError, OverloadedError,
-                                         ServerError, StorageError, UnauthorizedError,
-                                         UnavailableError)
+from cp_runtime.serving.session.client import (AsyncClient, AsyncSession, Client, Generation,
+                                               Retry, Session)
+from cp_runtime.serving.session.protocol import (BadRequestError, CapacityError,
+                                                 ContextLengthError, InternalError,
+                                                 NotFoundError, OverloadedError, ServerError,
+                                                 StorageError, UnauthorizedError,
+                                                 UnavailableError)
 
 __all__ = ["__version__", "AsyncClient", "AsyncSession", "BadRequestError", "CapacityError",
            "Client", "ContextLengthError", "Generation", "InternalError", "NotFoundError",

@@ -97,7 +97,7 @@ class RopeScaling:
 
     Rotary dims that turn fewer than `beta_slow` times over `original_max_position_embeddings`
     tokens get their frequency divided by `factor`, dims turning more than `beta_fast` times
-    keep it, and a linear ramp blends the ones between (cp_runtime.model.forward.rope_frequencies);
+    keep it, and a linear ramp blends the ones between (cp_runtime.model.ops.rope_frequencies);
     the ramp's ends are rounded out to whole dims (floor, ceil) unless `truncate` is false.
     The softmax scale gains yarn_mscale(factor, mscale_all_dim)**2 (1 when mscale_all_dim is 0).
     cos and sin are multiplied by `rope_mscale`: `attention_factor` where given, else
@@ -365,7 +365,7 @@ class RuntimeConfig:
     # two all-to-alls; each page a block of queries reads then serves every head); "weights",
     # every head of its own rows from the head-split attention weights gathered whole; "auto",
     # the one the attention kernel's bound plus what each sends price lowest
-    # (cp_runtime.model.attention.row_attention_mode: the heads early in a prompt).
+    # (cp_runtime.model.attention_modes.row_attention_mode: the heads early in a prompt).
     row_attention: str = "auto"
     # A prefill chunk as two halves of its rows, interleaved layer by layer so that each half's
     # all-gathers and reduce-scatters run beside the other half's compute (cp_runtime.model.
@@ -409,6 +409,10 @@ class RuntimeConfig:
     # (cp_runtime.engine.prefix_cache); the least recently used goes first when the pool is
     # short or there are more; 0: none kept.
     prefix_cache_entries: int = 64
+    # Tokens one session may hold (its context and what a request would generate past it), as
+    # vLLM's max_model_len; absent: the whole pool. It also bounds the page tables `serve`
+    # compiles at start-up (cp_runtime.engine.precompile).
+    max_model_len: int | None = None
 
     @property
     def admission_bound(self) -> int:
@@ -438,6 +442,10 @@ class RuntimeConfig:
                 not isinstance(self.max_queued_tokens, int) or self.max_queued_tokens < 0):
             raise ConfigError(f"max_queued_tokens={self.max_queued_tokens!r} must be an "
                               "integer >= 0 (0: no bound)")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            raise ConfigError(f"max_model_len={self.max_model_len!r} must be a positive "
+                              "integer (absent: the whole pool)")
         if not isinstance(self.prefix_cache_entries, int) or self.prefix_cache_entries < 0:
             raise ConfigError(f"prefix_cache_entries={self.prefix_cache_entries!r} must be an "
                               "integer >= 0 (0: none kept)")

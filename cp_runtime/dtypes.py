@@ -2,7 +2,8 @@
 
 The latent (MLA) cache takes the named dtype. The indexer key cache is never narrower than bf16:
 an error in an indexer key flips whole pages in or out of the top-k instead of averaging out in a
-softmax (see `benchmarks/selection.py` for the measurement), so fp8 latents keep a bf16 indexer.
+softmax (see `benchmarks/indexer_cache_dtype.py`, `cp-runtime bench selection`, for the
+measurement), so fp8 latents keep a bf16 indexer.
 No per-tensor scale: latents are post-norm / post-RoPE values of order 1, inside e4m3's range
 (max 448) and above its subnormal floor (2**-6).
 """

@@ -15,9 +15,10 @@ its block scales' runs cross heads (448 rows a head against 128-row runs), so a 
 dequantises the whole block once, on its first grid step, and takes each head's rows from the
 bf16 scratch.
 
-Numerics are `forward.weight`'s: each fp8 value times its block's scale, rounded to bf16; bf16
-inputs, f32 sums; results rounded to bf16, as XLA's bf16 matmul rounds them. The merge is
-`merge.merge_stacked`'s in f32 (weights exp(lse_r - max) / sum; zero for a head no shard saw).
+Numerics are `ops.weight`'s (cp_runtime.model.ops): each fp8 value times its block's scale, rounded
+to bf16; bf16 inputs, f32 sums; results rounded to bf16, as XLA's bf16 matmul rounds them. The
+merge is `merge.merge_stacked`'s in f32 (weights exp(lse_r - max) / sum; zero for a head no shard
+saw).
 
 Grid:   (H',) over this device's heads, in order (the first step fills the scratch).
 absorb_queries

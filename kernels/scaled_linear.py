@@ -9,7 +9,7 @@ GLM-5.2 decode step on TPU7x that is o_proj in every MoE layer
 "Decode's fp8 linears from VMEM, and a router on every device"). Here the scales stay
 [N / ga, K / gb] and each weight block is dequantised once, in VMEM, as it is used.
 
-Numerics are `weight()`'s in cp_runtime.model.forward: each value times its block's scale,
+Numerics are `weight()`'s in cp_runtime.model.ops: each value times its block's scale,
 rounded to bf16, then a bf16 matmul accumulated in f32. The output stays f32.
 
 Two forms, by the number of rows T:

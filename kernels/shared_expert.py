@@ -11,7 +11,7 @@ elementwise passes over [T, hidden]. Here each tile of rows makes its gated prod
 [tm, inner] once, in VMEM, and each output tile is the routed tile plus that product through
 the down weight, written once in bf16.
 
-Numerics are those of the XLA path it replaces (`forward._swiglu` on `Fp8Rows`, then the add):
+Numerics are those of the XLA path it replaces (`mlp.swiglu` on `Fp8Rows`, then the add):
 each weight value times its block's scale rounded to bf16, the rows' fp8 values exact in bf16,
 bf16 products on the MXU; here they are accumulated in f32 where XLA rounds gate, up and down
 products to bf16 first, so the two differ by bf16 roundings.

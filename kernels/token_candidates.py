@@ -2,22 +2,22 @@
 
     I(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s))        for s <= t on this shard
 
-Per sequence and tile of queries, the shard's keys are scored `key_block_pages` pages at a time
-(`xla_indexer.tile_token_scores`, the page scores' products before their page max), and each
-block's scores join a running list of the k best so far, ranked again (`lax.top_k`). Memory is
-one tile's logits [qt * Hi, nb * ps] and lists [qt, k + nb * ps], never [Q, all keys].
+Per tile of queries, each sequence's keys on the shard are scored `key_block_pages` pages at a
+time (`xla_indexer.tile_token_scores`, the page scores' products before their page max) into one
+row of scores per query, [B, qt, every key of the shard], which one `lax.top_k` ranks. Memory
+is a tile's logits [B, qt * Hi, nb * ps] and its scores [B, qt, M * ps], never [Q, all keys].
 
 The order is exact and total, score descending then position ascending: `lax.top_k` puts equal
-scores lower index first, the running list stands before the block, every position in the list
-precedes every position of the block (local pages ascend with logical position), and by
-induction the list's ties already stand in position order. So the shards' lists rank to the
-same k tokens a single device would (cp_runtime.parallel.selection.global_top_pages, which
-ranks positions as it ranks pages). Zeros are made +0.0 first: -0.0 and 0.0 are one score.
+scores lower index first, and a row's keys stand in position order (local pages ascend with
+logical position). So the shards' lists rank to the same k tokens a single device would
+(cp_runtime.parallel.selection.global_top_pages, which ranks positions as it ranks pages).
+Zeros are made +0.0 first: -0.0 and 0.0 are one score.
 
-Cost. Every key is scored once per query, as in page selection; what is added is the rank of
-k + nb * ps candidates per block and query, which XLA lowers to a sort (on a TPU, priced at
-nothing by its cost model). This is the XLA path on every backend: a TPU kernel that keeps the
-scores in VMEM and selects in place (as the page scores' kernel does) is not built yet.
+Cost. Every key is scored once per query, as in page selection; what is added is one rank of a
+row of M * ps scores per query. One rank of the whole row, not a running list of the k best
+merged with each block (the first design): on a TPU v5e, at k = 2,048 over 128K keys, one
+`lax.top_k` of 512 rows took 104 ms where the running merge over 512-key blocks took 2.77 s
+(docs/notes/2026-12-08-whole-row-top-k.md).
 """
 
 from __future__ import annotations
@@ -69,44 +69,44 @@ def indexer_token_candidates(q: jax.Array, w: jax.Array, k_cache: jax.Array,
                     constant_values=k_cache.shape[0] - 1)
     local = jnp.arange(k_blocks * nb, dtype=jnp.int32)
 
-    def sequence(xs):
-        q_seq, w_seq, pos_seq, pages_seq, rot = xs          # [Qp, Hi, Di] ... [Mp], []
+    def sequence_scores(q_seq, w_seq, pos_seq, pages_seq, rot, i):
+        """One sequence's query tile i: scores f32[qt, Mp * ps] and key positions i32[Mp * ps]
+        (ascending; -1 past the table)."""
         logical = local * num_shards + shard - rot           # [Mp]
         key_pos = (logical * ps)[:, None] + jnp.arange(ps, dtype=jnp.int32)   # [Mp, ps]
         key_pos = jnp.where((local < m)[:, None], key_pos, -1)                 # not in table
+        sl = functools.partial(lax.dynamic_slice_in_dim, start_index=i * qt, slice_size=qt)
+        tq, tw, tpos = sl(q_seq), sl(w_seq), sl(pos_seq)
 
-        def query_tile(i):
-            sl = functools.partial(lax.dynamic_slice_in_dim, start_index=i * qt, slice_size=qt)
-            tq, tw, tpos = sl(q_seq), sl(w_seq), sl(pos_seq)
+        def key_block(_, j):
+            blk = lax.dynamic_slice_in_dim(pages_seq, j * nb, nb)
+            keys = from_storage(k_cache[blk], value_dtype).astype(jnp.float32)
+            kpos = lax.dynamic_slice_in_dim(key_pos, j * nb, nb)              # [nb, ps]
+            return None, tile_token_scores(tq, tw, keys, kpos, tpos)         # [qt, nb * ps]
 
-            def key_block(best, j):
-                blk = lax.dynamic_slice_in_dim(pages_seq, j * nb, nb)
-                keys = from_storage(k_cache[blk], value_dtype).astype(jnp.float32)
-                kpos = lax.dynamic_slice_in_dim(key_pos, j * nb, nb)          # [nb, ps]
-                scores = tile_token_scores(tq, tw, keys, kpos, tpos)           # [qt, nb * ps]
-                return _merge(best, scores, kpos.reshape(1, -1), k), None
+        _, blocks = lax.scan(key_block, None, jnp.arange(k_blocks))      # [kb, qt, nb * ps]
+        return blocks.transpose(1, 0, 2).reshape(qt, -1), key_pos.reshape(-1)
 
-            start = (jnp.full((qt, k), NEG_INF, jnp.float32),
-                     jnp.full((qt, k), NO_TOKEN, jnp.int32))
-            best, _ = lax.scan(key_block, start, jnp.arange(k_blocks))
-            return best
+    def query_tile(i):
+        # Every sequence's rows ranked in one `lax.top_k`: on a TPU a rank of one short row
+        # costs about what a rank of eight does (docs/notes/2026-12-08-whole-row-top-k.md).
+        scores, key_pos = jax.vmap(sequence_scores, in_axes=(0, 0, 0, 0, 0, None))(
+            qf, wf, pos, pages, rotation, i)                     # [B, qt, Mp * ps], [B, Mp * ps]
+        return _rank(scores, key_pos, k)
 
-        top, where = lax.map(query_tile, jnp.arange(q_tiles))     # [tiles, qt, k] x2
-        return top.reshape(-1, k), where.reshape(-1, k)
-
-    top, where = lax.map(sequence, (qf, wf, pos, pages, rotation))  # [B, Qp, k] x2
-    top, where = top[:, :nq], where[:, :nq]
+    top, where = lax.map(query_tile, jnp.arange(q_tiles))       # [tiles, B, qt, k] x2
+    top, where = (x.transpose(1, 0, 2, 3).reshape(b, -1, k)[:, :nq] for x in (top, where))
     return top, jnp.where(top > NEG_INF, where, NO_TOKEN)
 
 
-def _merge(best: tuple[jax.Array, jax.Array], scores: jax.Array, key_pos: jax.Array, k: int
-           ) -> tuple[jax.Array, jax.Array]:
-    """The k best of a ranked list (f32/i32[qt, k]) and a block's scores f32[qt, n] at
-    positions i32[1, n] after every position of the list (module docstring: why the order
-    stays exact)."""
-    best_scores, best_pos = best
+def _rank(scores: jax.Array, key_pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k best of each row of scores f32[B, qt, n] whose keys stand at positions i32[B, n]
+    (ascending), as (scores f32[B, qt, k], positions i32[B, qt, k]); rows of fewer than k keys
+    are padded with NEG_INF at NO_TOKEN."""
     scores = jnp.where(scores == 0, 0.0, scores)
-    joined = jnp.concatenate([best_scores, scores], axis=-1)
-    where = jnp.concatenate([best_pos, jnp.broadcast_to(key_pos, scores.shape)], axis=-1)
-    top, index = lax.top_k(joined, k)
-    return top, jnp.take_along_axis(where, index, axis=-1)
+    n = scores.shape[-1]
+    if n < k:
+        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, k - n)), constant_values=NEG_INF)
+        key_pos = jnp.pad(key_pos, ((0, 0), (0, k - n)), constant_values=NO_TOKEN)
+    top, index = lax.top_k(scores, k)
+    return top, jnp.take_along_axis(key_pos[:, None, :], index, axis=-1)

@@ -13,7 +13,7 @@ kernels/latent_heads.py does the same products for a decode step's few heads, ho
 whole kv_b block in VMEM; every head's is 15 MB of fp8, so here the grid walks the heads and
 each step takes one head's blocks.
 
-Numerics are those of `forward.mla_inputs` / `forward.mla_output` with o_proj through
+Numerics are those of `attention_inputs.mla_inputs` / `mla.mla_output` with o_proj through
 kernels/scaled_linear.py: each fp8 value times its block's scale, rounded to bf16; bf16
 inputs and f32 sums; each head's product with kv_b rounded to bf16 (XLA's bf16 matmul rounds
 it so); the sum over heads kept in f32.
@@ -48,7 +48,7 @@ absorb_queries with `rope` (each row's rotary factors, f32[R, 2 LANES], `rope_fa
   from the head's own q lanes: each lane of the rope's lane tile t times its cos, plus its
   partner, the other of its pair or of its halves, a lane roll of t, times its signed sin,
   rolled to the tile's first lanes, zero past the rope: the products and sums of
-  `forward.rope`, in f32, rounded to bf16 once). Then, per 16 rows, the G x 16 rows (head,
+  `ops.rope`, in f32, rounded to bf16 once). Then, per 16 rows, the G x 16 rows (head,
   row) times a 0/1 permutation on the MXU give them (row, head), the output tile as it lies.
   flops = 2 R' H (nope Dv + 16 G (Dv + LANES))   (the product; the permutation)
   bytes = R' H Dq 4 + H (nope + v) Dv w + scales + R' 2 LANES 4 + R' H (Dv + LANES) 2
@@ -186,7 +186,7 @@ def rope_factors(cos: jax.Array, sin: jax.Array, *, nope: int, interleaved: bool
     """The rotary factors `absorb_queries` takes: cos, sin f32[R, rope/2] (`forward.
     rope_cos_sin`) -> f32[R, 2 LANES], [C | S] laid on the lane tile of a head's q that holds
     its rope part (lanes nope to nope + rope): lane j's cos, and its partner's sin signed as
-    `forward.rope` signs it (-sin for the first of a pair or of the halves, +sin for the
+    `ops.rope` signs it (-sin for the first of a pair or of the halves, +sin for the
     second); zero off the rope's lanes."""
     rows, half = cos.shape
     if interleaved:                                        # pairs (2i, 2i + 1)

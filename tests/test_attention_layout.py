@@ -13,8 +13,8 @@ import pytest
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.aot import topology
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
-from cp_runtime.model.attention import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
-                                        row_attention_mode)
+from cp_runtime.model.attention_modes import (HBM_BYTES_PER_ICI_BYTE, attention_layout,
+                                              row_attention_mode)
 from cp_runtime.model.halves import (AHEAD_LAYERS, ahead_layers, layers_gathered_ahead,
                                      layers_gathered_in_chain)
 from cp_runtime.weights.params import init_params

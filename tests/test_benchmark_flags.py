@@ -3,22 +3,14 @@ defaults, and bad input answered by an argparse usage error (exit 2, the flag na
 work is done."""
 
 import argparse
-import importlib
-import pkgutil
 
 import jax
 import pytest
 
-import cp_runtime.benchmarks
+from cp_runtime.benchmarks import registry
 from cp_runtime.cli import args as cli_args
 from cp_runtime.config import model_names
 
-KNOWN = ("capacity", "chip", "collectives", "decode", "dispatch", "host_pages", "kernel_error",
-         "kernels", "merge", "million", "moe_layouts", "niah", "overload", "prefix_reuse",
-         "profile", "recovery", "report", "roofline", "selection", "serving", "throughput",
-         "tpu_model")
-# The command each module runs as, where it is not `cp-runtime bench MODULE`.
-COMMAND = {"report": "all"}
 # Shared flags' common defaults (cp_runtime.cli.args): a benchmark whose default differs says
 # why in its help.
 COMMON = {"--chunk-size": (cli_args.add_chunk_size, 1024),
@@ -30,24 +22,12 @@ RETIRED = ("--chunk", "--dtypes", "--tiny-model")
 # Benchmarks that sweep shard counts take a list; the others one count.
 SHARD_SWEEPS = ("collectives", "niah", "profile", "throughput")
 
+# Every benchmark, by its `cp-runtime bench NAME` name: the registry's table, the only list.
+BENCHMARKS = registry.names()
+
 
 def _module(name: str):
-    return importlib.import_module(f"cp_runtime.benchmarks.{name}")
-
-
-def _entry_points() -> tuple[str, ...]:
-    """Every module of cp_runtime.benchmarks with a `main` and a `build_parser`: the known
-    ones and any added later, which the generic checks below then cover too."""
-    names = [m.name for m in pkgutil.iter_modules(cp_runtime.benchmarks.__path__)]
-    return tuple(n for n in sorted(names)
-                 if all(hasattr(_module(n), f) for f in ("main", "build_parser")))
-
-
-BENCHMARKS = _entry_points()
-
-
-def test_every_known_benchmark_has_an_entry_point():
-    assert set(KNOWN) <= set(BENCHMARKS)
+    return registry.load(name)
 
 
 def _options(name: str) -> dict[str, argparse.Action]:
@@ -68,7 +48,7 @@ def test_help_shows_every_flag_and_its_default(name, capsys):
         _module(name).main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert f"cp-runtime bench {COMMAND.get(name, name)}" in text and "(default:" in text
+    assert f"cp-runtime bench {name}" in text and "(default:" in text
     parser = _module(name).build_parser()
     assert parser.formatter_class is cli_args.HelpFormatter
     for action in parser._actions:
@@ -141,7 +121,7 @@ def test_niah_model_is_a_config_and_checkpoint_a_directory():
 # -- bad input ------------------------------------------------------------------------------
 BAD = [
     # (benchmark, argv, the flag the message names)
-    *[(n, ["--shards", "0"], "--shards") for n in ("merge", "million", "niah", "report",
+    *[(n, ["--shards", "0"], "--shards") for n in ("merge", "million", "niah", "all",
                                                    "roofline", "throughput")],
     ("niah", ["--shards", "1,0"], "--shards"),
     ("throughput", ["--shards", "16,x"], "--shards"),
@@ -206,7 +186,7 @@ BAD = [
     ("throughput", ["--pool-factors", "0"], "--pool-factors"),
     ("throughput", ["--dense-max-length", "x"], "--dense-max-length"),
     ("throughput", ["--decode-steps", "0"], "--decode-steps"),
-    ("report", ["--only", "nope"], "--only"),
+    ("all", ["--only", "nope"], "--only"),
     ("profile", ["--shards", "16,0"], "--shards"),
     ("profile", ["--lengths", "8"], "--lengths"),               # below the page size
     ("profile", ["--page-size", "48"], "--page-size"),          # small's index_topk is 256

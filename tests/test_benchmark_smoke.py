@@ -17,10 +17,18 @@ import json
 import jax
 import pytest
 
-from cp_runtime.benchmarks import (capacity, collectives, decode, dispatch, host_pages,
-                                   kernel_error, kernels, merge, million, moe_layouts, niah,
-                                   overload, prefix_reuse, profile, recovery, report, roofline,
-                                   selection, serving, throughput, tpu_model)
+from cp_runtime.benchmarks import all_gather_latency as collectives
+from cp_runtime.benchmarks import cache_capacity as capacity
+from cp_runtime.benchmarks import (decode, kernel_error, kernels, million, moe_layouts, niah,
+                                   overload, prefix_reuse, profile, serving, throughput)
+from cp_runtime.benchmarks import host_page_transfers as host_pages
+from cp_runtime.benchmarks import indexer_cache_dtype as selection
+from cp_runtime.benchmarks import lockstep_dispatch as dispatch
+from cp_runtime.benchmarks import machine_roofline as roofline
+from cp_runtime.benchmarks import merge_variants as merge
+from cp_runtime.benchmarks import restart_recovery as recovery
+from cp_runtime.benchmarks import suite_report as report
+from cp_runtime.benchmarks.hand_model import tpu_model
 from cp_runtime.cache.capacity import deployment_report
 from cp_runtime.config import load_model_config
 

@@ -6,8 +6,13 @@ import json
 import jax
 import pytest
 
-from cp_runtime.benchmarks import capacity, kernel_error, report, selection, throughput
-from cp_runtime.benchmarks.roofline import measure_roofline
+from cp_runtime.benchmarks import cache_capacity as capacity
+from cp_runtime.benchmarks import indexer_cache_dtype as selection
+from cp_runtime.benchmarks import kernel_error, throughput
+from cp_runtime.benchmarks import suite_report as report
+from cp_runtime.benchmarks._shared import minimum_work
+from cp_runtime.benchmarks._shared.markdown import markdown_table
+from cp_runtime.benchmarks._shared.roofline_probe import measure_roofline
 from cp_runtime.cache.capacity import deployment_report, slice_report
 from cp_runtime.cli import main as cli
 from cp_runtime.config import ModelConfig, load_model_config
@@ -119,7 +124,7 @@ def hand() -> ModelConfig:
 
 def test_matmul_weights_by_hand(hand):
     # attention 8 + 8 + 16 + 8 + 8 = 48; indexer 4 + 8 + 4 = 16; MLP 3 * 3 * 4 = 36
-    assert throughput.matmul_weights(hand) == (48 + 16 + 36) + (48 + 36)
+    assert minimum_work.matmul_weights(hand) == (48 + 16 + 36) + (48 + 36)
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "glm-5.2"])
@@ -129,11 +134,11 @@ def test_matmul_weights_match_param_shapes(name):
     shapes = param_shapes(model)
     total = sum(s[0] * s[1] for k, s in shapes.items() if len(s) == 2
                 and k not in ("model.embed_tokens.weight", "lm_head.weight"))
-    assert throughput.matmul_weights(model, experts=model.n_routed_experts) == total
+    assert minimum_work.matmul_weights(model, experts=model.n_routed_experts) == total
 
 
 def test_projection_work_by_hand(hand):
-    w = throughput.projection_work(hand, 3, logit_rows=1, param_bytes=4, replicas=2)
+    w = minimum_work.projection_work(hand, 3, logit_rows=1, param_bytes=4, replicas=2)
     # per token 2 * 184 + Hadamard 2 * 2^2 * (1 + 1) = 384; lm_head 2 * 10 * 4 = 80
     assert w.flops == 2 * (3 * 384 + 80)
     # weights 184 + lm_head 40 + 3 embedding rows of 4, f32
@@ -141,18 +146,18 @@ def test_projection_work_by_hand(hand):
 
 
 def test_indexer_attention_write_by_hand(hand):
-    w = throughput.indexer_work(hand, 10, 6, kv_cache_dtype="fp8_e4m3")
+    w = minimum_work.indexer_work(hand, 10, 6, kv_cache_dtype="fp8_e4m3")
     assert (w.flops, w.bytes) == (10 * (2 * 2 + 3), 6 * 2 * 2)          # bf16 indexer keys
-    assert throughput.indexer_work(hand, 10, 6, kv_cache_dtype="f32").bytes == 6 * 2 * 4
-    w = throughput.attention_work(hand, 10, 3, page_size=16, kv_cache_dtype="fp8_e4m3")
+    assert minimum_work.indexer_work(hand, 10, 6, kv_cache_dtype="f32").bytes == 6 * 2 * 4
+    w = minimum_work.attention_work(hand, 10, 3, page_size=16, kv_cache_dtype="fp8_e4m3")
     assert (w.flops, w.bytes) == (2 * 10 * 2 * (256 + 2), 2 * 3 * 16 * 256)
-    w = throughput.cache_write_work(hand, 5, kv_cache_dtype="fp8_e4m3")
+    w = minimum_work.cache_write_work(hand, 5, kv_cache_dtype="fp8_e4m3")
     assert (w.flops, w.bytes) == (0, 5 * (2 * 256 + 2 * 2))
 
 
 def test_decode_step_work_by_hand(hand):
     # t = 40 on page 2: indexer 32 keys; attention 1 selected page + own page, 16 + 9 keys
-    w = throughput.decode_step_work(hand, context=40, page_size=16, kv_cache_dtype="fp8_e4m3",
+    w = minimum_work.decode_step_work(hand, context=40, page_size=16, kv_cache_dtype="fp8_e4m3",
                                     shards=2, param_bytes=4)
     assert w.flops == 2 * (384 + 80) + 32 * 7 + 2 * 25 * 2 * 258
     assert w.bytes == 2 * 4 * (184 + 40 + 4) + 32 * 2 * 2 + 2 * 2 * 16 * 256 + 516
@@ -160,7 +165,7 @@ def test_decode_step_work_by_hand(hand):
 
 def test_prefill_work_by_hand(hand):
     # 40 tokens in chunks [0, 32) and [32, 40); pages of 16; K = 1
-    w = throughput.prefill_work(hand, length=40, chunk=32, page_size=16,
+    w = minimum_work.prefill_work(hand, length=40, chunk=32, page_size=16,
                                 kv_cache_dtype="fp8_e4m3", shards=1, param_bytes=4)
     index_pairs = 16 * 16 + 8 * 32                                       # 512
     attend_pairs = 136 + (16 * 16 + 136) + (8 * 16 + 36)                 # 692
@@ -175,8 +180,8 @@ def test_prefill_work_by_hand(hand):
 def test_prefill_in_single_tokens_is_a_sum_of_decode_steps(name):
     model = load_model_config(name)
     kw = dict(page_size=16, kv_cache_dtype="bf16", shards=4, param_bytes=2)
-    prefill = throughput.prefill_work(model, length=100, chunk=1, **kw)
-    steps = [throughput.decode_step_work(model, context=t, **kw) for t in range(100)]
+    prefill = minimum_work.prefill_work(model, length=100, chunk=1, **kw)
+    steps = [minimum_work.decode_step_work(model, context=t, **kw) for t in range(100)]
     assert prefill.flops == sum(s.flops for s in steps)
     assert prefill.bytes == sum(s.bytes for s in steps)
 
@@ -189,7 +194,7 @@ def test_dense_model_selects_every_page(hand):
 
 # -- report ---------------------------------------------------------------------------------
 def test_markdown_table():
-    text = report.markdown_table([{"a": 1, "b": 0.123456}, {"a": "x|y"}])
+    text = markdown_table([{"a": 1, "b": 0.123456}, {"a": "x|y"}])
     assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | 0.1235 |", "| x\\|y |  |"]
 
 

@@ -1,5 +1,6 @@
 """Hugging Face DeepSeek-V3.2-format checkpoints (cp_runtime.weights.checkpoint), YaRN rope and
-group-limited routing (cp_runtime.model.forward), and `benchmarks.niah --checkpoint DIR` end to end.
+group-limited routing (cp_runtime.model.expert_router), and `benchmarks.niah --checkpoint DIR` end
+to end.
 
 A tiny checkpoint is written once per module: config.json with YaRN, fp8 quantisation in 16x32
 blocks (non-square, so a swapped block axis shows; most weights have partial edge blocks), 4
@@ -26,9 +27,12 @@ from serving_helpers import start_server, stop_server
 
 import cp_runtime
 
-from cp_runtime.benchmarks import needles, niah
+from cp_runtime.benchmarks import niah
+from cp_runtime.benchmarks._shared import needles
 from cp_runtime.config import ConfigError, ModelConfig, RopeScaling, load_model_config
-from cp_runtime.model.forward import mla_inputs, rope, rope_frequencies, route
+from cp_runtime.model.attention_inputs import mla_inputs
+from cp_runtime.model.ops import rope, rope_frequencies
+from cp_runtime.model.expert_router import dense_expert_weights
 from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.weights.checkpoint import (load_checkpoint, load_hf_params, load_tokenizer,
                                            read_hf_config)
@@ -503,7 +507,7 @@ def _router_inputs(n_experts: int, tokens: int, seed: int):
 
 def test_routing_one_group_is_unchanged(tiny):
     logits, bias = _router_inputs(tiny.n_routed_experts, 64, 0)
-    got = np.asarray(route(tiny, jnp.asarray(logits), jnp.asarray(bias)))
+    got = np.asarray(dense_expert_weights(tiny, jnp.asarray(logits), jnp.asarray(bias)))
     # Routing before groups existed: top-k of the biased scores, normalised unbiased scores.
     s = jax.nn.sigmoid(jnp.asarray(logits))
     _, chosen = jax.lax.top_k(s + bias, tiny.num_experts_per_tok)
@@ -537,7 +541,7 @@ def test_grouped_routing_matches_loop(tiny, norm):
     cfg = dataclasses.replace(tiny, n_routed_experts=16, num_experts_per_tok=6, n_group=4,
                               topk_group=2, norm_topk_prob=norm, routed_scaling_factor=2.5)
     logits, bias = _router_inputs(16, 64, 1)
-    got = np.asarray(route(cfg, jnp.asarray(logits), jnp.asarray(bias)))
+    got = np.asarray(dense_expert_weights(cfg, jnp.asarray(logits), jnp.asarray(bias)))
     want = numpy_route(logits, bias, 4, 2, 6, norm, 2.5)
     np.testing.assert_array_equal(got != 0, want != 0)
     np.testing.assert_allclose(got, want, rtol=1e-6)     # f32 sigmoid vs f64

@@ -10,7 +10,7 @@ from cp_runtime.cli.args import HelpFormatter, format_length, length, length_lis
 from cp_runtime.cli.main import build_parser, main, serve_runtime, typed_flags
 from cp_runtime.config import (CONFIG_DIR, ConfigError, check_runtime_for_model,
                                load_model_config, load_runtime_config)
-from cp_runtime.serving.activity import Activity, RequestRecord
+from cp_runtime.serving.session.activity import Activity, RequestRecord
 
 RUNTIME_FILES = sorted((CONFIG_DIR / "runtime").glob("*.toml"))
 

@@ -13,7 +13,7 @@ import pytest
 from test_serving import client, served, server  # noqa: F401 - fixtures
 
 import cp_runtime
-from cp_runtime.serving.protocol import encode_frame, read_frame
+from cp_runtime.serving.session.protocol import encode_frame, read_frame
 
 
 def test_error_classes_come_from_the_package(client):  # noqa: F811

@@ -140,7 +140,7 @@ def test_an_unknown_mode_is_refused():
 def test_the_benchmark_times_each_mode_at_each_shard_count(tmp_path):
     import json
 
-    from cp_runtime.benchmarks import collectives
+    from cp_runtime.benchmarks import all_gather_latency as collectives
 
     argv = ["--shards", "2,4,16", "--depth", "2", "--rounds", "2", "--out", str(tmp_path)]
     assert collectives.main(argv) == 0

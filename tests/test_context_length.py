@@ -29,8 +29,8 @@ from cp_runtime.engine.journal import Journal
 from cp_runtime.engine.requests import (BadRequest, ContextTooLong, Extend, Generate, PoolBusy,
                                         SamplingParams)
 from cp_runtime.serving.errors import error_code
-from cp_runtime.serving.state import TokenStore, read_logs
-from cp_runtime.serving.protocol import RETRYABLE_CODES, error_class
+from cp_runtime.serving.state.token_store import TokenStore, read_logs
+from cp_runtime.serving.session.protocol import RETRYABLE_CODES, error_class
 from serving_helpers import RawConnection, start_server, stop_server
 from test_client import ScriptedPeer
 from test_http import request

@@ -9,9 +9,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = ("README.md", "docs/*.md", "configs/**/*.toml", "cp_runtime/**/*.py", "kernels/*.py",
-           "cluster/*.py", "benchmarks/*.py")
+           "cluster/*.py", "benchmarks/**/*.py")
 DOTTED = re.compile(r"\bcp_runtime(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
-NOT_MODULES = {"cp_runtime.serving.requests"}      # a logger's name (serving/activity.py)
+NOT_MODULES = {"cp_runtime.serving.requests"}      # a logger's name (serving/session/activity.py)
 
 
 def _names() -> dict[str, str]:

@@ -11,9 +11,9 @@ import pytest
 from conftest import make_engine, random_tokens
 from cp_runtime.cache.pool import CacheRows
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, StorageFailed, Token
-from cp_runtime.serving import snapshots, token_log
-from cp_runtime.serving.recovery import restore_sessions
-from cp_runtime.serving.state import TokenStore, read_logs
+from cp_runtime.serving.state import snapshots, token_log
+from cp_runtime.serving.state.recovery import restore_sessions
+from cp_runtime.serving.state.token_store import TokenStore, read_logs
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 

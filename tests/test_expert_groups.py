@@ -20,7 +20,7 @@ from cp_runtime.engine.executor import LocalExecutor, experts_for_plan
 from cp_runtime.engine.step import Segment, StepInputs
 from cp_runtime.kernels import expert_matmul, fp8_rows
 from cp_runtime.model import expert_groups
-from cp_runtime.model.forward import _every_expert, _routed_experts, expert_rows
+from cp_runtime.model.moe import every_expert, expert_rows, pairs_by_expert
 from cp_runtime.weights.checkpoint import CheckpointBlocks
 from cp_runtime.weights.format import SCALE_SUFFIX, device_tensors
 from cp_runtime.weights.fp8_blocks import quantize
@@ -108,7 +108,7 @@ def test_groups_sum_to_one_groups_result_however_uneven_the_routing(capacity):
                                          rng.integers(8, experts, (tokens, 1))], 1), jnp.int32)
     weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
     kernel = functools.partial(expert_matmul.grouped_matmul, interpret=True)
-    whole, _ = _routed_experts(_params(stacks, 0, experts), x, chosen, weights, kernel,
+    whole, _ = pairs_by_expert(_params(stacks, 0, experts), x, chosen, weights, kernel,
                                fp8=rows)
     per = experts // groups
     parts = []
@@ -151,7 +151,7 @@ def test_a_pass_that_drops_pairs_would_be_seen():
     chosen = jnp.asarray(np.argsort(rng.random((tokens, 8)), 1)[:, :k], jnp.int32)
     weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
     p = _params(stacks, 0, experts)
-    whole, _ = _routed_experts(p, x, chosen, weights)
+    whole, _ = pairs_by_expert(p, x, chosen, weights)
     run = expert_rows(_params(stacks, 0, 8), x, None, None)
     one_pass, _ = run(*_first_pass(chosen, weights, 8, 24))
     got = jnp.zeros_like(x).at[_first_pass(chosen, weights, 8, 24)[0]].add(one_pass)
@@ -177,10 +177,10 @@ def test_a_decode_steps_every_expert_path_takes_only_its_groups_experts():
     x = jnp.asarray(rng.standard_normal((tokens, 128)), jnp.float32)
     chosen = jnp.asarray(np.argsort(rng.random((tokens, experts)), 1)[:, :k], jnp.int32)
     weights = jnp.asarray(rng.random((tokens, k)), jnp.float32)
-    whole = _every_expert(_params(stacks, 0, experts), x, chosen, weights)
+    whole = every_expert(_params(stacks, 0, experts), x, chosen, weights)
     per = experts // groups
-    got = sum(_every_expert(_params(stacks, a * per, (a + 1) * per), x, chosen, weights,
-                            first=a * per) for a in range(groups))
+    got = sum(every_expert(_params(stacks, a * per, (a + 1) * per), x, chosen, weights,
+                           first=a * per) for a in range(groups))
     assert rel_l2(got, whole) <= 1e-5
 
 

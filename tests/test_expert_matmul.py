@@ -18,7 +18,7 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import expert_matmul, fp8_rows, reference
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.model import moe
 from cp_runtime.weights.fp8_blocks import quantize
 
 # Under CI (which installs the tpu extra) a missing libtpu fails these instead of skipping them.
@@ -243,11 +243,11 @@ def test_moe_layer_through_kernel_matches_xla_paths(tokens):
                                               replace=False) for _ in range(tokens)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, chosen.shape), jnp.float32)
     kernel = functools.partial(expert_matmul.grouped_matmul, interpret=True)
-    got, _ = forward._routed_experts(p, x, chosen, weights, kernel)
-    ragged, _ = forward._routed_experts(p, x, chosen, weights)
+    got, _ = moe.pairs_by_expert(p, x, chosen, weights, kernel)
+    ragged, _ = moe.pairs_by_expert(p, x, chosen, weights)
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))   # noqa: E731
     assert rel(got, ragged) <= 1e-2
-    assert rel(got, forward._every_expert(p, x, chosen, weights)) <= 1e-2
+    assert rel(got, moe.every_expert(p, x, chosen, weights)) <= 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The HTTP door's bounds on one real `cp-runtime serve --http-port` process
-(cp_runtime.serving.http_front): a client trickling its request head or body is answered 408
+(cp_runtime.serving.http.listener): a client trickling its request head or body is answered 408
 and closed after the read timeout, and one trickling the rest of a body already answered is
 closed, while others are served; a connection past max_connections is answered 503 in
 OpenAI's shape with Retry-After, and /health and /metrics are still answered on it; /health
@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from cp_runtime.serving.state import TokenStore
+from cp_runtime.serving.state.token_store import TokenStore
 from serving_helpers import stop_server
 from test_http import request, start_http_server
 
-READ_TIMEOUT_S = 3              # --idle-timeout-s 3 caps http_front's read timeout at 3 s
+READ_TIMEOUT_S = 3              # --idle-timeout-s 3 caps the listener's read timeout at 3 s
 MAX_CONNECTIONS = 5
 # Sessions restored at start: 8 logs of 4 prefill chunks each (one step shape, the one the
 # other server tests compile) take ~32 steps, a window /health cannot miss.

@@ -1,6 +1,6 @@
 """kv_b's per-head products from fp8 blocks (kernels/latent_heads.py): the queries' W_uk and
 the merge with W_uv, each equal to its reference in interpret mode, the references equal to the
-model's XLA paths (`forward._absorbed_queries` and `OutputProjection.of_exchanged` off a TPU),
+model's XLA paths (`mla.absorbed_queries` and `OutputProjection.of_exchanged` off a TPU),
 and both compiled for TPU7x at GLM-5.2's and DeepSeek-V3.2's per-device shapes with no XLA
 pass left around them but copies and the scales' flattening."""
 
@@ -19,7 +19,8 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import reference, latent_heads
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.kernels.dispatch import MODEL_KERNELS
+from cp_runtime.model import mla, ops
 from cp_runtime.parallel.merge import merge_received
 from cp_runtime.weights.fp8_blocks import quantize
 
@@ -92,21 +93,21 @@ def _lane_model():
 
 
 def test_the_models_absorbed_queries_are_the_reference():
-    """Off a TPU `forward._absorbed_queries` takes the XLA branch of the kernel's call (bf16
+    """Off a TPU `mla.absorbed_queries` takes the XLA branch of the kernel's call (bf16
     matmul, rounded); it differs from the f32 reference by that rounding only, and equals the
     plain einsum the model runs for long steps."""
     cfg = _lane_model()
     rng = np.random.default_rng(2)
     heads, nope, v, dv = 2, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     w, s = _kv_b(rng, heads, nope, v, dv)
-    assert forward._latent_kernels_take(w, s, 3)
+    assert MODEL_KERNELS.latent_heads_take(w, s, 3)
     p = {"self_attn.kv_b_proj.weight": w, "self_attn.kv_b_proj.weight_scale_inv": s}
     q = jnp.asarray(rng.standard_normal((3, heads, cfg.qk_head_dim)), jnp.float32)
-    got = forward._absorbed_queries(p, cfg, q)                          # [R, H', Dv]
+    got = mla.absorbed_queries(p, cfg, q)                              # [R, H', Dv]
     ref = jnp.moveaxis(reference.absorb_queries(jnp.moveaxis(q, 0, 1), w, s, nope), 0, 1)
     assert float(jnp.abs(got - ref).max()) <= KERNEL_BOUND * float(jnp.abs(ref).max())
-    plain = forward._matmul("...hn,hnc->...hc", q[..., :nope],
-                            forward._kv_b(p, cfg)[:, :nope])
+    plain = ops.matmul("...hn,hnc->...hc", q[..., :nope],
+                        mla.kv_b_heads(p, cfg)[:, :nope])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
 
 
@@ -131,15 +132,15 @@ def test_reference_is_the_models_xla_path():
     heads, nope, v, dv = 2, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     received = _received(rng, 4, heads, 3, dv)
     w, s = _kv_b(rng, heads, nope, v, dv)
-    assert forward._latent_kernels_take(w, s, 3)
+    assert MODEL_KERNELS.latent_heads_take(w, s, 3)
     o_proj = jnp.asarray(rng.standard_normal((cfg.hidden_size, heads * v)), jnp.bfloat16)
     p = {"self_attn.kv_b_proj.weight": w, "self_attn.kv_b_proj.weight_scale_inv": s,
          "self_attn.o_proj.weight": o_proj}
-    projection = forward.OutputProjection(p, cfg)
+    projection = mla.OutputProjection(p, cfg)
     got = projection.of_exchanged(received)
     want = projection(merge_received(received))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    values = forward._merged_values(received, w, s, cfg).astype(jnp.float32)
+    values = mla.merged_values(received, w, s, cfg).astype(jnp.float32)
     ref = reference.merge_values(received, w, s, nope)
     assert float(jnp.abs(values - ref).max()) <= KERNEL_BOUND * float(jnp.abs(ref).max())
 

@@ -35,6 +35,24 @@ MAY_IMPORT = {
 # `cp_runtime/__init__.py`, the public face: the clients and their errors, nothing else.
 ROOT_MAY_IMPORT = {"serving"}
 
+# Inside serving: each sub-package (session/, http/, state/) or shared module (backend, errors,
+# app, process) and the other pieces of serving it may import, read as in MAY_IMPORT. Durable
+# state stands alone; the HTTP door sees the server only as a `backend.Backend` (and the
+# protocol's error codes), never the server, its device loop or the state; `process` starts a
+# server by its command line and imports nothing of the package.
+SERVING_MAY_IMPORT = {
+    "state": set(),
+    "backend": set(),
+    "errors": {"session.protocol"},
+    "session": {"backend", "errors", "state"},
+    "http": {"backend", "errors", "session.protocol"},
+    "app": {"backend", "errors", "session", "http", "state"},
+    "process": set(),
+}
+# The engine's modules the HTTP door may import: the requests, events and errors it submits
+# and reads (the engine itself is behind the backend).
+HTTP_MAY_IMPORT_FROM_ENGINE = {"cp_runtime.engine.requests"}
+
 
 def _module_name(path: pathlib.Path) -> str:
     """cp_runtime.engine.core for cp_runtime/engine/core.py; kernels/ and cluster/ install as
@@ -108,6 +126,56 @@ def test_each_module_imports_only_what_its_layer_allows(module):
     imported = {_known(m) or m for m in _imports(MODULES[module])}
     bad = sorted(m for m in imported if _part(m) not in allowed)
     assert not bad, f"{module} ({part}) imports {bad}; {part} may import {sorted(allowed)}"
+
+
+SERVING = {m: p for m, p in MODULES.items() if m.startswith("cp_runtime.serving.")}
+
+
+def _serving_piece(module: str) -> str:
+    """session, http, state, or a shared module's name: cp_runtime.serving.PIECE[...]."""
+    return module.split(".")[2]
+
+
+def test_the_serving_table_names_every_piece():
+    assert {_serving_piece(m) for m in SERVING} == set(SERVING_MAY_IMPORT)
+
+
+@pytest.mark.parametrize("module", sorted(SERVING))
+def test_each_serving_module_imports_only_what_its_piece_allows(module):
+    piece = _serving_piece(module)
+    allowed = SERVING_MAY_IMPORT[piece]
+    imported = {_known(m) or m for m in _imports(SERVING[module])}
+    bad = sorted(m for m in imported if m.startswith("cp_runtime.serving.")
+                 and _serving_piece(m) != piece and _serving_piece(m) not in allowed
+                 and ".".join(m.split(".")[2:4]) not in allowed)
+    if piece == "process":
+        bad += sorted(imported)
+    if piece == "http":
+        bad += sorted(m for m in imported if _part(m) == "engine"
+                      and m not in HTTP_MAY_IMPORT_FROM_ENGINE)
+    assert not bad, f"{module} ({piece}) imports {bad}; {piece} may import {sorted(allowed)}"
+
+
+def test_the_server_implements_the_http_doors_backend():
+    """Every member of serving/backend.py's Backend is a method or property of the server, or
+    an attribute its __init__ sets."""
+    backend = _class(ROOT / "cp_runtime/serving/backend.py", "Backend")
+    wanted = {n.name for n in backend.body if isinstance(n, (ast.FunctionDef,
+                                                           ast.AsyncFunctionDef))}
+    wanted |= {n.target.id for n in backend.body if isinstance(n, ast.AnnAssign)}
+    server = _class(ROOT / "cp_runtime/serving/session/server.py", "Server")
+    has = {n.name for n in server.body if isinstance(n, (ast.FunctionDef,
+                                                       ast.AsyncFunctionDef))}
+    init = next(n for n in server.body if getattr(n, "name", None) == "__init__")
+    has |= {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for target in n.targets
+            for t in ast.walk(target) if isinstance(t, ast.Attribute)
+            and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert wanted and not wanted - has, sorted(wanted - has)
+
+
+def _class(path: pathlib.Path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(path.read_text()).body
+                if isinstance(n, ast.ClassDef) and n.name == name)
 
 
 def test_no_module_imports_the_benchmarks():

@@ -21,7 +21,8 @@ def test_the_wheel_claims_one_import_name_and_ships_configs(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"cp_runtime"}
     for config in ("models/glm-5.2.toml", "models/tiny.toml", "runtime/local.toml"):
         assert f"cp_runtime/configs/{config}" in names
-    for package in ("kernels", "benchmarks", "cluster"):
+    for package in ("kernels", "benchmarks", "benchmarks/_shared", "benchmarks/hand_model",
+                    "cluster"):
         assert f"cp_runtime/{package}/__init__.py" in names
     for init in (ROOT / "cp_runtime").rglob("__init__.py"):    # pyproject lists every package
         assert init.relative_to(ROOT).as_posix() in names, init
@@ -38,11 +39,12 @@ def _docs_cited_by_help() -> set[str]:
     import io
     import re
 
-    from cp_runtime.cli.main import BENCHMARKS, main
+    from cp_runtime.benchmarks import registry
+    from cp_runtime.cli.main import main
 
     text = io.StringIO()
-    commands = [[], ["serve"], ["demo"], ["capacity"], ["compile"],
-                *(["bench", b] for b in BENCHMARKS)]
+    commands = [[], ["serve"], ["demo"], ["capacity"], ["compile"], ["bench"],
+                *(["bench", b] for b in registry.names())]
     for argv in commands:
         with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
             main([*argv, "--help"])

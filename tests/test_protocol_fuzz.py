@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cp_runtime
-from cp_runtime.serving.protocol import ERROR_CODES, EVENTS, OPS
+from cp_runtime.serving.session.protocol import ERROR_CODES, EVENTS, OPS
 from serving_helpers import RawConnection, World, frame, start_server, stop_server
 
 VOCAB = 256
@@ -126,7 +126,7 @@ class Fuzz:
             if s is not None:
                 try:
                     s.close()
-                except cp_runtime.serving.protocol.NotFoundError:
+                except cp_runtime.serving.session.protocol.NotFoundError:
                     pass
         self.target = self.client.create_session()
         self.target.extend(TARGET_TOKENS)
@@ -201,7 +201,7 @@ class Fuzz:
         info = {}
         try:
             info = self.target.info()
-        except cp_runtime.serving.protocol.NotFoundError:
+        except cp_runtime.serving.session.protocol.NotFoundError:
             pass
         if info.get("length") != len(TARGET_TOKENS) or self.empty.id not in {
                 s["id"] for s in self.client.sessions()} or \

@@ -258,7 +258,7 @@ def test_serve_a_checkpoint_split_over_ray_workers(ray_cluster, xla_cache, check
                             "--kv-cache-dtype", "f32", "--pages-per-shard", "24",
                             "--chunk-size", "64", "--executor", "ray", "--hosts", "2",
                             "--devices-per-host", "8", "--ray-address", ray_cluster,
-                            "--compilation-cache-dir", xla_cache], startup_s=180)
+                            "--compile-cache", xla_cache], startup_s=180)
     try:
         with cp_runtime.Client(server.address) as client:
             session = client.create_session()

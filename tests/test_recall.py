@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cp_runtime.benchmarks.common import parse_length
-from cp_runtime.benchmarks.needles import Probe, Variant, recall_context
+from cp_runtime.benchmarks._shared.needles import Probe, Variant, recall_context
+from cp_runtime.benchmarks._shared.results import parse_length
+from cp_runtime.benchmarks.indexer_cache_dtype import round_keys, selection_change, top_pages
 from cp_runtime.benchmarks.niah import run_context, score_probes
-from cp_runtime.benchmarks.selection import round_keys, selection_change, top_pages
 from cp_runtime.model.recall import build_recall_model
 from conftest import make_engine
-from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.model.indexer_inputs import IndexerInputs
 from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.weights.params import param_shapes
 

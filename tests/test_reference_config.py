@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 
 from cp_runtime.config import ConfigError, RopeScaling, load_model_config
-from cp_runtime.model.forward import _rope_mscale, rms_norm, rope_frequencies, row_features
+from cp_runtime.model.attention_inputs import row_features
+from cp_runtime.model.ops import rms_norm, rope_frequencies, rope_mscale
 from cp_runtime.weights.checkpoint import read_hf_config
 from cp_runtime.weights.params import init_params, layer_params
 
 CASES = json.loads((pathlib.Path(__file__).parent / "reference" / "fixtures"
                     / "config_cases.json").read_text())["cases"]
-INDEXER_K_NORM_EPS = 1e-6        # cp_runtime.model.forward.row_features' LayerNorm
+INDEXER_K_NORM_EPS = 1e-6        # cp_runtime.model.indexer_inputs.indexer_keys' LayerNorm
 
 
 def read(tmp_path, hf: dict):
@@ -62,7 +63,7 @@ def test_config_json_read_as_transformers_reads_it(tmp_path, case):
     assert cfg.rope_theta == want["rope_theta"]
     assert (cfg.rope_scaling is None) == (want["rope_type"] == "default")
     np.testing.assert_allclose(rope_frequencies(cfg), want["inv_freq"], rtol=2e-6, atol=0)
-    assert _rope_mscale(cfg) == pytest.approx(want["rope_mscale"], rel=1e-12)
+    assert rope_mscale(cfg) == pytest.approx(want["rope_mscale"], rel=1e-12)
     assert cfg.qk_head_dim == want["qk_head_dim"]
     assert cfg.softmax_scale == pytest.approx(want["softmax_scale"], rel=1e-12)
     assert cfg.weight_dtype == ("f32" if want["dtype"] == "float32" else "bf16")

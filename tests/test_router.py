@@ -1,6 +1,6 @@
 """A MoE layer's routing in one Pallas kernel (kernels/router.py): equal to its reference in
 interpret mode, choices and weights bit for bit, with and without the group limit and through
-ties; the reference equal to the model's XLA routing (`forward._routed` off a TPU); the
+ties; the reference equal to the model's XLA routing (`router.route_tokens` off a TPU); the
 experts' result unchanged by the ordered choices; and compiled for TPU7x at GLM-5.2's and
 DeepSeek-V3.2's router shapes with nothing computing outside the call."""
 
@@ -19,7 +19,9 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import expert_matmul, reference, router
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.kernels.dispatch import ROUTER_KERNEL_MAX_ROWS
+from cp_runtime.model import moe
+from cp_runtime.model.expert_router import route_tokens, routing_keywords
 from cp_runtime.weights.fp8_blocks import quantize
 
 needs_libtpu = pytest.mark.skipif(not topology.has_libtpu() and not os.environ.get("CI"),
@@ -82,25 +84,25 @@ def test_bad_shapes_are_refused():
 
 
 def test_the_models_routing_is_the_reference():
-    """Off a TPU `forward._routed` takes the kernel's XLA branch for a few rows and a bf16
-    gate: the model's own routing (`route_topk` of its bf16 logits) in ascending expert order,
-    equal to the reference; long steps keep route_topk's order."""
+    """Off a TPU `route_tokens` takes the kernel's XLA branch for a few rows and a bf16
+    gate: the model's own routing (`top_k_experts` of its bf16 logits) in ascending expert
+    order, equal to the reference; long steps keep top_k_experts' order."""
     cfg = load_model_config("deepseek-mini")
     rng = np.random.default_rng(3)
     x, gate, bias = _exact_inputs(rng, 3, cfg.n_routed_experts, cfg.hidden_size)
     p = {"mlp.gate.weight": gate, "mlp.gate.e_score_correction_bias": bias}
     assert router.supports(3, gate.shape, gate.dtype, cfg.num_experts_per_tok)
-    chosen, weights, by_expert = forward._routed(p, cfg, x)
+    chosen, weights, by_expert = route_tokens(p, cfg, x)
     assert by_expert
-    want_chosen, want_weights = reference.router(x, gate, bias, **forward.routing(cfg))
+    want_chosen, want_weights = reference.router(x, gate, bias, **routing_keywords(cfg))
     np.testing.assert_array_equal(np.asarray(chosen), np.asarray(want_chosen))
     np.testing.assert_array_equal(np.asarray(weights), np.asarray(want_weights))
-    long_x = jnp.tile(x, (forward.ROUTER_KERNEL_MAX_ROWS // 3 + 1, 1))
-    long_chosen, _, long_by_expert = forward._routed(p, cfg, long_x)
+    long_x = jnp.tile(x, (ROUTER_KERNEL_MAX_ROWS // 3 + 1, 1))
+    long_chosen, _, long_by_expert = route_tokens(p, cfg, long_x)
     assert not long_by_expert
     np.testing.assert_array_equal(np.sort(np.asarray(long_chosen[:3]), -1), chosen)
     f32_gate = {**p, "mlp.gate.weight": gate.astype(jnp.float32)}
-    assert not forward._routed(f32_gate, cfg, x)[2]                # f32 gates stay in XLA
+    assert not route_tokens(f32_gate, cfg, x)[2]                # f32 gates stay in XLA
 
 
 def test_one_tokens_experts_skip_the_sort():
@@ -118,8 +120,8 @@ def test_one_tokens_experts_skip_the_sort():
     chosen = jnp.asarray([[1, 3, 4, 6]])
     weights = jnp.asarray(rng.random((1, k)), jnp.float32)
     kernel = functools.partial(expert_matmul.grouped_matmul, interpret=True)
-    sorted_once, _ = forward._routed_experts(p, x, chosen, weights, kernel, by_expert=True)
-    sorted_again, _ = forward._routed_experts(p, x, chosen, weights, kernel)
+    sorted_once, _ = moe.pairs_by_expert(p, x, chosen, weights, kernel, by_expert=True)
+    sorted_again, _ = moe.pairs_by_expert(p, x, chosen, weights, kernel)
     np.testing.assert_array_equal(np.asarray(sorted_once), np.asarray(sorted_again))
 
 
@@ -140,7 +142,7 @@ def test_compiles_for_tpu7x(device, model, rows):
               ((cfg.n_routed_experts,), jnp.float32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device))
             for s, d in shapes]
-    fn = functools.partial(router.route, **forward.routing(cfg))
+    fn = functools.partial(router.route, **routing_keywords(cfg))
     with jax.default_device(device):
         compiled = jax.jit(fn).lower(*args).compile()
     module = hlo.parse_module(compiled.as_text())

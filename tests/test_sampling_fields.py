@@ -19,7 +19,7 @@ from cp_runtime.engine.plans import sampling_arrays
 from cp_runtime.engine.requests import BadRequest, SamplingParams
 from cp_runtime.model.sampler import (MAX_TOP_LOGPROBS, PENALTY_WINDOW, SamplingArrays,
                                       adjust_logits, sample_tokens)
-from cp_runtime.serving import openai_format as fmt
+from cp_runtime.serving.http import openai_format as fmt
 from serving_helpers import start_server, stop_server
 from test_http import request
 

@@ -1,5 +1,5 @@
 """The linear layer from block-scaled fp8 weights (kernels/scaled_linear.py): equal to its
-reference in interpret mode, equal to the model's XLA path (`forward.linear` off a TPU), and
+reference in interpret mode, equal to the model's XLA path (`ops.linear` off a TPU), and
 compiled for TPU7x at GLM-5.2's per-device shapes without the f32 broadcast of the scales
 that XLA writes to HBM."""
 
@@ -17,7 +17,8 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import reference, scaled_linear
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.kernels.dispatch import LINEAR_KERNEL_MIN_ELEMENTS
+from cp_runtime.model import ops
 from cp_runtime.weights.fp8_blocks import quantize
 
 needs_libtpu = pytest.mark.skipif(not topology.has_libtpu() and not os.environ.get("CI"),
@@ -66,14 +67,14 @@ def test_leading_dims_and_bad_shapes():
 
 
 def test_reference_is_the_models_xla_path():
-    """Off a TPU `forward.linear` dequantises with `weight()` and runs a bf16 matmul whose
+    """Off a TPU `ops.linear` dequantises with `weight()` and runs a bf16 matmul whose
     output XLA rounds to bf16; the reference keeps f32. They differ by that rounding only
     (bf16's 2^-9 relative step)."""
     rng = np.random.default_rng(1)
     w, s = _weights(rng, 256, 256, (128, 128))
     x = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
     p = {"w": w, "w_scale_inv": s}
-    got = forward.linear(p, "w", x)
+    got = ops.linear(p, "w", x)
     want = reference.scaled_linear(x, w, s)
     assert float(jnp.abs(got - want).max()) <= 2.0 ** -8 * float(jnp.abs(want).max())
 
@@ -153,7 +154,7 @@ def test_compiles_for_tpu7x_at_whole_o_proj(device, rows):
 @needs_libtpu
 @pytest.mark.parametrize("heads, kernel", [(64, True), (4, False)])
 def test_model_takes_the_kernel_for_whole_weights_of_many_rows(device, heads, kernel):
-    """`forward.linear` for 1,024 rows: o_proj whole (64 heads, 100M values) goes through the
+    """`ops.linear` for 1,024 rows: o_proj whole (64 heads, 100M values) goes through the
     kernel, as XLA would write its scales broadcast to f32; a device's 4 heads of it (6M)
     keep XLA's fusion, which fuses the casts around it."""
     cfg = load_model_config("glm-5.2")
@@ -164,12 +165,12 @@ def test_model_takes_the_kernel_for_whole_weights_of_many_rows(device, heads, ke
     p = {"w": struct((n, k), jnp.float8_e4m3fn),
          "w_scale_inv": struct((n // 128, k // 128), jnp.float32)}
     with jax.default_device(device):
-        compiled = jax.jit(lambda p, x: forward.linear(p, "w", x)).lower(
+        compiled = jax.jit(lambda p, x: ops.linear(p, "w", x)).lower(
             p, struct((1024, k), jnp.float32)).compile()
     module = hlo.parse_module(compiled.as_text())
     names = [i.name.split(".")[0] for i in module.computations[module.entry] if i.is_kernel]
     assert (names == ["scaled_linear"]) is kernel
-    assert (n * k >= forward.LINEAR_KERNEL_MIN_ELEMENTS) is kernel
+    assert (n * k >= LINEAR_KERNEL_MIN_ELEMENTS) is kernel
 
 
 def test_supports_the_down_projections_runs():

@@ -131,7 +131,8 @@ def test_sparse_equals_dense_when_k_covers_all_pages(tiny, tiny_params):
 
 
 def _dense_causal_logits(params, tokens, cfg):
-    from cp_runtime.model.forward import forward, logits
+    from cp_runtime.model.layers import forward
+    from cp_runtime.model.ops import logits
     from cp_runtime.model.oracle import dense_sparse_attention
     from cp_runtime.weights.params import model_layout
     t = tokens.shape[0]
@@ -146,7 +147,7 @@ def _dense_causal_logits(params, tokens, cfg):
 
 
 def test_shared_layers_reuse_last_full_selection(tiny, tiny_params):
-    from cp_runtime.model.forward import forward
+    from cp_runtime.model.layers import forward
     from cp_runtime.model.oracle import make_oracle_attend
     from cp_runtime.weights.params import model_layout
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, tiny.vocab_size, 96))

@@ -16,9 +16,9 @@ import pytest
 
 import cp_runtime
 from cp_runtime.cli.main import build_parser
-from cp_runtime.serving import server as server_module
-from cp_runtime.serving.protocol import BadRequestError, CapacityError, UnauthorizedError
-from cp_runtime.serving.server import ServerLimits
+from cp_runtime.serving.backend import ServerLimits
+from cp_runtime.serving.session import server as server_module
+from cp_runtime.serving.session.protocol import BadRequestError, CapacityError, UnauthorizedError
 from serving_helpers import RawConnection, frame, start_server, stop_server
 
 TOKEN = "s3cret-token"

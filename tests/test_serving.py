@@ -18,7 +18,7 @@ import cp_runtime
 from conftest import random_tokens
 from cp_runtime.model.oracle import oracle_logits
 from cp_runtime.serving.process import SERVE_COMMAND
-from cp_runtime.serving.protocol import (BadRequestError, ContextLengthError, NotFoundError,
+from cp_runtime.serving.session.protocol import (BadRequestError, ContextLengthError, NotFoundError,
                                          ServerError, UnauthorizedError)
 from serving_helpers import TINY_SERVER, start_server, stop_server
 
@@ -211,6 +211,6 @@ def test_binding_beyond_loopback_without_a_token_is_refused():
 
 
 def test_server_error_classes_mirror_the_codes():
-    from cp_runtime.serving.protocol import ERROR_CODES, error_class
+    from cp_runtime.serving.session.protocol import ERROR_CODES, error_class
     assert {error_class(code).code for code in ERROR_CODES} == set(ERROR_CODES)
     assert all(issubclass(error_class(code), ServerError) for code in ERROR_CODES)

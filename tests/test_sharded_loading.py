@@ -41,7 +41,7 @@ def _tensors(blocks, cfg, dtype):
 
 def _dequantized(placed, name):
     """A placed weight in f32: fp8 values times their scales, run by run (the device's rule,
-    cp_runtime.model.forward.weight, without the rounding to bf16)."""
+    cp_runtime.model.ops.weight, without the rounding to bf16)."""
     w = np.asarray(placed[name]).astype(np.float32)
     scale = placed.get(name + SCALE_SUFFIX)
     if scale is None:

@@ -16,9 +16,11 @@ from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.config import ConfigError, RuntimeConfig, load_model_config
 from cp_runtime.kernels import expert_matmul
 from cp_runtime.kernels.reference import dequantize
-from cp_runtime.model.forward import (EVERY_EXPERT_MAX_ROWS, INDEXER_Q_WEIGHT, IndexerInputs,
-                                      _every_expert, _indexer_queries, _routed_experts,
-                                      _swiglu, mlp, route, route_topk)
+from cp_runtime.kernels.dispatch import EVERY_EXPERT_MAX_ROWS
+from cp_runtime.model.indexer_inputs import INDEXER_Q_WEIGHT, IndexerInputs, indexer_queries
+from cp_runtime.model.mlp import mlp, swiglu
+from cp_runtime.model.moe import every_expert, pairs_by_expert
+from cp_runtime.model.expert_router import dense_expert_weights, top_k_experts
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.fp8_blocks import quantize
 from cp_runtime.weights.format import resolve_runtime_weights
@@ -81,11 +83,11 @@ def test_grouped_experts_match_a_dense_loop_over_every_expert():
     p_hf = layer_params(hf, 1)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 7, model.hidden_size)),
                     jnp.float32)
-    gate = route(model, jnp.einsum("...i,oi->...o", x, p_hf["mlp.gate.weight"]),
-                 p_hf["mlp.gate.e_score_correction_bias"])
-    dense = sum(gate[..., e, None] * _swiglu(p_hf, f"mlp.experts.{e}", x)
+    gate = dense_expert_weights(model, jnp.einsum("...i,oi->...o", x, p_hf["mlp.gate.weight"]),
+                                p_hf["mlp.gate.e_score_correction_bias"])
+    dense = sum(gate[..., e, None] * swiglu(p_hf, f"mlp.experts.{e}", x)
                 for e in range(model.n_routed_experts))
-    dense = dense + _swiglu(p_hf, "mlp.shared_experts", x)
+    dense = dense + swiglu(p_hf, "mlp.shared_experts", x)
     assert rel_l2(mlp(p, model, 1, x), dense) <= 1e-6
     assert int((gate > 0).sum(-1).max()) == model.num_experts_per_tok
 
@@ -121,8 +123,8 @@ def test_fp8_experts_run_from_their_blocks_as_the_dequantised_grouped_matmul():
         runs = values.astype(np.float64).reshape(-1, a // 16, 16, b // 16, 16)
         dequantised[proj] = (runs * scales.reshape(-1, a // 16, 1, b // 16, 1)).reshape(w.shape)
     x = rng.standard_normal((EVERY_EXPERT_MAX_ROWS, 64)).astype(np.float32)
-    chosen, weights = route_topk(model, jnp.asarray(rng.standard_normal((len(x), 32)),
-                                                    jnp.float32), jnp.zeros((32,)))
+    chosen, weights = top_k_experts(model, jnp.asarray(rng.standard_normal((len(x), 32)),
+                                                       jnp.float32), jnp.zeros((32,)))
     chosen, weights = np.asarray(chosen), np.asarray(weights)
 
     def silu(v):
@@ -134,9 +136,9 @@ def test_fp8_experts_run_from_their_blocks_as_the_dequantised_grouped_matmul():
             h = silu(x[t] @ dequantised["gate"][e]) * (x[t] @ dequantised["up"][e])
             exact[t] += wt * (h @ dequantised["down"][e])
     args = (p, jnp.asarray(x), jnp.asarray(chosen), jnp.asarray(weights))
-    blocks = _every_expert(*args)
-    grouped, _ = _routed_experts(*args)
-    kernel, _ = _routed_experts(*args, functools.partial(expert_matmul.grouped_matmul,
+    blocks = every_expert(*args)
+    grouped, _ = pairs_by_expert(*args)
+    kernel, _ = pairs_by_expert(*args, functools.partial(expert_matmul.grouped_matmul,
                                                          interpret=True))
     assert rel_l2(blocks, exact) <= 1e-2
     assert rel_l2(grouped, exact) <= 1e-2
@@ -267,11 +269,11 @@ def test_indexer_q_of_own_rows_is_every_rows_heads_gathered():
                        check_vma=False)
     def run(local, q_lora, pos):
         ws = WeightShards(axis="cp", rows_split=True, whole_heads=True)
-        by_head = IndexerInputs(q=_indexer_queries(local, cfg, q_lora, pos),
+        by_head = IndexerInputs(q=indexer_queries(local, cfg, q_lora, pos),
                                 heads=cfg.index_n_heads, **unused)
         whole = ws.gather_weights(local, {name: 0}, SCALE_SUFFIX)
-        by_row = IndexerInputs(q=_indexer_queries(whole, cfg, ws.own_rows(q_lora),
-                                                  ws.own_rows(pos)), rows=pos.shape, **unused)
+        by_row = IndexerInputs(q=indexer_queries(whole, cfg, ws.own_rows(q_lora),
+                                                 ws.own_rows(pos)), rows=pos.shape, **unused)
         rounded = [x.rounded().gathered(ws) for x in (by_head, by_row)]
         return ([x.gathered(ws).q for x in (by_head, by_row)],
                 [x.q.astype(jnp.float32) * x.q_scale[..., None] for x in rounded])
@@ -279,8 +281,8 @@ def test_indexer_q_of_own_rows_is_every_rows_heads_gathered():
     placed = {name: jax.device_put(w, NamedSharding(mesh, specs[name])),
               name + SCALE_SUFFIX: jax.device_put(scales, NamedSharding(mesh, P("cp")))}
     (by_head, by_row), (e4m3_head, e4m3_row) = run(placed, q_lora, pos)
-    one_device = _indexer_queries({name: jnp.asarray(w), name + SCALE_SUFFIX: jnp.asarray(scales)},
-                                  cfg, q_lora, pos)
+    one_device = indexer_queries({name: jnp.asarray(w), name + SCALE_SUFFIX: jnp.asarray(scales)},
+                                 cfg, q_lora, pos)
     assert by_row.shape == (2, 32, cfg.index_n_heads, cfg.index_head_dim)
     for got in (by_head, by_row):
         assert rel_l2(got, one_device) <= 2 ** -8

@@ -17,7 +17,7 @@ from cp_runtime.aot import hlo, topology
 from cp_runtime.config import load_model_config
 from cp_runtime.kernels import fp8_rows, reference, shared_expert
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.model import mlp
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.fp8_blocks import quantize
 
@@ -66,14 +66,14 @@ def test_kernel_matches_reference(rows, hidden, inner):
 
 @pytest.mark.parametrize("rows, hidden, inner", [(96, 384, 128), (1024, 4096, 256)])
 def test_kernel_is_the_models_xla_path_within_bf16_roundings(rows, hidden, inner):
-    """`forward._plus_shared_experts` off a TPU: XLA rounds the gate, up and down products to
+    """`mlp.shared_experts_sum` off a TPU: XLA rounds the gate, up and down products to
     bf16 where the kernel keeps them in f32. Measured 0.95 of a bf16 step of the output's
     largest value (three seeds); the bound is 2."""
     x, routed, blocks = _case(rows, hidden, inner, seed=1)
     p = {}
     for i, proj in enumerate(("gate", "up", "down")):
         p[PREFIX.format(proj)], p[PREFIX.format(proj) + SCALE_SUFFIX] = blocks[2 * i:2 * i + 2]
-    xla = forward._plus_shared_experts(p, routed, x)
+    xla = mlp.shared_experts_sum(p, routed, x)
     got = shared_expert.shared_expert(x.values, x.scales, routed, *blocks, interpret=True)
     assert xla.dtype == jnp.float32
     assert _steps(got, xla.astype(jnp.bfloat16)) <= 2.0
@@ -133,7 +133,7 @@ def test_model_takes_the_kernel_on_tpu7x_at_glm_shapes(device):
     rows = 16384
     p, routed, x, (hidden, inner) = _glm_structs(device, rows)
     with jax.default_device(device):
-        compiled = jax.jit(lambda p, r, x: forward._plus_shared_experts(p, r, x).astype(
+        compiled = jax.jit(lambda p, r, x: mlp.shared_experts_sum(p, r, x).astype(
             jnp.bfloat16)).lower(p, routed, x).compile()
     entry = (module := hlo.parse_module(compiled.as_text())).computations[module.entry]
     calls = [i for i in entry if i.is_kernel]

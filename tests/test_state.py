@@ -13,7 +13,7 @@ import cp_runtime
 from conftest import make_engine, random_tokens
 from cp_runtime.engine.requests import Extend, Generate, SamplingParams, Token, Unavailable
 from cp_runtime.model.oracle import oracle_logits
-from cp_runtime.serving.state import read_logs
+from cp_runtime.serving.state.token_store import read_logs
 from serving_helpers import start_server, stop_server
 
 def greedy_continuation(params, cfg, tokens, n):

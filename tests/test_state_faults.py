@@ -14,8 +14,8 @@ import pytest
 
 import cp_runtime
 from conftest import random_tokens
-from cp_runtime.serving import token_log
-from cp_runtime.serving.state import read_logs
+from cp_runtime.serving.state import token_log
+from cp_runtime.serving.state.token_store import read_logs
 from serving_helpers import start_server, stop_server
 from test_state import WHILE_RESTORING
 
@@ -206,7 +206,10 @@ def _fill(directory):
 def test_a_full_disk_refuses_with_storage_changes_nothing_and_the_server_goes_on(
         tmp_path, tiny):
     with small_tmpfs(tmp_path / "state") as state:
-        server, address = _serve(str(state), "--fsync", "always")
+        # The compilation cache (else in the state dir) kept off the small disk: it would
+        # fill it before the test's first session.
+        server, address = _serve(str(state), "--fsync", "always", "--compile-cache",
+                                 str(tmp_path / "compile-cache"))
         try:
             with cp_runtime.Client(address) as client:
                 s = client.create_session()

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import make_engine, random_tokens, rel_l2
 from cp_runtime.kernels.token_candidates import NO_TOKEN, indexer_token_candidates
-from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.model.indexer_inputs import IndexerInputs
 from cp_runtime.model.oracle import oracle_logits, token_scores, token_selection_mask
 from cp_runtime.kernels.reference import mask_words
 from cp_runtime.parallel.selection import rank_pages, token_entries

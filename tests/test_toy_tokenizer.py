@@ -19,7 +19,7 @@ from cp_runtime.model.byte_tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, byte
                                              main, toy_tokenizer)
 from cp_runtime.model.recall import RecallLayout
 from cp_runtime.model.source import WeightsSource
-from cp_runtime.serving.chat_template import ChatTemplate, load_chat_template
+from cp_runtime.serving.http.chat_template import ChatTemplate, load_chat_template
 from cp_runtime.weights.checkpoint import load_tokenizer
 from serving_helpers import start_server, stop_server
 from test_state import greedy_continuation

@@ -1,7 +1,7 @@
-"""The tpu7x-16 model (benchmarks/tpu_model.py): terms add up, units are what they say (decode,
-and the prefill designs' collectives against formulas written out here), the rates and the wire
-dtype enter where they should, overlapped <= serial, --json holds the four target cases, and
-docs/performance.md shows exactly what the module prints."""
+"""The tpu7x-16 model (benchmarks/hand_model/tpu_model.py): terms add up, units are what they
+say (decode, and the prefill designs' collectives against formulas written out here), the rates
+and the wire dtype enter where they should, overlapped <= serial, --json holds the four target
+cases, and docs/hand-model.md shows exactly what the module prints."""
 
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 
-from cp_runtime.benchmarks import tpu_model
-from cp_runtime.benchmarks.throughput import matmul_weights, projection_work
+from cp_runtime.benchmarks._shared.minimum_work import matmul_weights, projection_work
+from cp_runtime.benchmarks.hand_model import tpu_model
 from cp_runtime.config import load_model_config
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "hand-model.md"

@@ -18,7 +18,7 @@ from cp_runtime.config import load_model_config
 from cp_runtime.kernels import reference, whole_heads
 from cp_runtime.kernels.dispatch import select_kernels
 from cp_runtime.kernels.vmem import VMEM_BUDGET_BYTES
-from cp_runtime.model import forward
+from cp_runtime.model import mla, ops
 from cp_runtime.weights.fp8_blocks import quantize
 
 needs_libtpu = pytest.mark.skipif(not topology.has_libtpu() and not os.environ.get("CI"),
@@ -83,7 +83,7 @@ def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v,
     """With `rope` factors, the query rows as the attention takes them, [R, H, Dv + 128]:
     every head's product exactly as the call without rope writes it (the matmuls that move
     the heads into sublanes move each value unchanged, whatever the padding of the rows to
-    whole tiles), its rope part rotated in VMEM as `forward.rope` rotates the same lanes,
+    whole tiles), its rope part rotated in VMEM as `ops.rope` rotates the same lanes,
     zeros to the lane tile's end. The two are the same f32 products and sums, rounded to
     bf16; XLA:CPU may fuse a multiply and add in one and not the other, an f32 step that can
     round to the next bf16 value (measured: 1 of 15,360 values, one bf16 step), so each
@@ -98,7 +98,7 @@ def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v,
     q = jnp.asarray(rng.standard_normal((rows, heads * dq)), jnp.float32)
     pos = jnp.asarray(rng.integers(0, 1 << 20, rows), jnp.int32)
     inv_freq = (1.0 / 10000.0 ** (np.arange(half) / half)).astype(np.float32)
-    factors = whole_heads.rope_factors(*forward.rope_cos_sin(pos, inv_freq, 1.25), nope=nope,
+    factors = whole_heads.rope_factors(*ops.rope_cos_sin(pos, inv_freq, 1.25), nope=nope,
                                        interleaved=interleaved)
     args = (q, jnp.asarray(kv_b), jnp.asarray(kv_b_s * 0.05))
     got = whole_heads.absorb_queries(*args, heads=heads, nope=nope, rope=factors,
@@ -108,7 +108,7 @@ def test_absorb_writes_the_query_rows_with_their_rope_part(rows, heads, nope, v,
     got = np.asarray(got, np.float32)
     np.testing.assert_array_equal(got[..., :dv],
                                   np.asarray(jnp.moveaxis(apart, 0, 1), np.float32))
-    q_pe = forward.rope(q.reshape(rows, heads, dq)[..., nope:], pos, inv_freq,
+    q_pe = ops.rope(q.reshape(rows, heads, dq)[..., nope:], pos, inv_freq,
                         interleaved=interleaved, mscale=1.25)
     want = np.zeros((rows, heads, 128), np.float32)
     want[..., :2 * half] = np.asarray(q_pe.astype(jnp.bfloat16), np.float32)
@@ -132,7 +132,7 @@ def test_query_rows_take_whole_groups_of_heads():
 
 
 def test_reference_is_the_models_xla_path():
-    """Off a TPU `forward.mla_output` runs W_uv and o_proj in XLA, rounding o_proj's output to
+    """Off a TPU `mla.mla_output` runs W_uv and o_proj in XLA, rounding o_proj's output to
     bf16 (the kernel keeps f32): the two differ by that rounding only."""
     nope, v, dv, heads = 192, 256, 512, 2
     o_lat, kv_b, kv_b_s, o_proj, o_proj_s = _case(np.random.default_rng(3), 80, heads, nope,
@@ -140,7 +140,7 @@ def test_reference_is_the_models_xla_path():
     cfg = load_model_config("glm-5.2")
     p = {"self_attn.kv_b_proj.weight": kv_b, "self_attn.kv_b_proj.weight_scale_inv": kv_b_s,
          "self_attn.o_proj.weight": o_proj, "self_attn.o_proj.weight_scale_inv": o_proj_s}
-    got = forward.mla_output(p, cfg, o_lat)
+    got = mla.mla_output(p, cfg, o_lat)
     want = reference.project_output(o_lat, kv_b, kv_b_s, o_proj, o_proj_s, nope=nope)
     assert float(jnp.abs(got - want).max()) <= 2.0 ** -8 * float(jnp.abs(want).max())
 

@@ -49,7 +49,7 @@ from cp_runtime.kernels import (cache_write, expert_matmul, indexer, latent_head
 from cp_runtime.kernels.reference import mask_words
 from cp_runtime.kernels.storage import cdiv
 from cp_runtime.kernels.vmem import LANES
-from cp_runtime.model.forward import routing
+from cp_runtime.model.expert_router import routing_keywords
 
 __all__ = ["KernelCase", "POOL_BYTES", "expert_cases", "kernel_cases", "latent_cases",
            "linear_cases", "router_cases", "shared_expert_cases", "whole_heads_cases",
@@ -241,7 +241,7 @@ def router_cases(model: ModelConfig, tokens: tuple[int, ...], device) -> list[Ke
     gate = (model.n_routed_experts, model.hidden_size)
 
     def fn(x, g, b):
-        return router.route(x, g, b, **routing(model))
+        return router.route(x, g, b, **routing_keywords(model))
 
     return [KernelCase(f"router T={t}", "router", fn,
                        _structs(device, ((t, model.hidden_size), jnp.float32),

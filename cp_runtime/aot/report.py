@@ -207,11 +207,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.3f}" if seconds < 1 else f"{seconds * 1e3:,.0f}"
 
 
-def format_case(row: dict) -> str:
+def format_case(row: dict, calibration=None) -> str:
     """One case of `compile --matrix` (cp_runtime.aot.cases): per phase, the estimate (the
     TensorCore's part, the collectives', what of those the schedule has work beside), the
     floor, what bounds it and the fraction, and the compiled flops and bytes, all per device
-    and at the whole model's size."""
+    and at the whole model's size; with a `calibration` (cp_runtime.aot.calibration), also
+    the estimate times the chip's measured / estimated for that phase."""
     scaled = (f"scaled from {row['layers_compiled']} compiled"
               if row["layers_compiled"] != row["layers_of_model"] else "as compiled")
     title = (f"{row['case']}: {row['layers_of_model']} layers, {scaled}; attention "
@@ -220,8 +221,9 @@ def format_case(row: dict) -> str:
         return f"{title}\n  did not compile:\n{format_error(row['error'])}"
     head = (f"{'phase':<17} {'est. ms':>10} {'TC ms':>10} {'ICI ms':>9} {'hidden':>9} "
             f"{'floor ms':>10} {'bound':>5} {'floor/est':>9} {'GFLOP':>10} {'HBM GB':>9} "
-            f"{'ICI GB':>8}")
+            f"{'ICI GB':>8}" + (f" {'chip-cal. ms':>12}" if calibration else ""))
     lines = [title, head, "-" * len(head)]
+    calibrated = 0.0
     for name, p in row["phases"].items():
         if not (p["instructions"] or p["collectives"]):
             continue
@@ -233,9 +235,17 @@ def format_case(row: dict) -> str:
             f"{_ms(p['collective_s']):>9} {_ms(p.get('hidden_s', 0.0)):>9} "
             f"{_ms(p['floor_s']):>10} {p['bound']:>5} "
             f"{fraction:>9} {flops / 1e9:>10,.1f} {hbm / 1e9:>9,.2f} "
-            f"{p['ici_bytes'] / 1e9:>8,.3f}")
+            f"{p['ici_bytes'] / 1e9:>8,.3f}" + _calibrated(calibration, row, name, p))
+        if calibration:
+            ratio = calibration.ratio(row["program"], row["batch"], name)
+            calibrated += p["seconds"] * (ratio or 1.0)
     lines.append(f"{'total':<17} {_ms(row['seconds']):>10} {'':>10} {'':>9} {'':>9} "
-                 f"{_ms(row['floor_s']):>10} {'':>5} {row['floor_s'] / row['seconds']:>9.2f}")
+                 f"{_ms(row['floor_s']):>10} {'':>5} {row['floor_s'] / row['seconds']:>9.2f}"
+                 + (f" {'':>10} {'':>9} {'':>8} {_ms(calibrated):>12}" if calibration else ""))
+    if calibration:
+        lines.append(f"chip-cal.: each phase's estimate times measured / estimated on "
+                     f"{calibration.source} (a phase it did not run: as estimated); a "
+                     "forecast, not a TPU7x measurement")
     if "overlapped_s" in row:
         lines.append(f"overlapped: {_ms(row['overlapped_s'])} ms if each collective ran beside "
                      "the work the schedule runs while it moves (`hidden`)")
@@ -246,6 +256,13 @@ def format_case(row: dict) -> str:
                      f"scatters on the TensorCore, SparseCore calls beside it, replayed in the "
                      f"schedule's order): {_ms(row['with_unpriced_s'])} ms")
     return "\n".join(lines)
+
+
+def _calibrated(calibration, row: dict, name: str, p: dict) -> str:
+    if not calibration:
+        return ""
+    ratio = calibration.ratio(row["program"], row["batch"], name)
+    return f" {_ms(p['seconds'] * ratio):>12}" if ratio else f" {'-':>12}"
 
 
 def _unpriced_line(phases: dict) -> str:

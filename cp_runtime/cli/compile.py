@@ -125,6 +125,10 @@ def add_compile(sub) -> None:
     add_expert_groups(p)
     p.add_argument("--out", default=None, metavar="FILE",
                    help="with --matrix: also write the JSON to FILE")
+    p.add_argument("--calibration", default=None, metavar="CHIP_JSON",
+                   help="with --matrix: also print each phase's estimate times measured / "
+                        "estimated on a real TPU, from `cp-runtime bench chip --trace`'s "
+                        "chip.json (docs/performance.md)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
 
@@ -211,8 +215,13 @@ def _emit(status: Status, text: str) -> None:
 
 def run_compile(args) -> int:
     from cp_runtime.aot import topology
+    from cp_runtime.aot.calibration import load_calibration
 
     programs = None
+    if args.calibration and not args.matrix:
+        raise ValueError("--calibration scales --matrix's figures: give --matrix too")
+    if args.calibration:
+        load_calibration(args.calibration)           # a bad file is refused before compiling
     if args.programs:
         programs = tuple(p.strip() for p in args.programs.split(","))
         bad = [p for p in programs if p not in PROGRAM_NAMES]
@@ -337,6 +346,7 @@ def _print_priced_phases(result: dict, topology_name: str) -> None:
 
 def _run_matrix(args) -> int:
     """`--matrix`: the case matrix of cp_runtime.aot.cases, printed per case and phase."""
+    from cp_runtime.aot.calibration import load_calibration
     from cp_runtime.aot.cases import case_matrix, prefill_seconds, run_exchanges, run_matrix
     from cp_runtime.aot.report import format_case
     from cp_runtime.aot.roofline import compiler_clock_hz
@@ -351,9 +361,11 @@ def _run_matrix(args) -> int:
               f"{args.page_size}, prefill chunks of {args.chunk_size}; the compiler's clock "
               f"{clock / 1e9:.3f} GHz; per device", flush=True)
 
+    calibration = load_calibration(args.calibration) if args.calibration else None
+
     def on_case(row):
         if not args.json:
-            _emit(status, "\n" + format_case(row))
+            _emit(status, "\n" + format_case(row, calibration))
 
     pages = None if args.pages_per_shard == "capacity" else args.pages_per_shard
     try:

@@ -36,7 +36,7 @@ from cp_runtime.model.recall import RecallLayout
 from cp_runtime.model.source import RECALL_MODEL, WeightsSource
 from cp_runtime.parallel.devices import init_cpu_devices
 from cp_runtime.serving.app import EmbeddedServer, build_server
-from cp_runtime.serving.client import Client
+from cp_runtime.serving.session.client import Client
 
 __all__ = ["add_arguments", "run", "Document", "planted_fact_document", "MAX_TOKENS"]
 

@@ -8,7 +8,8 @@
     cp-runtime bench NAME [...]                      a benchmark (niah, serving, throughput, ...)
 
 The same flag means the same thing in every subcommand and benchmark (cp_runtime.cli.args).
-Benchmarks load on demand, by name: nothing else in cp_runtime imports them.
+Benchmarks load on demand, by name, through their one table (cp_runtime.benchmarks.registry,
+read here by name too): nothing else in cp_runtime imports them.
 """
 
 from __future__ import annotations
@@ -27,30 +28,28 @@ import time
 from cp_runtime import __version__
 from cp_runtime.cache.capacity import DEFAULT_TOPOLOGY, TOPOLOGIES, slice_report
 from cp_runtime.cli import demo
-from cp_runtime.cli.args import (CommandLineParser, HelpFormatter, add_backend, add_checkpoint, add_chunk_size,
+from cp_runtime.cli.args import (CommandLineParser, HelpFormatter, add_backend, add_checkpoint,
+                                 add_chunk_size,
                                  add_expert_groups, add_gathers, add_kv_cache_dtype,
                                  add_latent_memory, add_model,
                                  add_page_size, add_pages_per_shard, add_selection, add_shards,
                                  add_strict_fields, add_weight_dtype, add_weights,
                                  finite_nonnegative_float, finite_positive_float,
-                                 nonnegative_length, positive_int)
+                                 length, nonnegative_length, positive_int)
 from cp_runtime.cli.compile import add_compile, run_compile
 from cp_runtime.config import (MERGE_VARIANTS, ConfigError, RuntimeConfig,
                                check_runtime_for_model, load_model_config, load_runtime_config)
+from cp_runtime.engine.precompile import SAMPLING_CHOICES, enable_compile_cache
 from cp_runtime.model.source import WeightsSource
 from cp_runtime.optional import MissingDependency, require
 from cp_runtime.parallel.devices import init_cpu_devices
 from cp_runtime.platform import keep_jax_off_absent_tpus
 from cp_runtime.serving.app import build_server, check_bind, check_port_free, serve_forever
-from cp_runtime.serving.server import ServerLimits
-from cp_runtime.serving.state import FSYNC_POLICIES, TokenStore
+from cp_runtime.serving.backend import ServerLimits
+from cp_runtime.serving.state.token_store import FSYNC_POLICIES, TokenStore
 
 __all__ = ["main", "build_parser"]
 
-BENCHMARKS = ("niah", "serving", "recovery", "capacity", "kernel_error", "selection", "throughput",
-              "kernels", "merge", "roofline", "million", "tpu_model", "dispatch", "profile",
-              "decode", "collectives", "overload", "prefix_reuse", "moe_layouts",
-              "host_pages", "chip", "all")
 EXECUTORS = ("local", "ray")
 TOKEN_ENV = "CP_RUNTIME_TOKEN"
 
@@ -80,6 +79,10 @@ def _add_serve(sub) -> None:
                         "(docs/performance.md); k/m suffixes allowed; 0: no bound (default: "
                         "what the engine prefills in 10 s at its measured rate, at least 16 "
                         "chunks)")
+    g.add_argument("--max-model-len", type=length, default=None, metavar="N",
+                   help="tokens one session may hold, as vLLM's (k/m suffixes allowed; "
+                        "default: the whole pool); it also bounds the tables --precompile "
+                        "compiles")
     g.add_argument("--prefix-cache-entries", type=nonnegative_length, default=64, metavar="N",
                    help="sessions kept after stateless HTTP completions so that later prompts "
                         "starting the same way reuse their cached pages (docs/http.md); the "
@@ -87,6 +90,7 @@ def _add_serve(sub) -> None:
                         "more; 0: none kept")
     _add_serve_server(p.add_argument_group("server and limits"))
     _add_serve_state(p.add_argument_group("state"))
+    _add_serve_compile(p.add_argument_group("compilation"))
     _add_serve_executor(p.add_argument_group("executor"))
 
 
@@ -153,6 +157,21 @@ def _add_serve_state(g) -> None:
                    help="seconds between fsyncs under --fsync interval")
 
 
+def _add_serve_compile(g) -> None:
+    g.add_argument("--precompile", choices=PRECOMPILE_CHOICES, default="auto",
+                   help="step programs compiled before the server is ready, with a line each "
+                        "(docs/deploy.md): plain = every prefill chunk and decode batch bucket "
+                        "at every page-table width up to --max-model-len; all = also each "
+                        "decode program's sampling variants (penalties, logit_bias, "
+                        "logprobs); none = each compiles on first use; auto = plain on TPUs, "
+                        "none on CPUs")
+    g.add_argument("--compile-cache", "--compilation-cache-dir", dest="compile_cache",
+                   metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache (default: DIR/compile-cache under "
+                        "--state-dir, else none): a restart loads its programs instead of "
+                        "compiling them; with --executor ray, a path on every host")
+
+
 def _add_serve_executor(g) -> None:
     g.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="where shards run: local = the devices of this process; ray = one "
@@ -185,13 +204,10 @@ def _add_serve_executor(g) -> None:
     g.add_argument("--setup-timeout-s", type=finite_positive_float, default=900.0,
                    help="--executor ray: starting a worker group (placement, "
                         "jax.distributed, weights) and each first step of a shape")
-    g.add_argument("--compilation-cache-dir", metavar="DIR", default=None,
-                   help="--executor ray: each worker's persistent XLA compilation cache (a "
-                        "path on every host): a replacement worker group starts without "
-                        "compiling again")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PRECOMPILE_CHOICES = ("auto", *SAMPLING_CHOICES, "none")
 
 
 def configure_logging(level: str) -> None:
@@ -214,7 +230,8 @@ RUNTIME_FLAGS = {"model": "model", "kv_cache_dtype": "kv_cache_dtype", "page_siz
                  "expert_groups": "expert_groups",
                  "prefill_expert_groups": "prefill_expert_groups",
                  "latent_memory": "latent_memory",
-                 "latent_device_pages": "latent_device_pages", "selection": "selection"}
+                 "latent_device_pages": "latent_device_pages", "selection": "selection",
+                 "max_model_len": "max_model_len"}
 
 
 def _flag_of(field: str) -> str:
@@ -267,12 +284,15 @@ def _run_serve(args, typed: set[str]) -> int:
         factory = _ray_executor_factory(args)
     else:
         init_cpu_devices(runtime.num_shards)
+        if compile_cache_dir(args):
+            enable_compile_cache(compile_cache_dir(args))
     state = (TokenStore(args.state_dir, fsync=args.fsync, interval_s=args.fsync_interval)
              if args.state_dir else None)
     server = build_server(source, runtime, host=args.host, port=args.port,
                           auth_token=token, limits=limits, state=state,
                           executor_factory=factory, summary_interval_s=args.log_summary_s,
-                          http_port=args.http_port, strict_fields=args.strict_fields)
+                          http_port=args.http_port, strict_fields=args.strict_fields,
+                          precompile=args.precompile)
     try:
         serve_forever(server, started=started)
     finally:
@@ -304,6 +324,13 @@ def typed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
             a.default = default
 
 
+def compile_cache_dir(args) -> str | None:
+    """`--compile-cache`, else the state dir's compile-cache folder, else None."""
+    if args.compile_cache:
+        return args.compile_cache
+    return os.path.join(args.state_dir, "compile-cache") if args.state_dir else None
+
+
 def _ray_executor_factory(args):
     """RayExecutor(source, runtime) with the serve flags; cp_runtime.cluster (and Ray) load
     only here, by name."""
@@ -320,7 +347,7 @@ def _ray_executor_factory(args):
             heartbeat_timeout_s=args.heartbeat_timeout_s, step_timeout_s=args.step_timeout_s,
             setup_timeout_s=args.setup_timeout_s,
             tpu_topology=args.tpu_topology, tpu_version=args.tpu_version,
-            compilation_cache_dir=args.compilation_cache_dir)
+            compilation_cache_dir=compile_cache_dir(args))
 
     return factory
 
@@ -417,24 +444,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_capacity(sub)
     add_compile(sub)
-    bench = sub.add_parser("bench", help="run a benchmark of the long-context suite")
-    bench.add_argument("name", nargs="?", choices=BENCHMARKS, metavar="NAME",
-                       help="the benchmark: "
-                       + ", ".join(BENCHMARKS) + " (all: every one, written up as a report)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS",
-                       help="the benchmark's own flags (see cp-runtime bench NAME --help)")
+    _add_bench(sub)
     return parser
 
 
-# Benchmarks that draw no plot: they run without the `bench` extra (a bare TPU host).
-NO_PLOTS = ("chip",)
+def _benchmarks():
+    """The benchmarks' table, cp_runtime.benchmarks.registry: imported by name, like the
+    benchmarks themselves, so that no module of cp_runtime imports the suite."""
+    return importlib.import_module("cp_runtime.benchmarks.registry")
 
 
-def _run_benchmark(name: str, argv: list[str], **kwargs) -> int:
-    if "-h" not in argv and "--help" not in argv and name not in NO_PLOTS:
+def _add_bench(sub) -> None:
+    table = _benchmarks().BENCHMARKS
+    width = max(len(b.name) for b in table)
+    listing = "\n".join(f"  {b.name:<{width}}  {b.purpose}" for b in table)
+    bench = sub.add_parser("bench", help="run a benchmark of the long-context suite",
+                           formatter_class=HelpFormatter,
+                           description="Run one benchmark of the long-context suite "
+                                       "(cp-runtime bench NAME --help for its flags).",
+                           epilog=f"benchmarks:\n{listing}")
+    bench.add_argument("name", nargs="?", choices=[b.name for b in table], metavar="NAME",
+                       help="the benchmark, one of those listed below")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS",
+                       help="the benchmark's own flags (see cp-runtime bench NAME --help)")
+
+
+def _run_benchmark(name: str, argv: list[str]) -> int:
+    benchmark = _benchmarks().get(name)
+    if "-h" not in argv and "--help" not in argv and benchmark.plots:
         require("matplotlib", f"cp-runtime bench {name}", "bench")      # before any work
-    module = importlib.import_module(f"cp_runtime.benchmarks.{name}")
-    return int(module.main(argv, **kwargs) or 0)
+    return _benchmarks().run(name, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,11 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compile":
             return run_compile(args)
         if args.name is None:
-            print(f"cp-runtime bench: name a benchmark: {', '.join(BENCHMARKS)} (cp-runtime "
-                  "bench NAME --help for its flags)", file=sys.stderr)
+            print(f"cp-runtime bench: name a benchmark: {', '.join(_benchmarks().names())} "
+                  "(cp-runtime bench NAME --help for its flags)", file=sys.stderr)
             return 2
-        if args.name == "all":
-            return _run_benchmark("report", args.rest, prog="cp-runtime bench all")
         return _run_benchmark(args.name, args.rest)
     except (ConfigError, ValueError, MissingDependency) as e:
         print(f"cp-runtime: error: {e}", file=sys.stderr)

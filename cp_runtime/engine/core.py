@@ -17,8 +17,8 @@ shares a session's last page, so neither write touches a page another session re
 
 Admission: an extend reserves the pages of all its tokens and a generation those of
 `max_tokens`, when submitted; a request that does not fit changes nothing and raises
-`ContextTooLong` when the session's tokens plus the request's pass `max_model_len` (the whole
-pool: no wait can make it fit), else `PoolBusy` (other sessions hold the pages; retryable),
+`ContextTooLong` when the session's tokens plus the request's pass `max_model_len` (at most the
+whole pool; no wait can make it fit), else `PoolBusy` (other sessions hold the pages; retryable),
 both `CapacityError`s, their messages in tokens. A finished generation gives back the pages it
 did not use. An extend that would take
 the queued prefill tokens past the scheduler's bound raises `Overloaded`; unless the runtime
@@ -161,10 +161,11 @@ class Engine(DirectPath, PrefixReuse):
 
     @property
     def max_model_len(self) -> int:
-        """Tokens one session can hold: every page of the pool (`num_shards *
-        pages_per_shard * page_size`; each shard's sentinel page is apart from those). A
-        session's tokens plus a request's new and generated ones past it never fit."""
-        return self.allocator.capacity * self.runtime.page_size
+        """Tokens one session can hold: runtime.max_model_len, at most every page of the pool
+        (`num_shards * pages_per_shard * page_size`; each shard's sentinel page is apart from
+        those). A session's tokens plus a request's new and generated ones past it never fit."""
+        pool = self.allocator.capacity * self.runtime.page_size
+        return min(pool, self.runtime.max_model_len or pool)
 
     @property
     def journal(self) -> Journal:
@@ -399,7 +400,7 @@ class Engine(DirectPath, PrefixReuse):
         hint = f"; ask for at most {limit - held:,}" if generated and held < limit else ""
         raise ContextTooLong(
             f"context length exceeded: session {session.id} holds {held:,} tokens and {asks}, "
-            f"over the {limit:,} one session can hold (max_model_len, the whole KV pool)"
+            f"over the {limit:,} one session can hold (max_model_len)"
             f"{hint}; nothing changed", limit=limit, held=held, added=added,
             generated=generated)
 

@@ -51,6 +51,7 @@ class Executor(abc.ABC):
     made in order and never concurrently."""
 
     pool_spec: PoolSpec
+    platform: str = "cpu"          # the devices' platform: "cpu", "tpu"
     # Host seconds of the last `run` around the device program: moving the plan to the
     # devices and fetching the outputs (None where an executor does not split it out). The
     # launch is not in it: XLA:CPU runs part of a program before the call returns.
@@ -58,6 +59,15 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def run(self, plan: tuple[Segment, ...]) -> list: ...
+
+    def compile(self, plan: tuple[Segment, ...]) -> None:
+        """Compile (or load from the persistent compilation cache) the programs `run(plan)`
+        would run, without running them (cp_runtime.engine.precompile)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot compile ahead")
+
+    def compile_page_copy(self, copies: int = 1) -> None:
+        """Compile the program `copy_pages` runs for `copies` copies (1: a fork's) without
+        running it; an executor that cannot compile ahead compiles it on first use."""
 
     @abc.abstractmethod
     def copy_pages(self, shard: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
@@ -236,6 +246,7 @@ class LocalExecutor(Executor):
                              f"{len(devices)} available (on CPU set jax_num_cpu_devices)")
         runtime = resolve_runtime_weights(runtime, model, device_memory_bytes())
         self.model, self.runtime = model, runtime
+        self.platform = devices[0].platform
         self.mesh = jax.make_mesh((runtime.num_shards,), (CP_AXIS,),
                                   devices=devices[: runtime.num_shards])
         t0 = time.perf_counter()
@@ -302,7 +313,7 @@ class LocalExecutor(Executor):
             t0 = time.perf_counter()
             args = seg.to_device(self.mesh, self.runtime.num_shards)
             host_s += time.perf_counter() - t0
-            shape = (seg.kind, seg.in_hbm, *(a.shape for a in jax.tree.leaves(args)))
+            shape = _program_shape(seg, args)
             t0 = time.perf_counter()
             out, self.pool = step(self.params, self.pool, args, kind=seg.kind,
                                   in_hbm=seg.in_hbm)
@@ -339,6 +350,7 @@ class LocalExecutor(Executor):
             args = seg.to_device(self.mesh, self.runtime.num_shards)
             self._step_for(groups).lower(params, self.pool, args, kind=seg.kind,
                                          in_hbm=seg.in_hbm).compile()
+            self._shapes_run.add(_program_shape(seg, args))
 
     def rebuild(self) -> None:
         self.pool = KVPool.allocate(self.pool_spec, self.mesh)
@@ -356,14 +368,14 @@ class LocalExecutor(Executor):
                 else self.runtime.expert_groups}
 
     def read_rows(self, shard, slot, offset) -> CacheRows:
-        where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))
+        where = tuple(np.asarray(a, np.int32) for a in (shard, slot, offset))
         latent, indexer = (self._read_rows(bufs, *where)
                            for bufs in (self.pool.latent, self.pool.indexer))
         return CacheRows(latent=np.stack([np.asarray(x) for x in latent]),
                          indexer=np.stack([np.asarray(x) for x in indexer]))
 
     def write_rows(self, shard, slot, offset, rows: CacheRows) -> None:
-        where = tuple(jnp.asarray(a, jnp.int32) for a in (shard, slot, offset))
+        where = tuple(np.asarray(a, np.int32) for a in (shard, slot, offset))
         self.pool = self._write_rows(self.pool, *where, tuple(rows.latent), tuple(rows.indexer))
         jax.block_until_ready(self.pool)
 
@@ -372,8 +384,21 @@ class LocalExecutor(Executor):
             part = [np.asarray(a[first:first + MAX_COPIES], np.int32) for a in (shard, src, dst)]
             n = copy_batch(len(part[0]))
             padded = (np.pad(a, (0, n - len(a)), constant_values=-1) for a in part)
-            self.pool = self._copy_pages(self.pool, *map(jnp.asarray, padded))
+            # numpy in: jnp.asarray would compile a program of its own per shape.
+            self.pool = self._copy_pages(self.pool, *padded)
         jax.block_until_ready(self.pool)
+
+    def compile_page_copy(self, copies: int = 1) -> None:
+        """Compile the page-copy program that `copies` copies take (1: a fork's)."""
+        entries = np.zeros(copy_batch(copies), np.int32)
+        self._copy_pages.lower(self.pool, entries, entries, entries).compile()
+
+
+def _program_shape(seg: Segment, args: tuple) -> tuple:
+    """What a segment's step program is compiled for: its kind, tier, sampling variant and
+    argument shapes."""
+    return (seg.kind, seg.in_hbm, seg.sampling and seg.sampling.variant,
+            *(a.shape for a in jax.tree.leaves(args)))
 
 
 def _to_host(out, kind: str):

@@ -186,7 +186,7 @@ class PrefixReuse:
             raise ContextTooLong(
                 f"context length exceeded: this request needs {total_tokens:,} tokens "
                 f"({len(prompt):,} of prompt), over the {limit:,} one session can hold "
-                "(max_model_len, the whole KV pool); nothing changed",
+                "(max_model_len); nothing changed",
                 limit=limit, held=0, added=len(prompt),
                 generated=total_tokens - len(prompt))
         source, cached = self.prefix.longest(self.sessions, prompt)

@@ -6,7 +6,8 @@ Error codes (the server sends them as they are): bad_request, not_found, capacit
 context_length_exceeded, unauthorized, unavailable, overloaded, storage, internal. capacity,
 unavailable, overloaded and storage are retryable: the request changed nothing, and waiting
 can make room. context_length_exceeded is not: the session's tokens plus the request's would
-pass what one session can ever hold (`Engine.max_model_len`, the whole pool).
+pass what one session can ever hold (`Engine.max_model_len`: runtime.max_model_len, at most
+the whole pool).
 """
 
 from __future__ import annotations

@@ -42,11 +42,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from cp_runtime.cache.layout import local_page_table
 from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
-from cp_runtime.kernels.dispatch import Kernels
+from cp_runtime.kernels.dispatch import MODEL_KERNELS, Kernels
 from cp_runtime.kernels.storage import pool_dtype
 from cp_runtime.model.attention import ShardAttention, ShardState
-from cp_runtime.model.forward import HEAD_SPLIT_WEIGHTS, dequantised_whole, forward, logits
+from cp_runtime.model.attention_inputs import HEAD_SPLIT_WEIGHTS
 from cp_runtime.model.halves import forward_in_halves, halves_fit
+from cp_runtime.model.layers import forward
+from cp_runtime.model.ops import logits
 from cp_runtime.model.scopes import phase
 from cp_runtime.model.sampler import SamplingArrays, sample_tokens
 from cp_runtime.parallel.merge import combine
@@ -188,7 +190,7 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
 def _head_weights(params, model: ModelConfig, num_shards: int, rows: int) -> tuple[int, int]:
     """This device's bytes of layer 0's head-split attention weights with their scales, and
     how many of their values, gathered whole over `num_shards`, XLA would dequantise for a
-    device's `rows` rows (`forward.dequantised_whole`)."""
+    device's `rows` rows (`ModelKernels.dequantised_whole`)."""
     held, dequantised = 0, 0
     for name in (f"model.layers.0.{n}" for n in HEAD_SPLIT_WEIGHTS):
         w, s = params[name], params.get(name + SCALE_SUFFIX)
@@ -198,7 +200,7 @@ def _head_weights(params, model: ModelConfig, num_shards: int, rows: int) -> tup
         axis = split_of(name, w.shape, model).axis
         whole_w, whole_s = (tuple(d * num_shards if i == axis else d
                                   for i, d in enumerate(x.shape)) for x in (w, s))
-        if dequantised_whole(model, name, whole_w, whole_s, rows):
+        if MODEL_KERNELS.dequantised_whole(model, name, whole_w, whole_s, rows):
             dequantised += w.size * num_shards
     return held, dequantised
 

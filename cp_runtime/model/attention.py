@@ -20,19 +20,14 @@ then the queries meet the pages one of two ways (runtime field `attention`):
                 `row_attention`), each shard attends every head of its own rows instead, so
                 a page read serves all H heads: an all-to-all trades its heads of every row
                 for every head of its rows and a second trades the outputs back ("rows"),
-                or the step gathers the head-split weights whole ("weights", the forward's
-                `WeightShards.whole_heads`) and each shard projects its rows itself;
+                or the step gathers the head-split weights whole ("weights", the layer
+                stack's `WeightShards.whole_heads`) and each shard projects its rows itself;
              5. its heads are projected (W_uv, o_proj columns) and a psum in hidden space
                 joins the heads (a reduce-scatter to each row's device where the step
                 splits its rows).
-Bytes each shard receives per layer, for R query rows of H heads and page tables of M pages:
-gather_q ~ R H ((D_lat + kv_lora) w + 4) (q in, partials out, w bytes a value on the wire,
-runtime field `wire_dtype`; the lse in f32), gather_kv ~ M ps D_lat c (the pages). A decode
-step (R small) moves far less with gather_q; a prefill chunk of R = 8192 at a 1M-token context
-far less with gather_kv (`cp-runtime compile --matrix` has the compiled figures: GLM-5.2's
-last 8K chunk of a 1M prompt, 2.09 s with gather_q against 0.63 s with gather_kv). `auto` picks
-the smaller, where the heads split evenly over the shards.
-`shared` layers reuse step 2-3's selection from the last `full` layer.
+Which way, and how split rows attend, is priced in cp_runtime.model.attention_modes; steps 2-3
+are cp_runtime.model.shard_selection. `shared` layers reuse step 2-3's selection from the last
+`full` layer.
 """
 
 from __future__ import annotations
@@ -49,100 +44,18 @@ from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.cache.pool import PoolSpec
 from cp_runtime.config import ModelConfig, RuntimeConfig
 from cp_runtime.kernels.cache_write import owned_tiles_bound, tiles_bound, write_tile_rows
-from cp_runtime.kernels.dispatch import QUERY_DTYPE, Kernels, select_kernels
+from cp_runtime.kernels.dispatch import Kernels, select_kernels
 from cp_runtime.kernels.reference import mask_words
-from cp_runtime.kernels.sparse_prefill import priced_bound
 from cp_runtime.model import host_latent
-from cp_runtime.model.forward import IndexerInputs
+from cp_runtime.model.attention_modes import attention_layout, row_attention_mode
+from cp_runtime.model.indexer_inputs import IndexerInputs
 from cp_runtime.model.scopes import phase
+from cp_runtime.model.shard_selection import attended_entries, select_beside_gathers
 from cp_runtime.parallel.merge import combine
-from cp_runtime.parallel.selection import (attended_pages, entries_per_query, global_top_pages,
-                                           local_candidates, token_entries)
+from cp_runtime.parallel.selection import entries_per_query
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["ShardState", "ShardAttention", "attention_layout", "row_attention_mode"]
-
-# A byte on the interconnect takes as long as this many of HBM on v7x, per device: 3.69 TB/s
-# of HBM against 300 GB/s of ICI each way (cp_runtime/aot/roofline.py's TPU7X_DEVICE;
-# tests/test_attention_layout.py holds the two equal).
-HBM_BYTES_PER_ICI_BYTE = 12
-
-# What XLA's passes around each way cost, in HBM bytes, as the compiler priced GLM-5.2's and
-# DeepSeek-V3.2's chunks for TPU7x (docs/notes/2026-12-02-prefill-layout.md,
-# "Every head of a device's rows"): the q heads and outputs traded by all-to-all are cast,
-# laid out for the SparseCores and transposed on each side, about 10 bytes a byte traded for
-# GLM-5.2 and 4 for DeepSeek-V3.2, 5 taken; a gathered fp8 weight that XLA dequantises whole
-# (`forward.dequantised_whole`: DeepSeek-V3.2's kv_b; its f32 scales broadcast to its shape,
-# written and read, then the matmul's reads) costs about 15 bytes an element besides its own
-# byte. Those kernels read as fp8 blocks cost their byte.
-RELAYOUT_BYTES_PER_TRADED_BYTE = 5
-DEQUANT_BYTES_PER_FP8_WEIGHT = 15
-
-
-def attention_layout(choice: str, *, rows: int, heads: int, latent_dim: int, value_dim: int,
-                     table_pages: int, page_size: int, cache_itemsize: int, num_shards: int,
-                     split: bool, wire_itemsize: int = 4) -> str:
-    """'gather_q' or 'gather_kv' for runtime field `attention` = `choice` (module docstring):
-    auto takes gather_kv where the weights are split, the heads divide evenly over the
-    shards, and the pages of the tables (table_pages in all) weigh less than the rows' q and
-    partials (wire_itemsize bytes a value, the lse 4)."""
-    if choice != "auto":
-        return choice
-    if not split or num_shards == 1 or heads % num_shards:
-        return "gather_q"
-    q_bytes = rows * heads * ((latent_dim + value_dim) * wire_itemsize + 4)
-    kv_bytes = table_pages * page_size * latent_dim * cache_itemsize
-    return "gather_kv" if kv_bytes < q_bytes else "gather_q"
-
-
-def row_attention_mode(choice: str, *, rows: int, heads: int, latent_dim: int,
-                       value_dim: int, hidden: int, q_lora_rank: int, entries: int,
-                       every_pages: int, page_size: int, cache_dtype, num_shards: int,
-                       wire_itemsize: int, query_block: int, head_weight_bytes: int,
-                       dequantised_elements: int, mask_words: int = 0) -> str:
-    """How a step whose rows are split attends (runtime field `row_attention` = `choice`):
-    "heads", each shard its own heads of every row, their projections reduce-scattered into
-    the rows' shards; "rows", every head of its own rows, the q heads and outputs traded by
-    two all-to-alls, then the same reduce-scatter; "weights", every head of its own rows from
-    the head-split weights (q_b, kv_b, o_proj; in a layer with its own indexer wq_b too)
-    all-gathered whole, no all-to-all, no reduce-scatter, and no gather of every row's q_lora
-    (each shard makes every q head of its own rows, the indexer's too, which are then gathered
-    by row; wq_b, 8 MB of a GLM-5.2 layer, is left out of the price). auto prices the three:
-    the prefill kernel at its bound (every query's pages distinct; its queries in the TPU
-    kernels' bf16) over the gathered cache of `every_pages` pages, plus what each sends at the
-    interconnect's pace. Attending its own rows reads S
-    times fewer pages; late in a long prompt that wins by far, early, where the gathered cache
-    caps every block's reads, it does not pay for what it sends. Each way also pays XLA's
-    passes around it (RELAYOUT_BYTES_PER_TRADED_BYTE, DEQUANT_BYTES_PER_FP8_WEIGHT): so, for
-    GLM-5.2, the weights come to the rows in steps of 8K rows and more (kernels read them as
-    fp8 blocks), and in steps of 4K the rows trade their heads late in a long prompt.
-
-    rows: R, the step's rows; heads: H, every shard's heads together (padded to S h);
-    head_weight_bytes: this shard's part of the head-split weights, with their scales;
-    dequantised_elements: how many of their values, gathered whole, XLA dequantises (fp8
-    weights no kernel reads: `forward.dequantised_whole`); mask_words: the words of each
-    entry's token mask in token selection (0: whole pages)."""
-    if choice != "auto":
-        return choice
-    s, h = num_shards, heads // num_shards
-    cache = jax.ShapeDtypeStruct((every_pages, page_size, latent_dim), cache_dtype)
-
-    def kernel(queries: int, q_heads: int) -> float:
-        q = jax.ShapeDtypeStruct((1, queries, q_heads, latent_dim), QUERY_DTYPE)
-        return priced_bound(q, cache, entries, value_dim, query_block, mask_words)
-
-    one_way = (s - 1) / s
-    sums = one_way * rows * hidden * wire_itemsize               # the heads' reduce-scatter
-    sums += one_way * rows * q_lora_rank * wire_itemsize         # and q_lora's all-gather
-    traded = one_way * rows * h * (latent_dim + value_dim) * wire_itemsize
-    own_rows = kernel(rows // s, heads)
-    whole = s * head_weight_bytes                     # read once gathered
-    priced = {"heads": kernel(rows, h) + HBM_BYTES_PER_ICI_BYTE * sums,
-              "rows": (own_rows + HBM_BYTES_PER_ICI_BYTE * (traded + sums)
-                       + RELAYOUT_BYTES_PER_TRADED_BYTE * traded),
-              "weights": (own_rows + HBM_BYTES_PER_ICI_BYTE * (s - 1) * head_weight_bytes
-                          + whole + DEQUANT_BYTES_PER_FP8_WEIGHT * dequantised_elements)}
-    return min(priced, key=priced.get)
+__all__ = ["ShardState", "ShardAttention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +81,7 @@ class ShardState:
 
 @dataclasses.dataclass(frozen=True)
 class ShardAttention:
-    """Step-wide inputs of one shard; `__call__` is the `attend` callback of `model.forward`.
+    """Step-wide inputs of one shard; `__call__` is the `attend` callback of `layers.forward`.
 
     local_table: i32[B, M] slot of this shard's local page j, which holds logical page
                  j * S + shard - rotation (cp_runtime.cache.layout; sentinel where unallocated)
@@ -256,78 +169,12 @@ class ShardAttention:
     def token_selection(self) -> bool:
         return self.runtime.selection == "token"
 
-    def _select(self, icache: jax.Array, index: IndexerInputs, tie=None):
-        """The selection i32[B, Q, K]; with `tie` (arrays, kernels/indexer.py), (selection,
-        tie) where tie waited on the indexer kernel."""
-        if self.token_selection:
-            return self._select_tokens(icache, index, tie)
-        k = self.model.index_topk // self.page_size
-        with phase("indexer"):
-            scores = self.kernels.indexer_page_scores(
-                index.q, index.scoring_weights(), icache, self.local_table, self.pos,
-                self.shard, self.rotation, num_shards=self.num_shards,
-                key_block_pages=self.runtime.key_block_pages,
-                cache_dtype=self.pool.indexer_dtype, tie=tie, fp8=self.fp8_scores)
-        if tie is not None:
-            scores, tie = scores
-        with phase("selection"):
-            cand_scores, cand_pages = local_candidates(
-                scores, self.pos, self.shard, self.rotation, num_shards=self.num_shards,
-                page_size=self.page_size, k=k)
-            selection = global_top_pages(cand_scores, cand_pages, k=k,
-                                         axis_name=self.axis_name, gathers=self.runtime.gathers)
-        return selection if tie is None else (selection, tie)
-
-    def _select_tokens(self, icache: jax.Array, index: IndexerInputs, tie=None):
-        """`_select` in token selection: each shard's best index_topk tokens, ranked over the
-        shards as pages are (kernels/token_candidates.py says why that is exact). Where
-        index_topk reaches every token of the rows' tables, every visible token is selected:
-        each shard's list is all of its tokens, gathered without a rank (a list of index_topk
-        would hold [Q, S * index_topk] candidates where the tables hold fewer tokens)."""
-        local_tokens = self.local_table.shape[1] * self.page_size
-        every = self.model.index_topk >= local_tokens * self.num_shards
-        k = local_tokens if every else self.model.index_topk
-        with phase("indexer"):
-            found = self.kernels.indexer_token_candidates(
-                index.q, index.scoring_weights(), icache, self.local_table, self.pos,
-                self.shard, self.rotation, num_shards=self.num_shards, k=k,
-                key_block_pages=self.runtime.key_block_pages,
-                cache_dtype=self.pool.indexer_dtype, tie=tie, fp8=self.fp8_scores)
-        if tie is not None:
-            found, tie = found
-        scores, tokens = found
-        if self.num_shards > 1:
-            with phase("selection"):
-                tokens = (lax.all_gather(tokens, self.axis_name, axis=2, tiled=True) if every
-                          else global_top_pages(scores, tokens, k=k, axis_name=self.axis_name,
-                                                gathers=self.runtime.gathers))
-        return tokens if tie is None else (tokens, tie)
-
     @property
     def entries(self) -> int:
         """N, the attention entries of each query (`entries_per_query`)."""
         return entries_per_query(self.model.index_topk, self.page_size,
                                  self.local_table.shape[1] * self.num_shards,
                                  self.runtime.selection)
-
-    def _entries(self, selection: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """What each query attends: pages i32[B, Q, N] and, in token selection, the mask of
-        their selected tokens i32[B, Q, N, W] (None: whole pages up to the query)."""
-        if not self.token_selection:
-            return attended_pages(selection, self.pos, self.page_size), None
-        with phase("selection"):
-            return token_entries(selection, self.page_size, self.entries)
-
-    def _select_beside_gathers(self, icache: jax.Array, index: IndexerInputs,
-                               state: ShardState) -> tuple[jax.Array, ShardState]:
-        """`_select`, its indexer kernel beside the gathers of `state.tie_ahead`."""
-        if not state.tie_ahead:
-            return self._select(icache, index), state
-        ahead = dict(state.ahead)
-        tied = {layer: ahead[layer] for layer in state.tie_ahead}
-        selection, tied = self._select(icache, index, tie=tied)
-        ahead.update(tied)
-        return selection, dataclasses.replace(state, ahead=tuple(ahead.items()), tie_ahead=())
 
     def __call__(self, layer: int, state: ShardState, q_row: jax.Array, kv_row: jax.Array,
                  index: IndexerInputs | None, project) -> tuple[jax.Array, ShardState]:
@@ -348,12 +195,12 @@ class ShardAttention:
             slot = self.model.indexer_slot(layer)
             indexer = list(indexer)
             indexer[slot] = self._write(indexer[slot], index.k, self.pool.indexer_dtype)
-            selection, state = self._select_beside_gathers(indexer[slot], index, state)
+            selection, state = select_beside_gathers(self, indexer[slot], index, state)
             if self.hands_over:      # the next half's write waits for this half's scores:
                 # else XLA copies the whole block first (207 MB a GLM-5.2 layer on tpu7x-16)
                 indexer[slot], selection = lax.optimization_barrier((indexer[slot], selection))
             indexer = tuple(indexer)
-        pages, masks = self._entries(selection)                              # [B, Q, N]
+        pages, masks = attended_entries(self, selection)                     # [B, Q, N]
         state = dataclasses.replace(state, latent=tuple(latent), indexer=indexer,
                                     selection=selection, every=None)
         if gather_q:
@@ -411,7 +258,8 @@ class ShardAttention:
 
     def _attend_own_pages(self, q_row, cache, pages, masks, project) -> jax.Array:
         """gather_q: q_row f[B, Q, H, D] (every head, `_gather_queries`) over the pages this
-        shard owns (their tokens in `masks`, `_entries`); the partials merged."""
+        shard owns (their tokens in `masks`, `shard_selection.attended_entries`); the partials
+        merged."""
         if self.pool.latent_on_host:
             with phase("sparse_attention"):
                 cache, slots = host_latent.selected_pages(self, cache, pages)
@@ -480,7 +328,7 @@ class ShardAttention:
         device where the rows are split, which may attend them there: `_attend_own_rows`).
         With the weights gathered whole (`rows_attend` "weights"), q_row is every head of
         this shard's rows f[R / S, H, D], and `project` takes them to hidden space whole.
-        masks: the entries' token masks (`_entries`), or None."""
+        masks: the entries' token masks (`shard_selection.attended_entries`), or None."""
         with phase("sparse_attention"):
             slots = jnp.where(pages >= 0, self._every_slot(pages, every.shape[0]), -1)
         if self.rows_attend == "weights":

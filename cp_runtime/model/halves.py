@@ -44,8 +44,8 @@ not: a 32K chunk's kernels take four (`ahead_layers`), GLM-5.2's whole group of 
 layer and three shared ones.
 
 The head-split weights that make a layer's q (q_b, kv_b, and wq_b in a layer with its own
-indexer: `forward.query_weights`) depend on nothing either: they are gathered during the layer
-before, tied with the chained pages (B's attention, A's MLP input), where in their own layer
+indexer: `attention_inputs.query_weights`) depend on nothing either: they are gathered during the
+layer before, tied with the chained pages (B's attention, A's MLP input), where in their own layer
 its first kernels waited on them (docs/notes/2026-12-05-prefill-schedule.md,
 "The q weights a layer ahead"). o_proj's gather, hidden beside its own layer's attention,
 stays there.
@@ -61,10 +61,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from cp_runtime.config import ModelConfig
-from cp_runtime.model.forward import (AttendFn, ExpertMatmulFn, MlpInput, attention_block,
-                                      attention_weights, embed, gathered_query_weights, mlp,
-                                      mlp_input, output_weights, plus_shared_experts,
-                                      query_weights, rms_norm, routed_experts)
+from cp_runtime.model.attention_inputs import (attention_weights, gathered_query_weights,
+                                               output_weights, query_weights)
+from cp_runtime.model.layers import AttendFn, attention_block
+from cp_runtime.model.mlp import MlpInput, mlp, mlp_input, plus_shared_experts, routed_experts
+from cp_runtime.model.moe import ExpertMatmulFn
+from cp_runtime.model.ops import embed, rms_norm
 from cp_runtime.model.scopes import layer_scope, phase
 from cp_runtime.weights.format import SCALE_SUFFIX
 from cp_runtime.weights.params import Params, layer_params
@@ -151,8 +153,8 @@ def _tie_ahead(state: Any, layers: tuple[int, ...], values: tuple) -> tuple[Any,
 
 def _query_weights_ahead(params: Params, cfg: ModelConfig, layer: int, ws: WeightShards
                          ) -> Params | None:
-    """The next layer's weights with its q weights gathered (`forward.query_weights`), to be
-    gathered during `layer`; None after the last layer."""
+    """The next layer's weights with its q weights gathered (`attention_inputs.query_weights`), to
+    be gathered during `layer`; None after the last layer."""
     if layer + 1 == cfg.num_hidden_layers:
         return None
     with layer_scope(layer + 1):
@@ -196,12 +198,12 @@ def _mlps(p: Params, cfg: ModelConfig, layer: int, rows: tuple[MlpInput, MlpInpu
 def forward_in_halves(params: Params, cfg: ModelConfig, tokens: jax.Array, pos: jax.Array,
                       attends: tuple[AttendFn, AttendFn], state: Any, ws: WeightShards,
                       expert_matmul: ExpertMatmulFn | None = None) -> tuple[jax.Array, Any]:
-    """`forward.forward` over tokens and pos i32[B, Q] as two halves of Q / 2 queries.
+    """`layers.forward` over tokens and pos i32[B, Q] as two halves of Q / 2 queries.
 
     attends: the attention callbacks of half A (pos[:, :Q/2]) and half B (pos[:, Q/2:]),
     each handing its gathered pages on (`ShardAttention.hands_over`). ws: rows split, each
     device attending every head of its own rows (`halves_fit` holds).
-    returns: (hidden f[B, Q, hidden], state), as `forward.forward`.
+    returns: (hidden f[B, Q, hidden], state), as `layers.forward`.
     """
     if not (ws.rows_split and ws.whole_heads):
         raise ValueError("a chunk runs in halves only where each device attends every head "

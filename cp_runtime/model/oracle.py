@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from cp_runtime.cache.layout import cdiv
 from cp_runtime.config import ModelConfig
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
-from cp_runtime.model.forward import IndexerInputs, forward, logits
+from cp_runtime.model.indexer_inputs import IndexerInputs
+from cp_runtime.model.layers import forward
+from cp_runtime.model.ops import logits
 from cp_runtime.parallel.selection import earlier_pages_mask, rank_pages
 from cp_runtime.weights.params import Params, model_layout
 

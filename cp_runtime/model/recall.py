@@ -55,7 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cp_runtime.config import ModelConfig, load_model_config
-from cp_runtime.model.forward import mla_inputs, rms_norm
+from cp_runtime.model.attention_inputs import mla_inputs
+from cp_runtime.model.ops import rms_norm
 from cp_runtime.weights.params import Params, layer_params, param_shapes
 
 __all__ = ["RecallLayout", "RecallModel", "build_recall_model"]

@@ -6,7 +6,7 @@ in the latent space (before W_uv). A shard that saw no key gives o_r = 0, lse_r 
 contributes nothing; a query no shard saw gets o = 0, lse = -inf (no NaN).
 
 The merged output then goes through W_uv and o_proj (`project`,
-cp_runtime.model.forward.mla_output).
+cp_runtime.model.mla.mla_output).
 `combine` chooses where the shards' partials meet, by runtime field `merge`:
   gather_psum:   all-gather the lse (small), rescale locally, psum the latent outputs; every
                  shard then holds every head merged.
@@ -220,7 +220,7 @@ def combine(merge: str, o: jax.Array, lse: jax.Array, project, axis_name: str,
             raise ValueError("merge 'head_exchange' needs weights split by head "
                              "(weights = 'sharded')")
         received = exchange_heads(o, lse, axis_name)
-        # A projection that takes the exchanged partials itself (forward.OutputProjection)
+        # A projection that takes the exchanged partials itself (mla.OutputProjection)
         # merges them in the same pass as W_uv; a plain callable gets them merged.
         of_received = getattr(project, "of_exchanged", None)
         if of_received is not None:

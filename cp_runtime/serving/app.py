@@ -19,11 +19,13 @@ import uvloop
 from cp_runtime.config import RuntimeConfig
 from cp_runtime.engine.core import Engine
 from cp_runtime.engine.executor import LocalExecutor
+from cp_runtime.engine.precompile import compile_at_startup
 from cp_runtime.model.source import WeightsSource
-from cp_runtime.serving.chat_template import load_chat_template
-from cp_runtime.serving.recovery import restore_sessions
-from cp_runtime.serving.server import Server, ServerLimits
-from cp_runtime.serving.state import TokenStore
+from cp_runtime.serving.backend import ServerLimits
+from cp_runtime.serving.http.chat_template import load_chat_template
+from cp_runtime.serving.session.server import Server
+from cp_runtime.serving.state.recovery import restore_sessions
+from cp_runtime.serving.state.token_store import TokenStore
 
 __all__ = ["EmbeddedServer", "build_server", "check_bind", "check_port_free", "is_loopback",
            "serve_forever"]
@@ -73,7 +75,7 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
                  limits: ServerLimits = ServerLimits(), seed: int | None = None,
                  state: TokenStore | None = None, executor_factory=None,
                  summary_interval_s: float = 60.0, http_port: int | None = None,
-                 strict_fields: bool = False) -> Server:
+                 strict_fields: bool = False, precompile: str = "auto") -> Server:
     """Load the weights, build the engine on local devices, and wrap it in a (not yet started)
     server. With a token store, the sessions it holds come back (their caches rebuilt from
     their logs by prefills queued before the first connection). `executor_factory(source,
@@ -81,7 +83,10 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
     process reads only the config and the tokenizer). `summary_interval_s`: seconds between
     the server's info summaries (0: none). `http_port`: also serve the OpenAI-compatible HTTP
     API there (None: not); `strict_fields`: it refuses unknown request fields (else ignores
-    them)."""
+    them). `precompile`: "plain" or "all" compiles the step programs of
+    cp_runtime.engine.precompile before returning, so no request waits for a compile; "none"
+    leaves each to its first use; "auto": plain on TPUs, none on CPUs (where a program
+    compiles in seconds and the grid of them would take minutes)."""
     check_bind(host, auth_token)
     t0 = time.perf_counter()
     if executor_factory is None:
@@ -98,17 +103,25 @@ def build_server(source: WeightsSource, runtime: RuntimeConfig, *, host: str = "
              runtime.pages_per_shard, runtime.page_size, runtime.num_shards,
              time.perf_counter() - t0)
     engine = Engine(config, runtime, executor, seed=seed, journal=state)
+    if precompile == "auto":
+        precompile = "plain" if executor.platform == "tpu" else "none"
+    if precompile != "none":
+        compile_at_startup(executor, runtime, sampling=precompile,
+                           max_context=engine.max_model_len, progress=sys.stderr.isatty())
     if state is not None:
         t0 = time.perf_counter()
         restore_sessions(engine, state)
         log.info("%s: sessions brought back in %.1f s (caches not restored from a snapshot "
                  "are prefilled as the engine steps)", state.dir, time.perf_counter() - t0)
-    return Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
-                  port=port, auth_token=auth_token, limits=limits, state=state,
-                  summary_interval_s=summary_interval_s, http_port=http_port,
-                  strict_fields=strict_fields,
-                  chat_template=load_chat_template(source.checkpoint, tokenizer)
-                  if http_port is not None else None)
+    server = Server(engine, model_name=source.name, tokenizer=tokenizer, host=host,
+                    port=port, auth_token=auth_token, limits=limits, state=state,
+                    summary_interval_s=summary_interval_s, strict_fields=strict_fields,
+                    chat_template=load_chat_template(source.checkpoint, tokenizer)
+                    if http_port is not None else None)
+    if http_port is not None:
+        from cp_runtime.serving.http.listener import HttpFront   # the `http` extra
+        server.http = HttpFront(server, host, http_port)
+    return server
 
 
 async def _serve_until_signalled(server: Server, started: float | None) -> None:
@@ -118,8 +131,8 @@ async def _serve_until_signalled(server: Server, started: float | None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if started is not None:
-        log.info("listening on %s:%d, %.1f s after start-up began (programs compile at "
-                 "each step shape's first run)", host, port, time.perf_counter() - started)
+        log.info("listening on %s:%d, %.1f s after start-up began", host, port,
+                 time.perf_counter() - started)
     if server.http is not None:
         print(f"http listening on {server.http.host}:{server.http.port}", flush=True)
     print(f"listening on {host}:{port}", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cp_runtime.cache.pages import CapacityError
 from cp_runtime.engine.requests import EngineError
-from cp_runtime.serving.protocol import ProtocolError
+from cp_runtime.serving.session.protocol import ProtocolError
 
 __all__ = ["Refused", "error_code", "session_limit_message"]
 

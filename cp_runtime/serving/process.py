@@ -5,7 +5,8 @@ way the tests, the benchmarks and a notebook start a real server.
         with Client(server.address) as client:
             ...
 
-The server binds port 0 (unless the flags name `--port`) and prints `listening on HOST:PORT`,
+The server binds port 0 (unless the flags name `--port`), compiles each step program on first
+use (unless they name `--precompile`), and prints `listening on HOST:PORT`,
 after `http listening on HOST:PORT` when `--http-port` is given; both addresses are read from
 there. Its stderr goes to a temporary file (a pipe nobody reads would stall a chatty server),
 which `log()` reads back.
@@ -40,7 +41,10 @@ class ServerProcess:
     def __init__(self, flags: list[str] | tuple[str, ...], *, env: dict[str, str] | None = None,
                  startup_s: float = 600.0):
         port = [] if "--port" in flags else ["--port", "0"]
-        self.command = [*SERVE_COMMAND, *flags, *port]
+        # Many short-lived servers: each program compiles on first use unless the flags ask
+        # for the start-up compile.
+        precompile = [] if "--precompile" in flags else ["--precompile", "none"]
+        self.command = [*SERVE_COMMAND, *flags, *port, *precompile]
         self._log = tempfile.TemporaryFile()
         environment = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self._log,

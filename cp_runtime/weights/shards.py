@@ -22,7 +22,7 @@ device gathers the attention's head-split weights (`gather_weights`) and project
 through every head itself, where those weigh less than the rows' heads and sums.
 
 `mlp_rows` "fp8" gathers the MLP's rows, where the rows are split, as e4m3 values with one f32
-scale a row (cp_runtime.kernels.fp8_rows; `forward.mlp_input`) rather than on the wire: the
+scale a row (cp_runtime.kernels.fp8_rows; `mlp.mlp_input`) rather than on the wire: the
 experts' kernel reads the same fp8 rows.
 
 `expert_groups` g > 1: the routed experts lie in g groups of whole experts, each group's split
