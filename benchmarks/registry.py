@@ -6,7 +6,8 @@ by name) and the tests all read this table; no other list of the benchmarks exis
 The layout of the folder the table points into:
 
     benchmarks/<module>.py   the entry points: one benchmark each, a `build_parser()` and a
-                             `main(argv)`; none imports another (tests/test_benchmark_registry.py)
+                             `main(argv)`; none imports another
+                             (tests/benchmarks/test_benchmark_registry.py)
     benchmarks/_shared/      the code two or more benchmarks share (argument base, results and
                              tables, plots, measured peaks, work counts, profiling parts)
     benchmarks/hand_model/   the analytical model of a TPU slice, `bench tpu_model`

@@ -101,7 +101,7 @@ class RayExecutor(Executor):
         if hosts * devices_per_host != runtime.num_shards:
             raise ValueError(f"hosts x devices per host = {hosts} x {devices_per_host} must "
                              f"equal the shard count {runtime.num_shards}")
-        if hosts > 1 and runtime.gathers == "native":
+        if hosts > 1 and runtime.strategy.gathers == "native":
             raise ValueError("gathers 'native' (the in-process gather) needs every shard in one "
                              f"process; {hosts} hosts are {hosts} processes: use auto or staged")
         if channel not in CHANNELS:

@@ -1,13 +1,18 @@
 """Model and runtime configuration: frozen dataclasses loaded from TOML files.
 
-A model file under `configs/models/NAME.toml` describes shapes only (no weights). Every size the
-runtime uses comes from here, never from a literal. A file that is missing a field, has an unknown
-field, or a value of the wrong kind raises `ConfigError` naming the file and the field.
+A model file under `configs/models/NAME.toml` describes shapes only (no weights). A runtime file
+under `configs/runtime/` sets RuntimeConfig's fields: how much it holds, and its `strategy`'s
+knobs (how a step runs) as flat keys beside them; `resolve_strategy` turns their "auto"s into
+choices for a model and platform. Every size the runtime uses comes from here, never from a
+literal. A file that is missing a field, has an unknown field, or a value of the wrong kind raises
+`ConfigError` naming the file and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import importlib.resources
 import math
 import pathlib
@@ -22,11 +27,15 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "RopeScaling",
+    "ResolvedStrategy",
     "RuntimeConfig",
+    "STRATEGY_KEYS",
+    "Strategy",
     "check_runtime_for_model",
     "load_model_config",
     "load_runtime_config",
     "model_names",
+    "resolve_strategy",
     "yarn_mscale",
 ]
 
@@ -34,21 +43,6 @@ __all__ = [
 CONFIG_DIR = pathlib.Path(str(importlib.resources.files("cp_runtime.configs")))
 LANES = 128  # TPU lane width: every cached vector part is padded to a multiple of this.
 INDEXER_TYPES = ("full", "shared")
-BACKENDS = ("auto", "xla", "reference", "pallas", "pallas_interpret")
-MERGE_VARIANTS = ("auto", "gather_psum", "all_to_all", "all_gather", "head_scatter",
-                  "head_exchange", "hidden_psum")
-# cp_runtime.parallel.collectives describes each.
-GATHER_MODES = ("auto", "flat", "staged", "native")
-ATTENTION_LAYOUTS = ("auto", "gather_q", "gather_kv")
-RESIDUAL_MODES = ("auto", "replicated")
-ROW_ATTENTION_MODES = ("auto", "heads", "rows", "weights")
-# Whether a chunk's rows run as two interleaved halves (cp_runtime.model.halves).
-CHUNK_HALVES = ("auto", "on", "off")
-WIRE_DTYPE_CHOICES = ("auto", "f32", "bf16")
-MLP_ROWS_CHOICES = ("auto", "wire", "fp8")
-INDEXER_SCORES_CHOICES = ("auto", "cache", "fp8")
-# How XLA:TPU's latency-hiding scheduler orders a step (cp_runtime.engine.step.compiler_options).
-TPU_SCHEDULES = ("overlap", "xla")
 # Where a shard's latent cache lives (RuntimeConfig.latent_memory).
 LATENT_MEMORIES = ("device", "host")
 SELECTIONS = ("token", "page")
@@ -287,9 +281,280 @@ class ModelConfig:
         return self.full_layers.index(last)
 
 
+# --- The strategy: how a step runs, apart from how much it holds --------------------------------
+
+
+class _Choice(enum.StrEnum):
+    """A strategy knob's values: str-valued, so a TOML or command-line string is the value and
+    a member compares equal to its string (and hashes as it), and shows as it."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, name: str, value: Any) -> Any:
+        """The member named by `value` (a member or its string); ConfigError naming the knob."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not one of {cls.values()}") from None
+
+
+class Backend(_Choice):
+    """Which kernels run a step (cp_runtime.kernels.dispatch)."""
+    AUTO = "auto"
+    XLA = "xla"
+    REFERENCE = "reference"
+    PALLAS = "pallas"
+    PALLAS_INTERPRET = "pallas_interpret"
+
+
+class Merge(_Choice):
+    """How attention partials meet (cp_runtime.parallel.collectives describes each)."""
+    AUTO = "auto"
+    GATHER_PSUM = "gather_psum"
+    ALL_TO_ALL = "all_to_all"
+    ALL_GATHER = "all_gather"
+    HEAD_SCATTER = "head_scatter"
+    HEAD_EXCHANGE = "head_exchange"
+    HIDDEN_PSUM = "hidden_psum"
+
+
+class Gathers(_Choice):
+    AUTO = "auto"
+    FLAT = "flat"
+    STAGED = "staged"
+    NATIVE = "native"
+
+
+class Attention(_Choice):
+    AUTO = "auto"
+    GATHER_Q = "gather_q"
+    GATHER_KV = "gather_kv"
+
+
+class WireDtype(_Choice):
+    AUTO = "auto"
+    F32 = "f32"
+    BF16 = "bf16"
+
+
+class MlpRows(_Choice):
+    AUTO = "auto"
+    WIRE = "wire"
+    FP8 = "fp8"
+
+
+class IndexerScores(_Choice):
+    AUTO = "auto"
+    CACHE = "cache"
+    FP8 = "fp8"
+
+
+class TpuSchedule(_Choice):
+    """How XLA:TPU's latency-hiding scheduler orders a step
+    (cp_runtime.engine.step.compiler_options)."""
+    OVERLAP = "overlap"
+    XLA = "xla"
+
+
+class Residual(_Choice):
+    AUTO = "auto"
+    REPLICATED = "replicated"
+
+
+class RowAttention(_Choice):
+    AUTO = "auto"
+    HEADS = "heads"
+    ROWS = "rows"
+    WEIGHTS = "weights"
+
+
+class ChunkHalves(_Choice):
+    """Whether a chunk's rows run as two interleaved halves (cp_runtime.model.halves)."""
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+# Each knob's values, as the command line's choices and error messages list them.
+BACKENDS = Backend.values()
+MERGE_VARIANTS = Merge.values()
+GATHER_MODES = Gathers.values()
+ATTENTION_LAYOUTS = Attention.values()
+RESIDUAL_MODES = Residual.values()
+ROW_ATTENTION_MODES = RowAttention.values()
+CHUNK_HALVES = ChunkHalves.values()
+WIRE_DTYPE_CHOICES = WireDtype.values()
+MLP_ROWS_CHOICES = MlpRows.values()
+INDEXER_SCORES_CHOICES = IndexerScores.values()
+TPU_SCHEDULES = TpuSchedule.values()
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How the runtime runs a step, each knob an enum (a string of its values converts on
+    construction; a bad one raises ConfigError naming the knob). AUTO is resolved once, for a
+    model and a platform, by `resolve_strategy` (its rules, and why, are there; a choice a
+    step prices by its own shapes is in the function its comment names). RuntimeConfig holds
+    one (`strategy`)."""
+
+    # Which kernels run the step (cp_runtime.kernels.dispatch): "auto", pallas on a TPU, else
+    # xla (resolved where the kernels are selected: `select_kernels`).
+    backend: Backend = Backend.AUTO
+    # How attention partials meet (cp_runtime.parallel.merge.resolve_merge prices "auto" per
+    # step by the partials' bytes, the weights' split and the wire dtype).
+    merge: Merge = Merge.AUTO
+    # How the step's all-gathers run (selection candidates; all_gather merges): "flat", one
+    # collective over every shard; "staged", groups of shards then the groups' results;
+    # "native", on CPU the in-process gather (every shard in one process); "auto", on CPU
+    # native where it can run for parts up to 8 KiB a shard, else staged with 8 or more
+    # shards, else flat; flat elsewhere (cp_runtime.parallel.collectives).
+    gathers: Gathers = Gathers.AUTO
+    # Where a step's queries meet the position-sharded cache (cp_runtime.model.attention):
+    # "gather_q", every shard gets every head of q and attends the pages it owns, and the
+    # partials are merged (`merge`); "gather_kv", every shard gets the pages of the rows' page
+    # tables and attends its own heads over all of them: no merge (weights split by head);
+    # "auto", gather_kv where it moves fewer bytes (a prefill chunk of a long context) and
+    # the heads split evenly, else gather_q (priced per step: cp_runtime.model.
+    # attention_modes.attention_layout).
+    attention: Attention = Attention.AUTO
+    # The dtype split weights' activations cross the interconnect in (q heads, merge partials,
+    # the joined partial sums of row-parallel matmuls and experts; cp_runtime.weights.shards):
+    # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
+    # f32 elsewhere (the CPU path stays the exact reference).
+    wire_dtype: WireDtype = WireDtype.AUTO
+    # How a prefill chunk's MLP rows are gathered and read where the residual stream is split
+    # by row (`residual`): "fp8", as e4m3 values with one f32 scale a row, half the bytes of
+    # bf16 on the interconnect and into the experts' kernel (each row routed before it is
+    # rounded; cp_runtime.kernels.fp8_rows); "wire", in wire_dtype; "auto", fp8 on a TPU and wire
+    # elsewhere (the CPU path stays the exact reference). Decode steps' rows are not split.
+    mlp_rows: MlpRows = MlpRows.AUTO
+    # How a prefill chunk's indexer scores its keys: "fp8", each query head and each key
+    # rounded to e4m3 with its own f32 scale, multiplied at the MXU's fp8 rate (the rounding
+    # DeepSeek-V3.2's reference indexer makes; the pool keeps its keys in their own dtype;
+    # cp_runtime.kernels.indexer.quantized_scores_inputs); "cache", the queries against the
+    # keys as the pool holds them; "auto", fp8 on a TPU and cache elsewhere (the CPU path stays
+    # the exact reference). Decode steps, one query a row, read their keys as they are: their
+    # cost is the keys' bytes, which rounding them first would only add to.
+    indexer_scores: IndexerScores = IndexerScores.AUTO
+    # How XLA:TPU schedules a step: "overlap", with its scheduler's memory-pressure tracking
+    # off, so collectives and SparseCore transfers run beside compute although the pool fills
+    # HBM (whether the program fits is still the compiler's own check); "xla", XLA's default,
+    # which near its memory limit runs each of them alone. Programs for other devices ignore it.
+    tpu_schedule: TpuSchedule = TpuSchedule.OVERLAP
+    # The residual stream between layers: "auto", split by row over the shards where a step
+    # runs gather_kv and its rows divide evenly (each device norms and projects its own rows;
+    # the joined sums are reduce-scattered, what the heads and experts need all-gathered:
+    # cp_runtime.weights.shards; decided per step: ShardAttention.splits_rows); "replicated",
+    # every row on every device.
+    residual: Residual = Residual.AUTO
+    # Where a step splits its rows (`residual`): "heads", each shard attends its own heads of
+    # every row; "rows", every head of its own rows (its heads of q and the outputs traded by
+    # two all-to-alls; each page a block of queries reads then serves every head); "weights",
+    # every head of its own rows from the head-split attention weights gathered whole; "auto",
+    # the one the attention kernel's bound plus what each sends price lowest, per step
+    # (cp_runtime.model.attention_modes.row_attention_mode: the heads early in a prompt).
+    row_attention: RowAttention = RowAttention.AUTO
+    # A prefill chunk as two halves of its rows, interleaved layer by layer so that each half's
+    # all-gathers and reduce-scatters run beside the other half's compute (cp_runtime.model.
+    # halves; every weight is then read twice a layer): "on", wherever each device attends
+    # every head of its own rows (`row_attention` "weights") and each half's rows divide
+    # evenly over the shards; "auto", the same on a TPU only (elsewhere nothing runs beside a
+    # collective); "off".
+    chunk_halves: ChunkHalves = ChunkHalves.AUTO
+
+    def __post_init__(self) -> None:
+        hints = _strategy_hints()
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, hints[f.name].parse(f.name, getattr(self, f.name)))
+
+
+@functools.cache
+def _strategy_hints() -> dict[str, type[_Choice]]:
+    return typing.get_type_hints(Strategy)
+
+
+# The strategy's knobs: flat keys of a runtime TOML file, keywords of RuntimeConfig(...) and
+# dataclasses.replace(runtime, ...), and command-line flags, all of which land in `strategy`.
+STRATEGY_KEYS = tuple(f.name for f in dataclasses.fields(Strategy))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedStrategy:
+    """A Strategy with every choice that a model and a platform decide made (`resolve_strategy`).
+
+    wire_dtype, mlp_rows, indexer_scores and chunk_halves are concrete. merge, gathers,
+    attention, residual and row_attention pass through as given: their AUTO is a choice each
+    step makes by its own shapes (the functions their Strategy comments name), not one a
+    model and platform fix. backend passes through to `select_kernels`, which picks by the
+    process's default device (an AOT compile for a TPU from a CPU host keeps xla)."""
+
+    backend: Backend
+    merge: Merge
+    gathers: Gathers
+    attention: Attention
+    wire_dtype: WireDtype          # F32 or BF16
+    mlp_rows: MlpRows              # WIRE or FP8
+    indexer_scores: IndexerScores  # CACHE or FP8
+    tpu_schedule: TpuSchedule
+    residual: Residual
+    row_attention: RowAttention
+    chunk_halves: bool             # whether a chunk whose rows split may run as two halves
+    platform: str                  # the devices' platform it was resolved for ("tpu", "cpu")
+
+
+def resolve_strategy(strategy: Strategy, model: ModelConfig, platform: str) -> ResolvedStrategy:
+    """`strategy` for `model` on devices of `platform` (jax's name: "tpu", "cpu", ...): the
+    one place a knob's AUTO becomes a value. make_step calls it when it builds a step program
+    (the engine's and the AOT compiler's alike). `model` is the model the step runs; no rule
+    reads it yet."""
+    del model
+    tpu = platform == "tpu"
+    return ResolvedStrategy(
+        backend=strategy.backend, merge=strategy.merge, gathers=strategy.gathers,
+        attention=strategy.attention, tpu_schedule=strategy.tpu_schedule,
+        residual=strategy.residual, row_attention=strategy.row_attention,
+        # bf16 on the interconnect halves what a TPU's collectives move; on the CPU the
+        # exact f32 path is the reference the TPU's is checked against.
+        wire_dtype=_auto(strategy.wire_dtype, WireDtype.BF16 if tpu else WireDtype.F32),
+        # fp8 rows halve a TPU chunk's MLP gathers and its experts' reads; the CPU stays exact.
+        mlp_rows=_auto(strategy.mlp_rows, MlpRows.FP8 if tpu else MlpRows.WIRE),
+        # fp8 scores run at the MXU's fp8 rate, the rounding DeepSeek-V3.2's reference indexer
+        # makes; the CPU scores the cache as it is (the exact path).
+        indexer_scores=_auto(strategy.indexer_scores,
+                             IndexerScores.FP8 if tpu else IndexerScores.CACHE),
+        # Two halves pay off where each half's collectives run beside the other's compute:
+        # on a TPU; on the CPU nothing runs beside a collective.
+        chunk_halves=_auto(strategy.chunk_halves,
+                           ChunkHalves.ON if tpu else ChunkHalves.OFF) == ChunkHalves.ON,
+        platform=platform)
+
+
+def _auto(choice: _Choice, auto: _Choice) -> _Choice:
+    return auto if choice == "auto" else choice
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-    """How the runtime lays out the pool and runs steps."""
+    """How much the runtime holds and runs (the model, dtypes, shards, pages, chunk, batch,
+    selection, and the weights' mode and dtype, which cp_runtime.weights.format.
+    resolve_runtime_weights fixes at load by the devices' memory), and how it runs a step:
+    `strategy`, a Strategy.
+
+    The strategy's knobs (STRATEGY_KEYS: backend, merge, gathers, attention, wire_dtype,
+    mlp_rows, indexer_scores, tpu_schedule, residual, row_attention, chunk_halves) are flat
+    everywhere a user writes them: keys at the top level of a runtime TOML file
+    (`merge = "all_gather"`), a command's flag where it has one (`serve --merge
+    all_gather`, `compile --row-attention rows`), and keywords
+    here and in dataclasses.replace: `RuntimeConfig(merge="all_gather")` is
+    `RuntimeConfig(strategy=Strategy(merge="all_gather"))`, and `replace(runtime,
+    gathers="flat")` changes that knob of runtime.strategy alone. Code reads them from
+    `runtime.strategy`, or resolved for a model and platform (`resolve_strategy`)."""
 
     model: str = "tiny"
     kv_cache_dtype: str = "fp8_e4m3"
@@ -316,64 +581,6 @@ class RuntimeConfig:
     pages_per_shard: int = 64
     chunk_size: int = 64
     max_batch: int = 8
-    backend: str = "auto"
-    merge: str = "auto"
-    # How the step's all-gathers run (selection candidates; all_gather merges): "flat", one
-    # collective over every shard; "staged", groups of shards then the groups' results;
-    # "native", on CPU the in-process gather (every shard in one process); "auto", on CPU
-    # native where it can run for parts up to 8 KiB a shard, else staged with 8 or more
-    # shards, else flat; flat elsewhere (cp_runtime.parallel.collectives).
-    gathers: str = "auto"
-    # Where a step's queries meet the position-sharded cache (cp_runtime.model.attention):
-    # "gather_q", every shard gets every head of q and attends the pages it owns, and the
-    # partials are merged (`merge`); "gather_kv", every shard gets the pages of the rows' page
-    # tables and attends its own heads over all of them: no merge (weights split by head);
-    # "auto", gather_kv where it moves fewer bytes (a prefill chunk of a long context) and
-    # the heads split evenly, else gather_q.
-    attention: str = "auto"
-    # The dtype split weights' activations cross the interconnect in (q heads, merge partials,
-    # the joined partial sums of row-parallel matmuls and experts; cp_runtime.weights.shards):
-    # "f32"; "bf16", half the bytes, each joined sum rounded to bf16; "auto", bf16 on a TPU and
-    # f32 elsewhere (the CPU path stays the exact reference).
-    wire_dtype: str = "auto"
-    # How a prefill chunk's MLP rows are gathered and read where the residual stream is split
-    # by row (`residual`): "fp8", as e4m3 values with one f32 scale a row, half the bytes of
-    # bf16 on the interconnect and into the experts' kernel (each row routed before it is
-    # rounded; cp_runtime.kernels.fp8_rows); "wire", in wire_dtype; "auto", fp8 on a TPU and wire
-    # elsewhere (the CPU path stays the exact reference). Decode steps' rows are not split.
-    mlp_rows: str = "auto"
-    # How a prefill chunk's indexer scores its keys: "fp8", each query head and each key
-    # rounded to e4m3 with its own f32 scale, multiplied at the MXU's fp8 rate (the rounding
-    # DeepSeek-V3.2's reference indexer makes; the pool keeps its keys in their own dtype;
-    # cp_runtime.kernels.indexer.quantized_scores_inputs); "cache", the queries against the
-    # keys as the pool holds them; "auto", fp8 on a TPU and cache elsewhere (the CPU path stays
-    # the exact reference). Decode steps, one query a row, read their keys as they are: their
-    # cost is the keys' bytes, which rounding them first would only add to.
-    indexer_scores: str = "auto"
-    # How XLA:TPU schedules a step: "overlap", with its scheduler's memory-pressure tracking
-    # off, so collectives and SparseCore transfers run beside compute although the pool fills
-    # HBM (whether the program fits is still the compiler's own check); "xla", XLA's default,
-    # which near its memory limit runs each of them alone. Programs for other devices ignore it.
-    tpu_schedule: str = "overlap"
-    # The residual stream between layers: "auto", split by row over the shards where a step
-    # runs gather_kv and its rows divide evenly (each device norms and projects its own rows;
-    # the joined sums are reduce-scattered, what the heads and experts need all-gathered:
-    # cp_runtime.weights.shards); "replicated", every row on every device.
-    residual: str = "auto"
-    # Where a step splits its rows (`residual`): "heads", each shard attends its own heads of
-    # every row; "rows", every head of its own rows (its heads of q and the outputs traded by
-    # two all-to-alls; each page a block of queries reads then serves every head); "weights",
-    # every head of its own rows from the head-split attention weights gathered whole; "auto",
-    # the one the attention kernel's bound plus what each sends price lowest
-    # (cp_runtime.model.attention_modes.row_attention_mode: the heads early in a prompt).
-    row_attention: str = "auto"
-    # A prefill chunk as two halves of its rows, interleaved layer by layer so that each half's
-    # all-gathers and reduce-scatters run beside the other half's compute (cp_runtime.model.
-    # halves; every weight is then read twice a layer): "on", wherever each device attends
-    # every head of its own rows (`row_attention` "weights") and each half's rows divide
-    # evenly over the shards; "auto", the same on a TPU only (elsewhere nothing runs beside a
-    # collective); "off".
-    chunk_halves: str = "auto"
     # "replicated": every device holds the whole model; "sharded": each holds ~1/S of it
     # (cp_runtime.weights.sharding), which a model bigger than one device needs; "auto": sharded
     # when the whole model would take more than a quarter of a device's memory.
@@ -413,6 +620,8 @@ class RuntimeConfig:
     # vLLM's max_model_len; absent: the whole pool. It also bounds the page tables `serve`
     # compiles at start-up (cp_runtime.engine.precompile).
     max_model_len: int | None = None
+    # How a step runs (the class docstring: its knobs are also flat keywords and TOML keys).
+    strategy: Strategy = Strategy()
 
     @property
     def admission_bound(self) -> int:
@@ -451,34 +660,9 @@ class RuntimeConfig:
                               "integer >= 0 (0: none kept)")
         if self.page_size % 16:
             raise ConfigError(f"page_size={self.page_size} must be a positive multiple of 16")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r} is not one of {BACKENDS}")
-        if self.merge not in MERGE_VARIANTS:
-            raise ConfigError(f"merge={self.merge!r} is not one of {MERGE_VARIANTS}")
-        if self.gathers not in GATHER_MODES:
-            raise ConfigError(f"gathers={self.gathers!r} is not one of {GATHER_MODES}")
-        if self.attention not in ATTENTION_LAYOUTS:
-            raise ConfigError(f"attention={self.attention!r} is not one of {ATTENTION_LAYOUTS}")
-        if self.residual not in RESIDUAL_MODES:
-            raise ConfigError(f"residual={self.residual!r} is not one of {RESIDUAL_MODES}")
-        if self.row_attention not in ROW_ATTENTION_MODES:
-            raise ConfigError(f"row_attention={self.row_attention!r} is not one of "
-                              f"{ROW_ATTENTION_MODES}")
-        if self.chunk_halves not in CHUNK_HALVES:
-            raise ConfigError(f"chunk_halves={self.chunk_halves!r} is not one of "
-                              f"{CHUNK_HALVES}")
-        if self.mlp_rows not in MLP_ROWS_CHOICES:
-            raise ConfigError(f"mlp_rows={self.mlp_rows!r} is not one of {MLP_ROWS_CHOICES}")
-        if self.indexer_scores not in INDEXER_SCORES_CHOICES:
-            raise ConfigError(f"indexer_scores={self.indexer_scores!r} is not one of "
-                              f"{INDEXER_SCORES_CHOICES}")
-        if self.wire_dtype not in WIRE_DTYPE_CHOICES:
-            raise ConfigError(f"wire_dtype={self.wire_dtype!r} is not one of "
-                              f"{WIRE_DTYPE_CHOICES}")
-        if self.tpu_schedule not in TPU_SCHEDULES:
-            raise ConfigError(f"tpu_schedule={self.tpu_schedule!r} is not one of "
-                              f"{TPU_SCHEDULES}")
-        if self.attention == "gather_kv" and self.weights == "replicated":
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"strategy={self.strategy!r} must be a Strategy")
+        if self.strategy.attention == "gather_kv" and self.weights == "replicated":
             raise ConfigError("attention='gather_kv' needs weights split by head "
                               "(weights = 'sharded'), not 'replicated'")
         if self.weights not in WEIGHT_MODES:
@@ -487,9 +671,9 @@ class RuntimeConfig:
             raise ConfigError(f"weight_dtype={self.weight_dtype!r} is not one of "
                               f"{('auto', *MODEL_WEIGHT_DTYPES)}")
         needs = {"head_scatter": "sharded", "head_exchange": "sharded",
-                 "hidden_psum": "replicated"}.get(self.merge)
+                 "hidden_psum": "replicated"}.get(self.strategy.merge)
         if needs is not None and self.weights not in (needs, "auto"):
-            raise ConfigError(f"merge={self.merge!r} needs weights={needs!r}, not "
+            raise ConfigError(f"merge={self.strategy.merge.value!r} needs weights={needs!r}, not "
                               f"{self.weights!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of "
@@ -506,6 +690,24 @@ class RuntimeConfig:
             raise ConfigError(f"latent_device_pages={self.latent_device_pages} must be at least "
                               f"0 and less than pages_per_shard={self.pages_per_shard}")
 
+
+
+def _with_flat_strategy(init):
+    """RuntimeConfig's __init__, also taking the strategy's knobs as flat keywords (the class
+    docstring): they replace those knobs of `strategy` (given, else the default)."""
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        knobs = {k: kwargs.pop(k) for k in STRATEGY_KEYS if k in kwargs}
+        if knobs:
+            base = kwargs.get("strategy", Strategy())
+            if not isinstance(base, Strategy):
+                raise ConfigError(f"strategy={base!r} must be a Strategy")
+            kwargs["strategy"] = dataclasses.replace(base, **knobs)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+RuntimeConfig.__init__ = _with_flat_strategy(RuntimeConfig.__init__)  # type: ignore[method-assign]
 
 def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,
                             path: str | pathlib.Path | None = None) -> None:
@@ -543,6 +745,8 @@ def _check_type(path: pathlib.Path, name: str, value: Any, hint: Any) -> Any:
         return tuple(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if isinstance(hint, type) and issubclass(hint, _Choice):
+        return value                   # a strategy knob: Strategy names a bad value
     expected = hint if isinstance(hint, type) else None
     if expected is not None and (not isinstance(value, expected)
                                  or (expected is int and isinstance(value, bool))):
@@ -617,6 +821,20 @@ def load_model_config(name_or_path: str | pathlib.Path) -> ModelConfig:
     return _from_toml(ModelConfig, path, data)
 
 
+def _runtime_from_toml(path: pathlib.Path, data: dict[str, Any]) -> RuntimeConfig:
+    """A RuntimeConfig from a runtime file's table: the strategy's knobs are top-level keys
+    (RuntimeConfig's docstring), gathered into its `strategy`."""
+    if "strategy" in data:
+        raise ConfigError(f"{path}: unknown field 'strategy' (the strategy's knobs are "
+                          f"top-level keys: {', '.join(STRATEGY_KEYS)})")
+    rest = {k: v for k, v in data.items() if k not in STRATEGY_KEYS}
+    strategy = _from_toml(Strategy, path, {k: v for k, v in data.items() if k in STRATEGY_KEYS})
+    try:
+        return dataclasses.replace(_from_toml(RuntimeConfig, path, rest), strategy=strategy)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def load_runtime_config(path: str | pathlib.Path, model: ModelConfig | None = None,
                         defaults: dict[str, Any] | None = None,
                         **overrides: Any) -> RuntimeConfig:
@@ -626,7 +844,7 @@ def load_runtime_config(path: str | pathlib.Path, model: ModelConfig | None = No
     path = pathlib.Path(path)
     data = {**(defaults or {}), **_read_toml(path),
             **{k: v for k, v in overrides.items() if v is not None}}
-    runtime = _from_toml(RuntimeConfig, path, data)
+    runtime = _runtime_from_toml(path, data)
     if model is not None:
         check_runtime_for_model(model, runtime, path)
     return runtime

@@ -85,7 +85,8 @@ def pallas_write(cache, new, slots, offsets, *, cache_dtype=None, max_tiles=None
 # kernels' bf16 queries meet pages upcast exactly from fp8, and their probabilities are
 # rounded to bf16 for PV (kernels/sparse_prefill.py). The rounding is this path's alone: the
 # XLA and reference paths keep f32 queries. What it costs, measured against f32
-# (tests/test_kernels.py, tests/test_kernel_path.py), is recorded beside those tests' bounds.
+# (tests/kernels/test_kernels.py, tests/kernels/test_kernel_path.py), is recorded beside those
+# tests' bounds.
 QUERY_DTYPE = jnp.bfloat16
 
 

@@ -65,7 +65,7 @@ REFERENCE = Kernels("reference", reference.write_kv,
                     adapters.tied_after(adapters.scored_in_fp8(reference.indexer_page_scores)),
                     adapters.reads_words(reference.sparse_attention), TOKEN_CANDIDATES)
 
-BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")
+BACKEND_CHOICES = ("auto", "xla", "reference", "pallas", "pallas_interpret")  # config.Backend
 
 
 def _xla(num_shards: int) -> Kernels:
@@ -87,6 +87,9 @@ def _pallas(interpret: bool) -> Kernels:
 
 
 def resolve_backend(name: str) -> str:
+    """Strategy.backend for this process: "auto" is pallas where jax's default backend is
+    the TPU, else xla (the process's default backend, not a mesh's devices: the one "auto"
+    that config.resolve_strategy leaves to this)."""
     if name not in BACKEND_CHOICES:
         raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(BACKEND_CHOICES)}")
     if name == "auto":

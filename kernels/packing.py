@@ -28,7 +28,7 @@ with nproc <= 16), a device blocked on a large copy waits for a pool thread that
 deadlock with the process idle (jax 0.10.2, 2 cores: S = 2 on 2 devices and S = 16 on 16 devices
 both hang once an operand passes 100 KiB; PJRT_NPROC = S + 1 runs them). One spare thread is
 not always enough (XLA:CPU may also run a device's independent ops on the pool beside its
-kernels): a 16-shard prefill in interpret mode (tests/test_kernel_path.py) aborted, devices
+kernels): a 16-shard prefill in interpret mode (tests/kernels/test_kernel_path.py) aborted, devices
 waiting in a kernel's barrier, in 3 of 4 runs under a second process's load with S + 1 threads,
 and in none of 6 with 2 S + 1. So the pool takes `interpret_pool_threads(S)` = 2 S + 1
 threads, and `interpret_params` refuses a smaller one instead of risking the hang; the pool is

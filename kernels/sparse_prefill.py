@@ -387,7 +387,7 @@ def _smem_bytes(qb: int, n: int) -> int:
 MXU_ROWS = 256
 
 # v7x's bf16 MXU flops per byte of HBM: 2,307 TFLOP/s against 7.37 TB/s a chip (the rates
-# cp_runtime/aot/roofline.py prices with; tests/test_kernels.py holds the two equal).
+# cp_runtime/aot/roofline.py prices with; tests/kernels/test_kernels.py holds the two equal).
 MXU_FLOPS_PER_HBM_BYTE = 313
 
 

@@ -1,7 +1,7 @@
 """pytest plugin for a machine with a TPU: every kernel call a test makes in interpret mode runs
 compiled on the TPU instead, against the same reference and bounds.
 
-    python -m pytest -p tests.compiled_on_tpu -o addopts="" -q tests/test_kernels.py ...
+    python -m pytest -p tests.compiled_on_tpu -o addopts="" -q tests/kernels/test_kernels.py ...
 
 Every kernel passes its `interpret` flag through `costs.call_options`, whose
 `interpret_params` this replaces for the session; the compile-only TPU7x tests (those taking

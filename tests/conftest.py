@@ -2,10 +2,22 @@
 
 import atexit
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
 import jax
+
+# Tests live in folders that mirror the packages (tests/kernels/, tests/serving/http/, ...),
+# imported by pytest's default `prepend` mode under their file names, which are unique across
+# tests/. A few import helpers from another concern's file (`from test_checkpoint import
+# write_checkpoint`), as they did when every file sat in tests/: every folder goes on sys.path,
+# and helpers at this level (serving_helpers, conftest) were on it already.
+TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS}):
+    if "reference" not in _folder.parts and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # The server processes tests start (`cp-runtime serve`, benchmarks) share one XLA compilation
 # cache for the run, so only the first server of each step shape compiles it. This process's
@@ -37,22 +49,29 @@ from cp_runtime.engine.executor import LocalExecutor  # noqa: E402
 from cp_runtime.weights.params import init_params  # noqa: E402
 
 
-# The default run's heaviest files (seconds, measured on the 2-core development machine): they
-# go first, so the two xdist workers finish together instead of one running a heavy file alone
-# at the end. Order only; no test depends on it.
-HEAVIEST_FIRST = ("test_ray.py", "test_tpu_compile.py", "test_benchmark_smoke.py",
-                  "test_state.py", "test_paged_model.py", "test_engine.py",
-                  "test_expert_groups.py", "test_state_faults.py", "test_kernel_path.py",
-                  "test_http.py",
-                  "test_attention_layout.py", "test_in_place.py", "test_checkpoint.py",
-                  "test_hostile_input.py", "test_narrow_weights.py", "test_sharded_weights.py",
-                  "test_recall.py", "test_prefix_cache.py", "test_moe_layouts.py",
-                  "test_host_latent.py")
+# The default run's heaviest files (seconds, measured on the 2-core development machine), by path
+# under tests/: they go first, so the two xdist workers finish together instead of one running a
+# heavy file alone at the end. Order only; no test depends on it.
+HEAVIEST_FIRST = ("cluster/test_ray.py", "aot/test_tpu_compile.py",
+                  "benchmarks/test_benchmark_smoke.py", "serving/state/test_state.py",
+                  "model/test_paged_model.py", "engine/test_engine.py",
+                  "model/test_expert_groups.py", "kernels/test_kernel_path.py",
+                  "serving/http/test_http.py", "model/test_attention_layout.py",
+                  "engine/test_in_place.py", "weights/test_checkpoint.py",
+                  "serving/session/test_hostile_input.py", "weights/test_narrow_weights.py",
+                  "weights/test_sharded_weights.py", "model/test_recall.py",
+                  "engine/test_prefix_cache.py", "benchmarks/test_moe_layouts.py",
+                  "cache/test_host_latent.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: files keep order
+
+    def where(item) -> str:
+        path = pathlib.Path(item.path).resolve()
+        return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name
+
+    items.sort(key=lambda item: rank.get(where(item), len(rank)))   # stable: files keep order
 
 
 @pytest.fixture(scope="session")

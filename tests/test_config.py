@@ -13,8 +13,9 @@ import pytest
 
 from cp_runtime.cache.capacity import GIB, bytes_per_token, capacity_report, weight_bytes_per_device
 from cp_runtime.cli import main as cli
-from cp_runtime.config import (ConfigError, RuntimeConfig, check_runtime_for_model,
-                               load_model_config, load_runtime_config, model_names)
+from cp_runtime.config import (ConfigError, RuntimeConfig, Strategy, check_runtime_for_model,
+                               load_model_config, load_runtime_config, model_names,
+                               resolve_strategy)
 from cp_runtime.dtypes import indexer_cache_dtype, latent_cache_dtype
 from cp_runtime.weights.params import model_shapes
 
@@ -91,6 +92,47 @@ def test_runtime_config_validation(tmp_path):
     path.write_text('kv_cache_dtype = "bf16"\nnum_shards = 4\n')
     rt = load_runtime_config(path, page_size=32)
     assert (rt.kv_cache_dtype, rt.num_shards, rt.page_size) == ("bf16", 4, 32)
+
+
+def test_strategy_knobs_are_flat_keys_of_a_file_keywords_and_replace(tmp_path):
+    """The strategy's knobs are written flat (RuntimeConfig's docstring) and land in
+    runtime.strategy, as enums equal to their strings."""
+    path = tmp_path / "rt.toml"
+    path.write_text('num_shards = 4\nmerge = "all_gather"\ngathers = "flat"\n')
+    rt = load_runtime_config(path, wire_dtype="f32")
+    assert rt.strategy == Strategy(merge="all_gather", gathers="flat", wire_dtype="f32")
+    assert rt == RuntimeConfig(num_shards=4, merge="all_gather", gathers="flat",
+                               wire_dtype="f32")
+    assert rt.strategy.merge == "all_gather" and f"{rt.strategy.merge}" == "all_gather"
+    moved = dataclasses.replace(rt, gathers="staged", page_size=32)
+    assert (moved.strategy.gathers, moved.strategy.merge, moved.page_size) == (
+        "staged", "all_gather", 32)
+    assert not hasattr(rt, "merge")                 # read from runtime.strategy
+    path.write_text('merge = "tree"\n')
+    with pytest.raises(ConfigError, match=r"rt.toml: merge='tree' is not one of \('auto'"):
+        load_runtime_config(path)
+    path.write_text('[strategy]\nmerge = "all_gather"\n')
+    with pytest.raises(ConfigError, match=r"rt.toml: unknown field 'strategy' \(the strategy"):
+        load_runtime_config(path)
+    path.write_text('attention = "gather_kv"\nweights = "replicated"\n')
+    with pytest.raises(ConfigError, match="rt.toml: attention='gather_kv' needs weights"):
+        load_runtime_config(path)
+
+
+def test_resolve_strategy_makes_each_platform_choice_once():
+    tiny = load_model_config("tiny")
+    cpu, tpu = (resolve_strategy(Strategy(), tiny, p) for p in ("cpu", "tpu"))
+    assert (cpu.wire_dtype, cpu.mlp_rows, cpu.indexer_scores, cpu.chunk_halves) == (
+        "f32", "wire", "cache", False)
+    assert (tpu.wire_dtype, tpu.mlp_rows, tpu.indexer_scores, tpu.chunk_halves) == (
+        "bf16", "fp8", "fp8", True)
+    given = Strategy(wire_dtype="bf16", mlp_rows="fp8", indexer_scores="fp8", chunk_halves="on",
+                     merge="all_gather", row_attention="rows")
+    chosen = resolve_strategy(given, tiny, "cpu")
+    assert (chosen.wire_dtype, chosen.mlp_rows, chosen.indexer_scores, chosen.chunk_halves,
+            chosen.merge, chosen.row_attention) == ("bf16", "fp8", "fp8", True, "all_gather",
+                                                    "rows")
+    assert resolve_strategy(Strategy(chunk_halves="off"), tiny, "tpu").chunk_halves is False
 
 
 def test_dtype_table():

@@ -34,8 +34,8 @@ def _merge(runtime: RuntimeConfig, o: jax.Array, lse: jax.Array) -> jax.Array:
     """The step's merge of one layer's partials over `cp` (weights whole on every shard, as
     the profile's engine holds them): o f32[B, Q, H, Dv], lse f32[B, Q, H] of this shard ->
     the merged result, with the output projection (timed in the dense phase) left out."""
-    return combine(runtime.merge, o, lse, lambda merged: merged, CP_AXIS, WeightShards(),
-                   runtime.gathers)
+    return combine(runtime.strategy.merge, o, lse, lambda merged: merged, CP_AXIS,
+                   WeightShards(), runtime.strategy.gathers)
 
 
 def _dense_layers(params, model: ModelConfig, tokens: jax.Array, pos: jax.Array,
@@ -98,7 +98,7 @@ class PhasePrograms:
         self.model, self.runtime, self.spec = model, runtime, pool_spec
         self.layers, self.slots = shape.live_layers(model)
         self.keep_hidden = shape.kind == "decode"
-        self.kernels = select_kernels(runtime.backend, runtime.num_shards)
+        self.kernels = select_kernels(runtime.strategy.backend, runtime.num_shards)
         sh, rep = PartitionSpec(CP_AXIS), PartitionSpec()
 
         def spmd(body, in_specs, out_specs, donate=()):
@@ -149,7 +149,7 @@ class PhasePrograms:
                 layer_scores, pos, shard, rotation, num_shards=self._shards,
                 page_size=self.runtime.page_size, k=k)
             out.append(global_top_pages(cand_scores, cand_pages, k=k, axis_name=CP_AXIS,
-                                        gathers=self.runtime.gathers))
+                                        gathers=self.runtime.strategy.gathers))
         return jnp.stack(out)
 
     def _attention(self, latent, q_rows, selection, pos, tables, rotation):

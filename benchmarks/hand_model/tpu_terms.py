@@ -153,8 +153,8 @@ class Setup:
     split over the devices (DESIGNS; hand_model/tpu_designs.py's docstring); decode always
     runs `gather_q`. row_attention: how gather_kv's split rows attend (the runtime field's
     modes; auto decides as the runtime does). mlp_rows: how gather_kv's split rows reach the
-    MLP (RuntimeConfig.mlp_rows: "fp8" on a TPU). indexer_scores: how a prefill chunk's
-    indexer scores its keys (RuntimeConfig.indexer_scores: "fp8" on a TPU; decode keeps the
+    MLP (Strategy.mlp_rows: "fp8" on a TPU). indexer_scores: how a prefill chunk's
+    indexer scores its keys (Strategy.indexer_scores: "fp8" on a TPU; decode keeps the
     cache's bf16).
     """
 

@@ -56,12 +56,12 @@ class CompilePlan:
     weight_dtype: str = "auto"             # "auto": the model's own (fp8 for the big ones)
     context: int = 1 << 20                 # tokens of the session the step programs serve
     backend: str = "pallas"
-    attention: str = "auto"                # RuntimeConfig.attention: gather_q, gather_kv, auto
-    residual: str = "auto"                 # RuntimeConfig.residual: auto, replicated
-    row_attention: str = "auto"            # RuntimeConfig.row_attention: auto, heads, rows,
+    attention: str = "auto"                # Strategy.attention: gather_q, gather_kv, auto
+    residual: str = "auto"                 # Strategy.residual: auto, replicated
+    row_attention: str = "auto"            # Strategy.row_attention: auto, heads, rows,
                                            # weights
-    tpu_schedule: str = "overlap"          # RuntimeConfig.tpu_schedule: overlap, xla
-    chunk_halves: str = "auto"             # RuntimeConfig.chunk_halves: auto, on, off
+    tpu_schedule: str = "overlap"          # Strategy.tpu_schedule: overlap, xla
+    chunk_halves: str = "auto"             # Strategy.chunk_halves: auto, on, off
     expert_groups: int = 1                 # RuntimeConfig.expert_groups
     prefill_expert_groups: int = 1         # RuntimeConfig.prefill_expert_groups
     latent_memory: str = "device"          # RuntimeConfig.latent_memory: device, host

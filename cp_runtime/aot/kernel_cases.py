@@ -167,7 +167,7 @@ def indexer_cases(model: ModelConfig, kv_dtype: str, page_size: int, chunks: tup
 
         out.append(KernelCase(f"indexer Q={q}", "indexer", fn, args,
                               indexer.cost(*args, **statics)))
-        if q > 1:                # a chunk's scores in fp8 (RuntimeConfig.indexer_scores)
+        if q > 1:                # a chunk's scores in fp8 (Strategy.indexer_scores)
             out.append(_fp8_indexer_case(q, hi, di, local, page_size, statics, device))
     return out
 

@@ -116,10 +116,11 @@ def _replicated(mesh: Mesh, shape, dtype):
 def executor_programs(model: ModelConfig, runtime: RuntimeConfig, mesh: Mesh, *,
                       context: int) -> list[Program]:
     """The programs of the module docstring, for `model` and `runtime` (its weight mode and
-    dtype concrete) on `mesh` (runtime.num_shards devices), with backend runtime.backend."""
+    dtype concrete) on `mesh` (runtime.num_shards devices), with backend
+    runtime.strategy.backend."""
     spec = pool_spec_for(model, runtime)
     pool = pool_structs(spec, mesh)
-    kernels = select_kernels(runtime.backend, runtime.num_shards)
+    kernels = select_kernels(runtime.strategy.backend, runtime.num_shards)
     return (_step_programs(model, runtime, mesh, spec, pool, kernels, context)
             + _cache_programs(runtime, mesh, spec, pool, kernels))
 

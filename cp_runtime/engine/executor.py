@@ -267,7 +267,7 @@ class LocalExecutor(Executor):
         log.info("weights: %s, %s, on the devices in %.1f s", runtime.weights,
                  runtime.weight_dtype, time.perf_counter() - t0)
         self._shapes_run: set[tuple] = set()        # programs compiled so far, for the log
-        self.kernels = select_kernels(runtime.backend, runtime.num_shards)
+        self.kernels = select_kernels(runtime.strategy.backend, runtime.num_shards)
         self._copy_pages = make_page_copy(self.mesh)
         self._read_rows, self._write_rows = make_row_io(self.mesh, self.kernels, self.pool_spec)
         self.experts_in = 1

@@ -157,18 +157,19 @@ def compile_at_startup(executor, runtime: RuntimeConfig, *, sampling: str = "pla
     with tqdm(total=len(programs), desc="compiling", unit="program",
               disable=not progress) as bar, logging_redirect_tqdm([logging.getLogger(
                   "cp_runtime")]):
+        finished: list[StartupProgram] = []
+
         def done(program: StartupProgram, seconds: float) -> None:
             bar.update(1)
             finished.append(program)
             log.info("compile: %s in %.1f s (%d of %d)", program.name, seconds,
                      len(finished), len(programs))
 
-        finished: list[StartupProgram] = []
-
         cached = _cache_entries()
         start = time.perf_counter()
         executor.compile_page_copy(1)        # forks: HTTP prefix reuse makes one per request
-        seconds = precompile(executor.compile, programs, done) + time.perf_counter() - start
+        precompile(executor.compile, programs, done)
+        seconds = time.perf_counter() - start
     if cached is None:
         log.info("compile: %d step programs and a fork's page copy ready in %.1f s",
                  len(programs), seconds)

@@ -41,7 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cp_runtime.cache.layout import local_page_table
 from cp_runtime.cache.pool import CP_AXIS, KVPool, PoolSpec
-from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.config import (ModelConfig, ResolvedStrategy, RuntimeConfig,
+                               resolve_strategy)
 from cp_runtime.kernels.dispatch import MODEL_KERNELS, Kernels
 from cp_runtime.kernels.storage import pool_dtype
 from cp_runtime.model.attention import ShardAttention, ShardState
@@ -58,8 +59,7 @@ from cp_runtime.weights.params import Params
 from cp_runtime.weights.placement import param_specs
 from cp_runtime.weights.shards import WeightShards
 
-__all__ = ["KINDS", "Segment", "StepInputs", "make_step", "resolve_chunk_halves",
-           "resolve_wire_dtype", "resolve_mlp_rows", "resolve_indexer_scores"]
+__all__ = ["KINDS", "Segment", "StepInputs", "make_step"]
 
 KINDS = ("fill", "sample", "logits", "all_logits")
 
@@ -138,23 +138,25 @@ class Segment:
 
 def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, logit_index,
                   sampling, *, model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec,
-                  kernels: Kernels, kind: str, combine_fn, wire_dtype: str, mlp_rows: str,
-                  indexer_scores: str, halves: bool, experts_regrouped: int, latent_storage):
+                  kernels: Kernels, kind: str, combine_fn, strategy: ResolvedStrategy,
+                  experts_regrouped: int, latent_storage):
     """Runs on one shard: pool blocks arrive as [1, P + 1, ps, D]; weights whole or this
-    shard's part (runtime.weights). halves: a chunk whose rows split, each device attending
-    every head of its own, runs them as two halves (`resolve_chunk_halves`).
+    shard's part (runtime.weights). strategy: runtime.strategy resolved for the mesh's
+    platform; with strategy.chunk_halves a chunk whose rows split, each device attending
+    every head of its own, runs them as two halves.
     experts_regrouped: 1, the routed experts as placed (runtime.expert_groups); g > 1, held
     regrouped into g groups (cp_runtime.weights.regroup)."""
     sharded = runtime.weights == "sharded"
     groups = runtime.expert_groups if experts_regrouped == 1 else experts_regrouped
-    ws = WeightShards(CP_AXIS if sharded else None, wire_dtype=wire_dtype, mlp_rows=mlp_rows,
+    ws = WeightShards(CP_AXIS if sharded else None, wire_dtype=strategy.wire_dtype,
+                      mlp_rows=strategy.mlp_rows,
                       expert_groups=groups if sharded else 1,
                       groups_strided=experts_regrouped > 1)
     attend = ShardAttention(model=model, runtime=runtime, pool=pool, kernels=kernels,
                             axis_name=CP_AXIS, shard=lax.axis_index(CP_AXIS),
                             local_table=local_tables[0], rotation=rotation, pos=pos,
-                            merge=runtime.merge, ws=ws, combine=combine_fn,
-                            indexer_scores=indexer_scores, latent_storage=latent_storage)
+                            strategy=strategy, ws=ws, combine=combine_fn,
+                            latent_storage=latent_storage)
     state = ShardState(latent=tuple(x[0] for x in latent), indexer=tuple(x[0] for x in indexer),
                        selection=None)
     if attend.splits_rows(state.latent[0]):
@@ -163,7 +165,7 @@ def _segment_body(params, latent, indexer, tokens, pos, local_tables, rotation, 
             *_head_weights(params, model, attend.num_shards, pos.size // attend.num_shards))
         ws = dataclasses.replace(ws, whole_heads=mode == "weights")
         attend = dataclasses.replace(attend, ws=ws, rows_attend=mode)
-    if halves and ws.whole_heads and halves_fit(pos.shape, attend.num_shards):
+    if strategy.chunk_halves and ws.whole_heads and halves_fit(pos.shape, attend.num_shards):
         half = pos.shape[1] // 2
         layout = attend.chosen_layout(state.latent[0])    # the whole chunk's, not a half's
         attends = tuple(dataclasses.replace(attend, pos=p, hands_over=True, layout=layout)
@@ -205,38 +207,8 @@ def _head_weights(params, model: ModelConfig, num_shards: int, rows: int) -> tup
     return held, dequantised
 
 
-def _by_platform(choice: str, mesh: Mesh, *, tpu: str, elsewhere: str) -> str:
-    """A runtime field's `choice` as given, or for auto its value on the mesh's devices."""
-    if choice != "auto":
-        return choice
-    return tpu if mesh.devices.flat[0].platform == "tpu" else elsewhere
-
-
-def resolve_wire_dtype(choice: str, mesh: Mesh) -> str:
-    """RuntimeConfig.wire_dtype for the mesh's devices: auto is bf16 on TPU, f32 elsewhere."""
-    return _by_platform(choice, mesh, tpu="bf16", elsewhere="f32")
-
-
-def resolve_mlp_rows(choice: str, mesh: Mesh) -> str:
-    """RuntimeConfig.mlp_rows for the mesh's devices: auto is fp8 on TPU, wire elsewhere."""
-    return _by_platform(choice, mesh, tpu="fp8", elsewhere="wire")
-
-
-def resolve_indexer_scores(choice: str, mesh: Mesh) -> str:
-    """RuntimeConfig.indexer_scores for the mesh's devices: auto is fp8 on TPU, cache
-    elsewhere."""
-    return _by_platform(choice, mesh, tpu="fp8", elsewhere="cache")
-
-
-def resolve_chunk_halves(choice: str, mesh: Mesh) -> bool:
-    """RuntimeConfig.chunk_halves for the mesh's devices: auto runs a chunk's rows as two
-    halves on a TPU only, where each half's collectives then run beside the other's compute
-    (cp_runtime.model.halves); on the CPU nothing would run beside them."""
-    return _by_platform(choice, mesh, tpu="on", elsewhere="off") == "on"
-
-
 def compiler_options(tpu_schedule: str, mesh: Mesh) -> dict[str, bool] | None:
-    """XLA options the step compiles with (RuntimeConfig.tpu_schedule), None for XLA's own.
+    """XLA options the step compiles with (Strategy.tpu_schedule), None for XLA's own.
 
     With the pool sized to fill HBM, every step program sits near the latency-hiding
     scheduler's memory limit, and there XLA:TPU issued each all-gather, reduce-scatter and
@@ -270,24 +242,19 @@ def make_step(model: ModelConfig, runtime: RuntimeConfig, pool: PoolSpec, mesh: 
     """
     sharded, rep = PartitionSpec(CP_AXIS), PartitionSpec()
     weights = param_specs(weight_tensors, CP_AXIS)
-    wire_dtype = resolve_wire_dtype(runtime.wire_dtype, mesh)
-    mlp_rows = resolve_mlp_rows(runtime.mlp_rows, mesh)
-    indexer_scores = resolve_indexer_scores(runtime.indexer_scores, mesh)
-    halves = resolve_chunk_halves(runtime.chunk_halves, mesh)
+    platform = mesh.devices.flat[0].platform
+    strategy = resolve_strategy(runtime.strategy, model, platform)
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("kind", "in_hbm"),
-                       compiler_options=compiler_options(runtime.tpu_schedule, mesh))
+                       compiler_options=compiler_options(strategy.tpu_schedule, mesh))
     def step(params: Params, kv: KVPool, segment: tuple, *, kind: str, in_hbm: bool = False):
         # in_hbm: every page the segment touches lies in a tiered pool's HBM tier, so it runs
         # the device pool's program over that tier; the host words pass through untouched.
         spec = pool.hbm_view() if in_hbm else pool
         body = functools.partial(_segment_body, model=model, runtime=runtime, pool=spec,
                                  kernels=kernels, kind=kind, combine_fn=combine_fn,
-                                 wire_dtype=wire_dtype, mlp_rows=mlp_rows,
-                                 indexer_scores=indexer_scores, halves=halves,
-                                 experts_regrouped=experts_regrouped,
-                                 latent_storage=pool_dtype(spec.latent_dtype,
-                                                           mesh.devices.flat[0].platform))
+                                 strategy=strategy, experts_regrouped=experts_regrouped,
+                                 latent_storage=pool_dtype(spec.latent_dtype, platform))
         spmd = jax.shard_map(body, mesh=mesh,
                              in_specs=(weights, sharded, sharded, rep, rep, sharded, rep, rep,
                                        rep),

@@ -42,7 +42,7 @@ from jax import lax
 
 from cp_runtime.cache.layout import local_page_jnp, owner_shard_jnp
 from cp_runtime.cache.pool import PoolSpec
-from cp_runtime.config import ModelConfig, RuntimeConfig
+from cp_runtime.config import ModelConfig, ResolvedStrategy, RuntimeConfig
 from cp_runtime.kernels.cache_write import owned_tiles_bound, tiles_bound, write_tile_rows
 from cp_runtime.kernels.dispatch import Kernels, select_kernels
 from cp_runtime.kernels.reference import mask_words
@@ -87,15 +87,17 @@ class ShardAttention:
                  j * S + shard - rotation (cp_runtime.cache.layout; sentinel where unallocated)
     rotation:    i32[B]    each row's rotation
     pos:         i32[B, Q] query positions (-1 = padding)
-    merge:       the merge variant (cp_runtime.parallel.merge); ws: how the weights are split
-                 (and, split rows, whether they attend from weights gathered whole)
+    strategy:    RuntimeConfig.strategy resolved for the platform (config.resolve_strategy):
+                 the merge variant (cp_runtime.parallel.merge), the gathers, the layout,
+                 the residual, how split rows attend, and indexer_scores ("cache" or "fp8":
+                 how a step of more than one query a row scores its keys)
+    ws:          how the weights are split (and, split rows, whether they attend from
+                 weights gathered whole)
     combine:     cp_runtime.parallel.merge.combine, or a stand-in with its signature (a benchmark
                  timing a step without its merge)
     hands_over:  the step runs its rows as two halves (cp_runtime.model.halves): a call hands
                  the pages it gathered to the next half in its state (`ShardState.every`), and
                  the next half's in-place writes wait for this call's reads of the pool
-    indexer_scores: RuntimeConfig.indexer_scores resolved ("cache" or "fp8"): how a step of
-                 more than one query a row scores its keys
     latent_storage: the dtype the latent pages take in HBM (the pool's storage dtype on this
                  platform) where the pool holds them in host memory (cp_runtime.model.
                  host_latent); unused otherwise
@@ -110,14 +112,13 @@ class ShardAttention:
     local_table: jax.Array
     rotation: jax.Array
     pos: jax.Array
-    merge: str
+    strategy: ResolvedStrategy
     ws: WeightShards
     combine: Callable = combine
     rows_attend: str = "heads"       # where the rows are split: `row_attention_mode`'s choice
     hands_over: bool = False
     layout: str | None = None        # `attention_layout`'s choice made for the whole chunk
                                      # (its halves keep it); None: this call's rows choose
-    indexer_scores: str = "cache"
     latent_storage: object = None
 
     @property
@@ -131,7 +132,7 @@ class ShardAttention:
     @property
     def fp8_scores(self) -> bool:
         """Whether this step's indexer scores in fp8: a chunk's, where `indexer_scores` is."""
-        return self.indexer_scores == "fp8" and self.pos.shape[1] > 1
+        return self.strategy.indexer_scores == "fp8" and self.pos.shape[1] > 1
 
     def _slots_of(self, pages: jax.Array, sentinel: int) -> jax.Array:
         """Local slot of logical pages i32[B, ...] if this shard owns them, else `sentinel`."""
@@ -227,7 +228,7 @@ class ShardAttention:
         one sum per row, which a reduce-scatter can hand to the row's device; gather_q's
         merges return every row to every device."""
         b, q = self.pos.shape
-        return (self.runtime.residual == "auto" and self.ws.split and self.num_shards > 1
+        return (self.strategy.residual == "auto" and self.ws.split and self.num_shards > 1
                 and (b * q) % self.num_shards == 0 and self.chosen_layout(cache) == "gather_kv")
 
     def chosen_layout(self, cache: jax.Array) -> str:
@@ -237,7 +238,7 @@ class ShardAttention:
             return self.layout
         b, q = self.pos.shape
         return attention_layout(
-            self.runtime.attention, rows=b * q, heads=self.model.num_attention_heads,
+            self.strategy.attention, rows=b * q, heads=self.model.num_attention_heads,
             latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
             table_pages=b * self.local_table.shape[1] * self.num_shards,
             page_size=self.page_size, cache_itemsize=np.dtype(self.pool.latent_dtype).itemsize,
@@ -272,8 +273,8 @@ class ShardAttention:
                 query_block=self.runtime.query_block, cache_dtype=self.pool.latent_dtype,
                 sel_masks=masks)
         with phase("merge"):
-            return self.combine(self.merge, o, lse, project, self.axis_name, self.ws,
-                                self.runtime.gathers)
+            return self.combine(self.strategy.merge, o, lse, project, self.axis_name, self.ws,
+                                self.strategy.gathers)
 
     def every_page(self, before: jax.Array) -> jax.Array:
         """gather_kv: the pages of the rows' tables from every shard.
@@ -368,7 +369,7 @@ class ShardAttention:
         every_pages = self.num_shards * (b * self.local_table.shape[1] + 1)
         heads = -(-self.model.num_attention_heads // self.num_shards) * self.num_shards
         return row_attention_mode(
-            self.runtime.row_attention, rows=b * q, heads=heads,
+            self.strategy.row_attention, rows=b * q, heads=heads,
             latent_dim=self.model.latent_dim, value_dim=self.model.kv_lora_rank,
             hidden=self.model.hidden_size, q_lora_rank=self.model.q_lora_rank,
             entries=self.entries, every_pages=every_pages,

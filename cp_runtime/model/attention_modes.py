@@ -24,7 +24,7 @@ __all__ = ["HBM_BYTES_PER_ICI_BYTE", "RELAYOUT_BYTES_PER_TRADED_BYTE",
 
 # A byte on the interconnect takes as long as this many of HBM on v7x, per device: 3.69 TB/s
 # of HBM against 300 GB/s of ICI each way (cp_runtime/aot/roofline.py's TPU7X_DEVICE;
-# tests/test_attention_layout.py holds the two equal).
+# tests/model/test_attention_layout.py holds the two equal).
 HBM_BYTES_PER_ICI_BYTE = 12
 
 # What XLA's passes around each way cost, in HBM bytes, as the compiler priced GLM-5.2's and

@@ -47,7 +47,7 @@ class IndexerInputs:
 
     def rounded(self) -> "IndexerInputs":
         """q's heads rounded to e4m3, one f32 scale a head (kernels/fp8_rows.py), as a chunk's
-        fp8 scoring takes them (RuntimeConfig.indexer_scores): rounded where they are made,
+        fp8 scoring takes them (Strategy.indexer_scores): rounded where they are made,
         each device its own heads, they cross the interconnect a byte a value."""
         if self.q_scale is not None:
             return self

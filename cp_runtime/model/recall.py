@@ -37,7 +37,7 @@ selection, its own page plus the top `index_topk // page_size` earlier pages); a
 only if the indexer selected it. With the indexer blinded (weights_proj = 0, every key scores
 0, ties go to the earliest positions) or with `hub` tokens filling the top-k, recall falls to
 zero: the query reads filler, and every answer
-token gets the same logit (tests/test_recall.py).
+token gets the same logit (tests/model/test_recall.py).
 
 Why precision matters: the needle and a sibling at cosine rho differ by
 target_logit * (1 - rho) in the attention logit (1.3 at rho = 0.98, target 64). Rounding the

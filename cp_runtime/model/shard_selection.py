@@ -41,7 +41,7 @@ def select(attend, icache: jax.Array, index: IndexerInputs, tie=None):
             page_size=attend.page_size, k=k)
         selection = global_top_pages(cand_scores, cand_pages, k=k,
                                      axis_name=attend.axis_name,
-                                     gathers=attend.runtime.gathers)
+                                     gathers=attend.strategy.gathers)
     return selection if tie is None else (selection, tie)
 
 
@@ -67,7 +67,7 @@ def select_tokens(attend, icache: jax.Array, index: IndexerInputs, tie=None):
         with phase("selection"):
             tokens = (lax.all_gather(tokens, attend.axis_name, axis=2, tiled=True) if every
                       else global_top_pages(scores, tokens, k=k, axis_name=attend.axis_name,
-                                            gathers=attend.runtime.gathers))
+                                            gathers=attend.strategy.gathers))
     return tokens if tie is None else (tokens, tie)
 
 

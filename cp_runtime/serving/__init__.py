@@ -18,7 +18,7 @@ start a real server, so it ships with the package).
 
 May import cp_runtime.engine, model, parallel, cache and weights, config, dtypes, platform and
 optional; never the command line, the cluster code or aot. Inside, state/ imports no other part
-of serving, and http/ reaches the server only through `backend` (tests/test_layering.py). The
-clients and the protocol import neither JAX nor the engine (msgpack, numpy and tqdm only), so
-`import cp_runtime` stays light.
+of serving, and http/ reaches the server only through `backend`
+(tests/project/test_layering.py). The clients and the protocol import neither JAX nor the engine
+(msgpack, numpy and tqdm only), so `import cp_runtime` stays light.
 """
