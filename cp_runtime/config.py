@@ -709,6 +709,7 @@ def _with_flat_strategy(init):
 
 RuntimeConfig.__init__ = _with_flat_strategy(RuntimeConfig.__init__)  # type: ignore[method-assign]
 
+
 def check_runtime_for_model(model: ModelConfig, runtime: RuntimeConfig,
                             path: str | pathlib.Path | None = None) -> None:
     """Raise ConfigError unless `runtime` can run `model`: runtime.model names it, and, in page
