@@ -641,10 +641,11 @@ SETTINGS = dict(deadline=None, database=None, derandomize=False,
                                        HealthCheck.function_scoped_fixture])
 
 
-def test_protocol_fuzz(fuzz, capsys):
+def _run_fuzz(fuzz, capsys, count: int) -> None:
+    """`count` hypothesis examples through the server, then the probe's check and a report."""
     started = time.monotonic()
 
-    @settings(max_examples=FAST_EXAMPLES, **SETTINGS)
+    @settings(max_examples=count, **SETTINGS)
     @given(examples)
     def run(example):
         fuzz.run(example)
@@ -652,19 +653,13 @@ def test_protocol_fuzz(fuzz, capsys):
     run()
     fuzz.check_probe()
     with capsys.disabled():
-        _report(fuzz, started, FAST_EXAMPLES)
+        _report(fuzz, started, count)
+
+
+def test_protocol_fuzz(fuzz, capsys):
+    _run_fuzz(fuzz, capsys, FAST_EXAMPLES)
 
 
 @pytest.mark.slow
 def test_protocol_fuzz_long(fuzz, capsys):
-    started = time.monotonic()
-
-    @settings(max_examples=SLOW_EXAMPLES, **SETTINGS)
-    @given(examples)
-    def run(example):
-        fuzz.run(example)
-
-    run()
-    fuzz.check_probe()
-    with capsys.disabled():
-        _report(fuzz, started, SLOW_EXAMPLES)
+    _run_fuzz(fuzz, capsys, SLOW_EXAMPLES)
